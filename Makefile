@@ -1,0 +1,38 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# torch is installed first, pinned to the local CPU wheel, so pip never pulls a CUDA build here.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+TORCH   ?= torch==2.13.0
+
+.PHONY: setup test lint typecheck pytest demo bench clean
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check transfer_engine kernels tests tools examples
+	$(BIN)/ruff format --check transfer_engine kernels tests tools examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+demo: $(STAMP)
+	$(BIN)/python examples/pd_demo.py $(DEMO_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,139 @@
+"""The one error taxonomy of the engine.
+
+Every exception the package raises on purpose derives from :class:`TransferError`. Exceptions of
+NIXL, ZMQ and msgspec are translated into these at the boundary where they occur, so callers never
+have to know which library failed.
+
+    TransferError
+    ├── ConfigError            bad configuration or bad arguments at a call (names the value)
+    │   ├── LayoutError        a KV layout that does not validate, or two that do not match
+    │   ├── HeadSplitError     an (H, P, D) combination no head assignment exists for
+    │   └── RoomInUseError     a room id that is still live on this engine
+    ├── ProtocolError          a message that cannot be decoded or is not allowed now
+    │   ├── LocalProtocolError   this side tried to do something the protocol forbids
+    │   └── RemoteProtocolError  the peer sent something the protocol forbids
+    ├── TransportError         NIXL or the control sockets failed
+    │   ├── PeerUnreachableError a bootstrap or peer endpoint could not be reached
+    │   └── AddressRangeError    a WRITE aimed outside the peer's registered regions
+    ├── TransferFailed         a room ended in Failed (carries reason and detail)
+    │   ├── TransferAborted    ... because a side aborted it (cancelled, not broken)
+    │   └── TransferTimeout    ... because it missed a deadline (``phase`` says which)
+    └── StagingError           the staging ring cannot place a chunk (``oversized``)
+"""
+
+from __future__ import annotations
+
+from transfer_engine.protocol.failures import FailureReason
+
+__all__ = [
+    "AddressRangeError",
+    "ConfigError",
+    "FailureReason",
+    "HeadSplitError",
+    "LayoutError",
+    "LocalProtocolError",
+    "PeerUnreachableError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "RoomInUseError",
+    "StagingError",
+    "TransferAborted",
+    "TransferError",
+    "TransferFailed",
+    "TransferTimeout",
+    "TransportError",
+    "failure_error",
+]
+
+
+class TransferError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigError(TransferError, ValueError):
+    """Raised for a bad configuration value or call argument; the message names the value."""
+
+
+class LayoutError(ConfigError):
+    """Raised when KV tensors do not match their layout, or two peers' layouts are incompatible."""
+
+
+class HeadSplitError(ConfigError):
+    """Raised when no head assignment exists for (H, P, D): neither of H and a TP size divides the other."""
+
+    def __init__(self, num_heads: int, prefill_tp: int, decode_tp: int, why: str) -> None:
+        self.num_heads = num_heads
+        self.prefill_tp = prefill_tp
+        self.decode_tp = decode_tp
+        super().__init__(f"no head assignment for H={num_heads}, P={prefill_tp}, D={decode_tp}: {why}")
+
+
+class RoomInUseError(ConfigError):
+    """Raised when a room id is opened again while a room with that id is still live."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        super().__init__(f"room {room} is still live on this engine")
+
+
+class ProtocolError(TransferError):
+    """Raised when a control message or notification breaks the wire protocol."""
+
+
+class LocalProtocolError(ProtocolError):
+    """Raised when this side attempts an event the protocol forbids in the current state."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """Raised when bytes from a peer cannot be decoded, are too large, or are not allowed now."""
+
+
+class TransportError(TransferError):
+    """Raised when NIXL or a control socket fails underneath a transfer."""
+
+
+class PeerUnreachableError(TransportError):
+    """Raised when a bootstrap server or peer does not answer in time."""
+
+    def __init__(self, endpoint: str, detail: str = "") -> None:
+        self.endpoint = endpoint
+        super().__init__(f"peer {endpoint} unreachable" + (f": {detail}" if detail else ""))
+
+
+class AddressRangeError(TransportError):
+    """Raised when a WRITE's remote range lies outside every region the peer registered."""
+
+
+class StagingError(TransferError):
+    """Raised when a staged chunk cannot be placed in the decode ring; names the knob to raise."""
+
+
+class TransferFailed(TransferError):
+    """Raised by ``wait()`` when a room ended in Failed; carries the reason and its detail."""
+
+    def __init__(self, room: int, reason: FailureReason, detail: str) -> None:
+        self.room = room
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"room {room} failed: {reason.name}: {detail}")
+
+
+class TransferAborted(TransferFailed):
+    """Raised by ``wait()`` when a room was aborted by either side (cancelled, not broken)."""
+
+
+class TransferTimeout(TransferFailed):
+    """Raised by ``wait()`` when a room missed its bootstrap or transfer deadline."""
+
+    @property
+    def phase(self) -> str:
+        return "bootstrap" if self.reason is FailureReason.BOOTSTRAP_TIMEOUT else "transfer"
+
+
+def failure_error(room: int, reason: FailureReason, detail: str) -> TransferFailed:
+    """Rebuild the typed error for a failed room from its ``(reason, detail)``."""
+    if reason is FailureReason.ABORTED:
+        return TransferAborted(room, reason, detail)
+    if reason in (FailureReason.BOOTSTRAP_TIMEOUT, FailureReason.TRANSFER_TIMEOUT):
+        return TransferTimeout(room, reason, detail)
+    return TransferFailed(room, reason, detail)
