@@ -1,0 +1,206 @@
+"""NIXL descriptor arithmetic for the direct and slice paths, vectorized with numpy (DESIGN §4.1, §4.4).
+
+Conventions shared by every function here:
+
+- ``bases`` is a 1-D array of the base addresses of one rank's KV tensors in the order
+  ``[K_0..K_{L-1}, V_0..V_{L-1}]`` (or ``[C_0..C_{L-1}]`` for MLA). Source and destination bases
+  list the same tensors in the same order.
+- Each tensor is contiguous ``[num_slots, heads_local, head_dim]``: slot ``s`` starts at
+  ``base + s * slot_bytes`` with ``slot_bytes = heads_local * head_dim * itemsize``, and page ``p``
+  starts at ``base + p * page_size * slot_bytes``.
+- Descriptor lists come back as three equal-length 1-D ``uint64`` arrays ``(src_addr, dst_addr,
+  length)``, tensor-major: all entries of tensor 0, then tensor 1, and so on.
+- Pages and slots are non-negative integers; results that index them are ``int64``.
+
+No Python loop runs per page, token or tensor; cost is a handful of numpy passes per chunk. Bad input
+raises :class:`~transfer_engine.errors.ConfigError` naming the values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from transfer_engine.errors import ConfigError
+
+__all__ = [
+    "chunk_tokens",
+    "direct_descriptors",
+    "page_runs",
+    "slice_descriptors",
+    "slots_of",
+]
+
+U64Array = npt.NDArray[np.uint64]
+I64Array = npt.NDArray[np.int64]
+
+
+def _index_array(values: npt.ArrayLike, name: str) -> I64Array:
+    """``values`` as a 1-D int64 array of non-negative integers, or :class:`ConfigError`."""
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ConfigError(f"{name} must be 1-D, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ConfigError(f"{name} must hold integers, got dtype {array.dtype}")
+    if np.issubdtype(array.dtype, np.signedinteger) and int(array.min()) < 0:
+        raise ConfigError(f"{name} must be >= 0, got {int(array.min())}")
+    if int(array.max()) > np.iinfo(np.int64).max:
+        raise ConfigError(f"{name} value {int(array.max())} does not fit in int64")
+    return array.astype(np.int64, copy=False)
+
+
+def _address_array(values: npt.ArrayLike, name: str) -> U64Array:
+    """``values`` as a 1-D uint64 array of addresses, or :class:`ConfigError`."""
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ConfigError(f"{name} must be 1-D, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ConfigError(f"{name} must hold integer addresses, got dtype {array.dtype}")
+    if np.issubdtype(array.dtype, np.signedinteger) and int(array.min()) < 0:
+        raise ConfigError(f"{name} must be >= 0, got {int(array.min())}")
+    return array.astype(np.uint64, copy=False)
+
+
+def _check_bases(src_bases: npt.ArrayLike, dst_bases: npt.ArrayLike) -> tuple[U64Array, U64Array]:
+    src = _address_array(src_bases, "src_bases")
+    dst = _address_array(dst_bases, "dst_bases")
+    if src.shape != dst.shape:
+        raise ConfigError(f"src_bases has {src.size} tensors but dst_bases has {dst.size}")
+    return src, dst
+
+
+def _check_at_least(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+
+
+def page_runs(src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> I64Array:
+    """Merge a page mapping into runs: int64 ``(n_runs, 3)`` rows of ``(src_page, dst_page, count)``.
+
+    Position ``i`` maps ``src_pages[i]`` to ``dst_pages[i]``. Consecutive positions where both the
+    source and the destination page increase by exactly 1 merge into one run; runs come in position
+    order and their counts sum to the number of pages. Empty input gives shape ``(0, 3)``.
+    Raises :class:`ConfigError` when the lengths differ or a page is negative.
+    """
+    src = _index_array(src_pages, "src_pages")
+    dst = _index_array(dst_pages, "dst_pages")
+    if src.size != dst.size:
+        raise ConfigError(f"src_pages has {src.size} pages but dst_pages has {dst.size}")
+    if src.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    counts = np.diff(np.append(starts, src.size))
+    return np.stack([src[starts], dst[starts], counts], axis=1).astype(np.int64, copy=False)
+
+
+def direct_descriptors(
+    src_bases: npt.ArrayLike,
+    dst_bases: npt.ArrayLike,
+    page_bytes: int,
+    src_pages: npt.ArrayLike,
+    dst_pages: npt.ArrayLike,
+) -> tuple[U64Array, U64Array, U64Array]:
+    """Descriptors of the direct path: one per (tensor, page run), tensor-major.
+
+    ``page_bytes`` is the bytes of one page of one tensor (``page_size * slot_bytes``), equal on both
+    sides (the direct path requires equal layouts). For run ``(s, d, c)`` of :func:`page_runs` and
+    tensor ``t``: ``src = src_bases[t] + s * page_bytes``, ``dst = dst_bases[t] + d * page_bytes``,
+    ``length = c * page_bytes``.
+    """
+    src_b, dst_b = _check_bases(src_bases, dst_bases)
+    _check_at_least("page_bytes", page_bytes, 1)
+    runs = page_runs(src_pages, dst_pages).astype(np.uint64)
+    step = np.uint64(page_bytes)
+    src_addr = (src_b[:, None] + runs[None, :, 0] * step).ravel()
+    dst_addr = (dst_b[:, None] + runs[None, :, 1] * step).ravel()
+    length = np.tile(runs[:, 2] * step, src_b.size)
+    return src_addr, dst_addr, length
+
+
+def slots_of(
+    pages: npt.ArrayLike, page_size: int, start_token: int = 0, num_tokens: int | None = None
+) -> I64Array:
+    """Token-slot indices (int64) of tokens ``[start_token, start_token + num_tokens)`` of a request.
+
+    ``pages`` are the request's pages in token order; token ``t`` lives in slot
+    ``pages[t // page_size] * page_size + t % page_size``. ``num_tokens=None`` means up to the end of
+    the last page. Raises :class:`ConfigError` naming the values when the range does not lie inside
+    ``[0, len(pages) * page_size)`` or ``page_size < 1``.
+    """
+    page_array = _index_array(pages, "pages")
+    _check_at_least("page_size", page_size, 1)
+    capacity = page_array.size * page_size
+    if num_tokens is None:
+        num_tokens = capacity - start_token
+    if start_token < 0 or num_tokens < 0 or start_token + num_tokens > capacity:
+        raise ConfigError(
+            f"tokens [{start_token}, {start_token + num_tokens}) out of range for {page_array.size} pages "
+            f"of page_size={page_size} ({capacity} slots)"
+        )
+    tokens = np.arange(start_token, start_token + num_tokens, dtype=np.int64)
+    return page_array[tokens // page_size] * page_size + tokens % page_size
+
+
+def slice_descriptors(
+    src_bases: npt.ArrayLike,
+    dst_bases: npt.ArrayLike,
+    src_slot_bytes: int,
+    dst_slot_bytes: int,
+    head_bytes: int,
+    src_slots: npt.ArrayLike,
+    dst_slots: npt.ArrayLike,
+    src_head_start: int,
+    dst_head_start: int,
+    num_heads: int,
+) -> tuple[U64Array, U64Array, U64Array]:
+    """Descriptors of the slice path: one per (tensor, token) head slice, tensor-major.
+
+    ``head_bytes = head_dim * itemsize``. For tensor ``t`` and token ``i``:
+    ``src = src_bases[t] + src_slots[i] * src_slot_bytes + src_head_start * head_bytes``,
+    ``dst = dst_bases[t] + dst_slots[i] * dst_slot_bytes + dst_head_start * head_bytes``,
+    ``length = num_heads * head_bytes``. Raises :class:`ConfigError` when the slot arrays differ in
+    length, or the head slice does not fit inside a slot on either side.
+    """
+    src_b, dst_b = _check_bases(src_bases, dst_bases)
+    src_s = _index_array(src_slots, "src_slots")
+    dst_s = _index_array(dst_slots, "dst_slots")
+    if src_s.size != dst_s.size:
+        raise ConfigError(f"src_slots has {src_s.size} tokens but dst_slots has {dst_s.size}")
+    _check_at_least("head_bytes", head_bytes, 1)
+    _check_at_least("num_heads", num_heads, 1)
+    _check_at_least("src_head_start", src_head_start, 0)
+    _check_at_least("dst_head_start", dst_head_start, 0)
+    for side, start, slot_bytes in (
+        ("src", src_head_start, src_slot_bytes),
+        ("dst", dst_head_start, dst_slot_bytes),
+    ):
+        if (start + num_heads) * head_bytes > slot_bytes:
+            raise ConfigError(
+                f"{side} head slice [{start}, {start + num_heads}) of {head_bytes}-byte heads does not fit "
+                f"in a {slot_bytes}-byte slot"
+            )
+    src_off = src_s.astype(np.uint64) * np.uint64(src_slot_bytes) + np.uint64(src_head_start * head_bytes)
+    dst_off = dst_s.astype(np.uint64) * np.uint64(dst_slot_bytes) + np.uint64(dst_head_start * head_bytes)
+    src_addr = (src_b[:, None] + src_off[None, :]).ravel()
+    dst_addr = (dst_b[:, None] + dst_off[None, :]).ravel()
+    length = np.full(src_addr.size, num_heads * head_bytes, dtype=np.uint64)
+    return src_addr, dst_addr, length
+
+
+def chunk_tokens(chunk_token_start: int, num_pages: int, src_page_size: int, dst_capacity_tokens: int) -> int:
+    """Tokens a chunk carries: ``min(start + num_pages * src_page_size, dst_capacity) - start``, >= 0.
+
+    ``chunk_token_start`` is the request token index of the chunk's first page. The decode side may
+    hold fewer slots than the prefill's last, partial page covers, so the chunk is clipped to
+    ``dst_capacity_tokens``; a chunk entirely past it carries 0 tokens.
+    """
+    _check_at_least("chunk_token_start", chunk_token_start, 0)
+    _check_at_least("num_pages", num_pages, 0)
+    _check_at_least("src_page_size", src_page_size, 1)
+    _check_at_least("dst_capacity_tokens", dst_capacity_tokens, 0)
+    return max(0, min(chunk_token_start + num_pages * src_page_size, dst_capacity_tokens) - chunk_token_start)
