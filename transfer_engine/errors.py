@@ -123,17 +123,24 @@ class TransferAborted(TransferFailed):
 
 
 class TransferTimeout(TransferFailed):
-    """Raised by ``wait()`` when a room missed its bootstrap or transfer deadline."""
+    """Raised by ``wait()`` when a room missed its bootstrap, input or transfer deadline."""
 
     @property
     def phase(self) -> str:
-        return "bootstrap" if self.reason is FailureReason.BOOTSTRAP_TIMEOUT else "transfer"
+        return _TIMEOUTS.get(self.reason, "unknown")
+
+
+_TIMEOUTS = {
+    FailureReason.BOOTSTRAP_TIMEOUT: "bootstrap",
+    FailureReason.INPUT_TIMEOUT: "input",
+    FailureReason.TRANSFER_TIMEOUT: "transfer",
+}
 
 
 def failure_error(room: int, reason: FailureReason, detail: str) -> TransferFailed:
     """Rebuild the typed error for a failed room from its ``(reason, detail)``."""
     if reason is FailureReason.ABORTED:
         return TransferAborted(room, reason, detail)
-    if reason in (FailureReason.BOOTSTRAP_TIMEOUT, FailureReason.TRANSFER_TIMEOUT):
+    if reason in _TIMEOUTS:
         return TransferTimeout(room, reason, detail)
     return TransferFailed(room, reason, detail)

@@ -26,3 +26,5 @@ class FailureReason(enum.IntEnum):
     """The other side failed the room and told us so with ``RoomFailed``."""
     SHUTDOWN = 9
     """The engine was closed while the room was live."""
+    INPUT_TIMEOUT = 10
+    """The room waited in WaitingForInput longer than its input deadline (the prefill never sent)."""

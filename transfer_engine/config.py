@@ -1,0 +1,132 @@
+"""Engine configuration: one msgspec Struct, settable from code, ``TE_*`` variables, and CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from transfer_engine.errors import ConfigError
+
+Role = Literal["prefill", "decode"]
+PathPolicy = Literal["auto", "direct", "slice", "staged", "host"]
+StagingMemory = Literal["device", "host"]
+
+_ENV_PREFIX = "TE_"
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything one rank's engine needs to know. Defaults suit a single-machine deployment."""
+
+    role: Role
+    tp_size: int = 1
+    tp_rank: int = 0
+    host: str = "127.0.0.1"
+    """Address the control ROUTER binds to and that peers are told to connect to."""
+    control_port: int = 0
+    """0 picks a free port (the real one is what the bootstrap registry hands out)."""
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 8998
+    host_bootstrap: bool | None = None
+    """Run the bootstrap registry in this engine; None means: on prefill rank 0."""
+    num_workers: int = 4
+    path: PathPolicy = "auto"
+    staging_memory: StagingMemory = "device"
+    ring_bytes: int = 0
+    """Decode staging ring size per rank; 0 sizes it to 4 chunks of the largest expected chunk."""
+    staging_bytes: int = 0
+    """Prefill staging buffer per worker; 0 sizes it to one chunk of ``staging_chunk_pages`` pages."""
+    staging_chunk_pages: int = 64
+    bootstrap_timeout: float = 30.0
+    waiting_timeout: float | None = None
+    transfer_timeout: float = 60.0
+    heartbeat_interval: float = 1.0
+    connect_timeout: float = 5.0
+    """How long a single control request (topology, handshake) may wait for its answer."""
+    poll_interval: float = 0.0002
+    """Sleep between NIXL polls while WRITEs or rooms are live; idle polling backs off to 20x this."""
+    nixl_backend: str = "UCX"
+    nixl_params: dict[str, str] = msgspec.field(default_factory=dict)
+    agent_name: str = ""
+    """NIXL agent name; empty derives a unique one from role, rank and process id."""
+    curve_secret_key_file: str = ""
+    curve_public_keys_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ConfigError(f"role={self.role!r} must be 'prefill' or 'decode'")
+        if self.tp_size < 1:
+            raise ConfigError(f"tp_size={self.tp_size} must be >= 1")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank={self.tp_rank} is not in [0, tp_size={self.tp_size})")
+        if self.num_workers < 1:
+            raise ConfigError(f"num_workers={self.num_workers} must be >= 1")
+        if self.path not in ("auto", "direct", "slice", "staged", "host"):
+            raise ConfigError(f"path={self.path!r} must be one of auto, direct, slice, staged, host")
+        for name in ("bootstrap_timeout", "transfer_timeout", "heartbeat_interval", "connect_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        for name in ("control_port", "bootstrap_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name}={getattr(self, name)} is not a TCP port")
+
+    @property
+    def bootstrap_endpoint(self) -> str:
+        return f"tcp://{self.bootstrap_host}:{self.bootstrap_port}"
+
+    @property
+    def hosts_bootstrap(self) -> bool:
+        if self.host_bootstrap is None:
+            return self.role == "prefill" and self.tp_rank == 0
+        return self.host_bootstrap
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
+        """Build a config from ``TE_<FIELD>`` variables (e.g. ``TE_TP_SIZE=2``), then ``overrides``."""
+        env = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        for name in cls.__struct_fields__:
+            key = _ENV_PREFIX + name.upper()
+            if key in env:
+                raw[name] = env[key]
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+        if isinstance(raw.get("nixl_params"), str):
+            raw["nixl_params"] = _parse_params(raw["nixl_params"])
+        return _convert(raw)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
+        """Add a ``--flag`` per field (``--tp-size``, ``--ring-bytes``...) defaulting to None."""
+        for name in cls.__struct_fields__:
+            if name in skip:
+                continue
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+        """Environment first, then the flags that were given, then ``overrides``."""
+        given = {k: v for k, v in vars(args).items() if k in cls.__struct_fields__ and v is not None}
+        return cls.from_env(**{**given, **overrides})
+
+
+def _parse_params(text: str) -> dict[str, str]:
+    """``"a=1,b=2"`` -> ``{"a": "1", "b": "2"}``; ConfigError naming a malformed item."""
+    params: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"nixl_params item {item!r} is not KEY=VALUE")
+        params[key.strip()] = value.strip()
+    return params
+
+
+def _convert(raw: dict[str, Any]) -> EngineConfig:
+    try:
+        return msgspec.convert(raw, EngineConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid engine configuration: {exc}") from None
+    except ConfigError:
+        raise

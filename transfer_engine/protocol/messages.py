@@ -1,0 +1,374 @@
+"""Every control message and NIXL notification of the wire protocol, in one tagged union.
+
+All messages are frozen msgspec Structs encoded with msgpack as arrays (``array_like``): the first
+element is the tag (the class name), the last the protocol version. One decoder, built once, turns
+bytes into a :data:`Message` or raises :class:`~transfer_engine.errors.RemoteProtocolError`; it is
+the only way bytes from a peer become objects. Nothing here pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from transfer_engine.errors import RemoteProtocolError
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change to a message below."""
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+"""Default size limit of one encoded control message (page lists of very long requests fit)."""
+
+MAX_NOTIF_BYTES = 4096
+"""Size limit of one NIXL notification (they are small, fixed-shape structs)."""
+
+
+class _Base(msgspec.Struct, frozen=True, array_like=True):
+    pass
+
+
+class LayoutInfo(_Base, frozen=True):
+    """A rank's KV layout as its peers see it (DESIGN §2)."""
+
+    num_layers: int
+    num_heads: int
+    """Total KV heads of the model (unsharded); 1 for MLA."""
+    head_dim: int
+    """Per-head width in elements; the latent width for MLA."""
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix, e.g. ``bfloat16``."""
+    page_size: int
+    mla: bool
+    num_pages: int
+    aux_item_bytes: int = 0
+    num_aux_slots: int = 0
+
+    @property
+    def num_kv_tensors(self) -> int:
+        return self.num_layers if self.mla else 2 * self.num_layers
+
+
+class MemRegion(_Base, frozen=True):
+    """One registered memory range: ``(addr, length, device)`` as NIXL describes memory."""
+
+    addr: int
+    length: int
+    device: int
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.length
+
+    def contains(self, addr: int, length: int) -> bool:
+        return self.addr <= addr and addr + length <= self.end
+
+
+class RankInfo(_Base, frozen=True):
+    rank: int
+    endpoint: str
+
+
+class SliceSpec(_Base, frozen=True):
+    """The heads one writer sends to one decode rank (see ``protocol.heads.HeadSlice``)."""
+
+    prefill_rank: int
+    src_head_start: int
+    dst_head_start: int
+    num_heads: int
+
+
+class Message(msgspec.Struct, frozen=True, tag=True, array_like=True, kw_only=True):
+    """Base of every message; ``v`` is the protocol version and travels last."""
+
+    v: int = PROTOCOL_VERSION
+
+
+# --- bootstrap ---------------------------------------------------------------------------------
+
+
+class RegisterRank(Message, frozen=True):
+    """prefill rank -> bootstrap: announce a rank, its control endpoint and its layout."""
+
+    rank: int
+    tp_size: int
+    endpoint: str
+    layout: LayoutInfo
+    compat: int
+
+
+class RegisterAck(Message, frozen=True):
+    """bootstrap -> prefill rank: registration accepted, or refused with a reason."""
+
+    ok: bool
+    detail: str = ""
+
+
+class TopologyQuery(Message, frozen=True):
+    """decode rank -> bootstrap: which prefill ranks exist, and where."""
+
+
+class Topology(Message, frozen=True):
+    """bootstrap -> decode rank: the prefill ranks registered so far (``complete`` once all are)."""
+
+    tp_size: int
+    ranks: list[RankInfo]
+    complete: bool
+
+
+# --- peer handshake -----------------------------------------------------------------------------
+
+
+class PeerHello(Message, frozen=True):
+    """decode rank -> prefill rank: who I am, where my memory is, how my KV is laid out."""
+
+    rank: int
+    tp_size: int
+    endpoint: str
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: str
+    regions: list[MemRegion]
+    """The KV tensors, in order K_0..K_{L-1}, V_0..V_{L-1} (or the L MLA latents)."""
+    aux: MemRegion | None
+    ring: MemRegion | None
+    layout: LayoutInfo
+    compat: int
+
+
+class PeerHelloAck(Message, frozen=True):
+    """prefill rank -> decode rank: the same facts about the prefill rank, or a refusal."""
+
+    ok: bool
+    detail: str
+    rank: int
+    tp_size: int
+    agent_name: str
+    agent_metadata: bytes
+    layout: LayoutInfo | None
+    compat: int
+
+
+# --- per room -------------------------------------------------------------------------------------
+
+
+class TransferRequest(Message, frozen=True):
+    """decode rank -> every prefill rank: where this room's KV goes on that decode rank.
+
+    ``slices`` is what the receiving prefill rank must send to this decode rank; it is empty when the
+    prefill rank sends nothing there (it still learns that the room exists and who serves it).
+    """
+
+    agent: str
+    """NIXL agent name of the sender: how the receiver finds the peer."""
+
+    room: int
+    decode_rank: int
+    decode_tp: int
+    path: str
+    dst_pages: list[int]
+    aux_slot: int | None
+    slices: list[SliceSpec]
+
+
+class StagingRequest(Message, frozen=True):
+    """prefill writer -> decode rank: a ring region for chunk ``chunk_id`` of ``room``."""
+
+    agent: str
+    """NIXL agent name of the sender: how the receiver finds the peer."""
+
+    room: int
+    chunk_id: int
+    sender: int
+    page_start: int
+    num_pages: int
+    tokens: int
+
+
+class StagingGrant(Message, frozen=True, gc=False):
+    """decode rank -> prefill writer: write your block at ``offset + writer_offset`` of ``round``."""
+
+    room: int
+    chunk_id: int
+    alloc_id: int
+    round: int
+    offset: int
+    length: int
+    writer_offset: int
+    writer_bytes: int
+
+
+class StagingRefused(Message, frozen=True):
+    """decode rank -> prefill writer: the chunk cannot be placed; the room fails with ``detail``."""
+
+    room: int
+    chunk_id: int
+    detail: str
+
+
+class Watermark(Message, frozen=True, gc=False):
+    """decode rank -> prefill peers: the ring is free up to ``(round, tail)``."""
+
+    agent: str
+    """NIXL agent name of the sender: how the receiver finds the peer."""
+
+    rank: int
+    round: int
+    tail: int
+
+
+class Abort(Message, frozen=True):
+    """either way: stop this room. The receiver answers ``AbortAck`` once no WRITE of it is in flight."""
+
+    agent: str
+    """NIXL agent name of the sender: how the receiver finds the peer."""
+
+    room: int
+    rank: int
+    detail: str
+
+
+class AbortAck(Message, frozen=True):
+    """either way: no WRITE of ``room`` from ``rank`` is in flight any more."""
+
+    agent: str
+    """NIXL agent name of the sender: how the receiver finds the peer."""
+
+    room: int
+    rank: int
+
+
+class RoomFailed(Message, frozen=True):
+    """either way: the room failed on the sender's side; ``reason`` is a ``FailureReason`` value."""
+
+    agent: str
+    """NIXL agent name of the sender: how the receiver finds the peer."""
+
+    room: int
+    rank: int
+    reason: int
+    detail: str
+
+
+class Heartbeat(Message, frozen=True, gc=False):
+    """both ways: the sender is alive; ``side`` is ``prefill`` or ``decode``."""
+
+    agent: str
+    """NIXL agent name of the sender: how the receiver finds the peer."""
+
+    rank: int
+    side: str
+    seq: int
+
+
+# --- NIXL notifications ---------------------------------------------------------------------------
+
+
+class ChunkLanded(Message, frozen=True, gc=False):
+    """Rides on a chunk's WRITE: the chunk's bytes from ``sender`` are in decode memory."""
+
+    room: int
+    chunk_id: int
+    last: bool
+    sender: int
+    page_start: int
+    num_pages: int
+    region: int
+    """Ring allocation id for staged chunks, -1 for the direct and slice paths."""
+
+
+class AuxLanded(Message, frozen=True, gc=False):
+    """Rides on the aux WRITE: the room's aux item from ``sender`` is in decode memory."""
+
+    room: int
+    sender: int
+
+
+# --- introspection --------------------------------------------------------------------------------
+
+
+class DumpRequest(Message, frozen=True):
+    """anyone -> introspection endpoint: send a snapshot (of one room's history if ``room``)."""
+
+    room: int | None = None
+
+
+class DumpReply(Message, frozen=True):
+    """introspection endpoint -> asker: a msgpack-encoded ``transfer_engine.introspect.Snapshot``."""
+
+    snapshot: bytes
+
+
+AnyMessage = (
+    RegisterRank
+    | RegisterAck
+    | TopologyQuery
+    | Topology
+    | PeerHello
+    | PeerHelloAck
+    | TransferRequest
+    | StagingRequest
+    | StagingGrant
+    | StagingRefused
+    | Watermark
+    | Abort
+    | AbortAck
+    | RoomFailed
+    | Heartbeat
+    | ChunkLanded
+    | AuxLanded
+    | DumpRequest
+    | DumpReply
+)
+
+MESSAGE_TYPES: tuple[type[Message], ...] = AnyMessage.__args__
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[AnyMessage] = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(message: Message) -> bytes:
+    """Encode one message to msgpack bytes."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes | bytearray | memoryview, *, limit: int = MAX_MESSAGE_BYTES) -> AnyMessage:
+    """Decode bytes from a peer into a message.
+
+    Raises:
+        RemoteProtocolError: the bytes are over ``limit``, are not a known message, have fields of
+            the wrong type, or carry another protocol version. No other exception escapes.
+    """
+    size = len(data)
+    if size > limit:
+        raise RemoteProtocolError(f"message of {size} bytes exceeds the limit of {limit} bytes")
+    try:
+        message = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RemoteProtocolError(f"undecodable message ({size} bytes): {exc}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise RemoteProtocolError(f"undecodable message ({size} bytes): {exc!r}") from None
+    if message.v != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"{type(message).__name__} has protocol version {message.v}, expected {PROTOCOL_VERSION}"
+        )
+    return message
+
+
+def decode_notification(data: bytes) -> ChunkLanded | AuxLanded:
+    """Decode a NIXL notification; anything but ``ChunkLanded``/``AuxLanded`` is a protocol error."""
+    message = decode(data, limit=MAX_NOTIF_BYTES)
+    if not isinstance(message, ChunkLanded | AuxLanded):
+        raise RemoteProtocolError(f"{type(message).__name__} is not a notification")
+    return message
+
+
+def compat_hash(layout: LayoutInfo) -> int:
+    """A stable 63-bit hash of what two ranks must agree on to exchange KV.
+
+    Covers (layers, total heads, head_dim, dtype, MLA). Page size and page count are left out: the
+    staged and slice paths move token slots, so prefill and decode page sizes may differ (the
+    direct path checks page-size equality on its own).
+    """
+    key = _encoder.encode([layout.num_layers, layout.num_heads, layout.head_dim, layout.dtype, layout.mla])
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
