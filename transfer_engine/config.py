@@ -66,9 +66,20 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"num_workers={self.num_workers} must be >= 1")
         if self.path not in ("auto", "direct", "slice", "staged", "host"):
             raise ConfigError(f"path={self.path!r} must be one of auto, direct, slice, staged, host")
+        if self.staging_memory not in ("device", "host"):
+            raise ConfigError(f"staging_memory={self.staging_memory!r} must be 'device' or 'host'")
         for name in ("bootstrap_timeout", "transfer_timeout", "heartbeat_interval", "connect_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.poll_interval <= 0:
+            raise ConfigError(f"poll_interval={self.poll_interval} must be > 0")
+        if self.waiting_timeout is not None and self.waiting_timeout <= 0:
+            raise ConfigError(f"waiting_timeout={self.waiting_timeout} must be > 0 (None: no input deadline)")
+        for name in ("ring_bytes", "staging_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 sizes it automatically)")
+        if self.staging_chunk_pages < 1:
+            raise ConfigError(f"staging_chunk_pages={self.staging_chunk_pages} must be >= 1")
         for name in ("control_port", "bootstrap_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name}={getattr(self, name)} is not a TCP port")

@@ -63,8 +63,10 @@ class KVLayout:
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_heads", "head_dim", "page_size"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{field}={value!r} must be a positive integer")
+        if not isinstance(self.dtype, torch.dtype):
+            raise LayoutError(f"dtype={self.dtype!r} must be a torch.dtype such as torch.bfloat16")
         dtype_name(self.dtype)
 
     @property
@@ -120,12 +122,15 @@ class KVPool:
                 f"got {len(self.tensors)} KV tensors, expected {expected} "
                 f"({'L latents' if layout.mla else '2L: K_0..K_{L-1}, V_0..V_{L-1}'}) for L={layout.num_layers}"
             )
+        for i, t in enumerate(self.tensors):
+            if not isinstance(t, torch.Tensor):
+                raise LayoutError(f"KV tensor {i} is a {type(t).__name__}, expected a torch.Tensor")
         first = self.tensors[0]
-        shape = (first.shape[0], self.heads_local, layout.head_dim)
-        if first.dim() != 3 or tuple(first.shape) != shape:
+        if first.dim() != 3 or tuple(first.shape[1:]) != (self.heads_local, layout.head_dim):
             raise LayoutError(
                 f"KV tensor 0 has shape {tuple(first.shape)}, expected [num_slots, {self.heads_local}, {layout.head_dim}]"
             )
+        shape = (first.shape[0], self.heads_local, layout.head_dim)
         if shape[0] == 0 or shape[0] % layout.page_size:
             raise LayoutError(f"num_slots={shape[0]} is not a positive multiple of page_size={layout.page_size}")
         for i, t in enumerate(self.tensors):
@@ -139,9 +144,11 @@ class KVPool:
                 raise LayoutError(f"KV tensor {i} has strides {t.stride()}; it must be contiguous")
         if self.aux is not None:
             aux = self.aux
-            if aux.dim() != 2 or aux.dtype != torch.uint8 or not aux.is_contiguous():
+            if not isinstance(aux, torch.Tensor):
+                raise LayoutError(f"aux is a {type(aux).__name__}, expected a torch.Tensor")
+            if aux.dim() != 2 or aux.dtype != torch.uint8 or not aux.is_contiguous() or 0 in aux.shape:
                 raise LayoutError(
-                    f"aux must be a contiguous uint8 [num_aux_slots, item_bytes] tensor, got "
+                    f"aux must be a contiguous uint8 [num_aux_slots, item_bytes] tensor with both sizes >= 1, got "
                     f"{aux.dtype} {tuple(aux.shape)} strides {aux.stride()}"
                 )
 

@@ -13,6 +13,7 @@ import hashlib
 import msgspec
 
 from transfer_engine.errors import RemoteProtocolError
+from transfer_engine.protocol.failures import FailureReason
 
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change to a message below."""
@@ -337,9 +338,10 @@ def decode(data: bytes | bytearray | memoryview, *, limit: int = MAX_MESSAGE_BYT
 
     Raises:
         RemoteProtocolError: the bytes are over ``limit``, are not a known message, have fields of
-            the wrong type, or carry another protocol version. No other exception escapes.
+            the wrong type or the wrong number of fields, or carry another protocol version. No
+            other exception escapes.
     """
-    size = len(data)
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
     if size > limit:
         raise RemoteProtocolError(f"message of {size} bytes exceeds the limit of {limit} bytes")
     try:
@@ -348,11 +350,35 @@ def decode(data: bytes | bytearray | memoryview, *, limit: int = MAX_MESSAGE_BYT
         raise RemoteProtocolError(f"undecodable message ({size} bytes): {exc}") from None
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise RemoteProtocolError(f"undecodable message ({size} bytes): {exc!r}") from None
+    # msgspec fills a missing trailing ``v`` with its default and skips extra trailing elements, so
+    # a message of another protocol version whose field count differs would decode as this one.
+    # The array header says how many elements were sent: it must be the tag plus every field.
+    sent = _array_length(data)
+    expected = 1 + len(type(message).__struct_fields__)
+    if sent != expected:
+        raise RemoteProtocolError(
+            f"{type(message).__name__} has {sent} elements, expected {expected} (protocol version {PROTOCOL_VERSION})"
+        )
     if message.v != PROTOCOL_VERSION:
         raise RemoteProtocolError(
             f"{type(message).__name__} has protocol version {message.v}, expected {PROTOCOL_VERSION}"
         )
+    if isinstance(message, RoomFailed) and message.reason not in _REASONS:
+        raise RemoteProtocolError(f"RoomFailed of room {message.room} has unknown reason {message.reason}")
     return message
+
+
+_REASONS = frozenset(int(reason) for reason in FailureReason)
+
+
+def _array_length(data: bytes | bytearray | memoryview) -> int:
+    """The element count of the msgpack array ``data`` starts with (it decoded, so it is one)."""
+    head = bytes(data[:5])
+    if 0x90 <= head[0] <= 0x9F:
+        return head[0] & 0x0F
+    if head[0] == 0xDC:
+        return int.from_bytes(head[1:3], "big")
+    return int.from_bytes(head[1:5], "big")
 
 
 def decode_notification(data: bytes) -> ChunkLanded | AuxLanded:

@@ -214,11 +214,11 @@ class SenderRoom(_Room):
     decode_tp: int | None = None
     requested: set[int] = field(default_factory=set)
     targets: set[int] = field(default_factory=set)
-    aux_target: int | None = None
-    """The decode rank whose aux this prefill rank writes, if any."""
+    aux_targets: set[int] = field(default_factory=set)
+    """The decode ranks whose aux item this prefill rank writes (each decode rank has its own)."""
     chunks: list[Chunk] = field(default_factory=list)
     done: set[tuple[int, int]] = field(default_factory=set)
-    aux_done: bool = False
+    aux_done: set[int] = field(default_factory=set)
     in_flight: int = 0
     """WRITEs posted and not yet finished; the room is quiescent only at 0."""
 
@@ -251,7 +251,7 @@ class SenderRoom(_Room):
         if sends:
             self.targets.add(decode_rank)
         if sends_aux:
-            self.aux_target = decode_rank
+            self.aux_targets.add(decode_rank)
         if len(self.requested) == self.decode_tp:
             self._apply(Bootstrapped(), now)
             self._advance(now)
@@ -269,6 +269,11 @@ class SenderRoom(_Room):
 
     def write_done(self, chunk_id: int, decode_rank: int, now: float) -> None:
         """The WRITE of ``chunk_id`` to ``decode_rank`` finished (its notification went out)."""
+        if not 0 <= chunk_id < len(self.chunks) or decode_rank not in self.targets:
+            raise LocalProtocolError(
+                f"room {self.room}: WRITE done for chunk {chunk_id} to decode rank {decode_rank}, but the room has "
+                f"{len(self.chunks)} chunks and writes to decode ranks {sorted(self.targets)}"
+            )
         key = (chunk_id, decode_rank)
         if key in self.done:
             raise LocalProtocolError(f"room {self.room}: chunk {chunk_id} to decode rank {decode_rank} done twice")
@@ -277,8 +282,11 @@ class SenderRoom(_Room):
             self._apply(Landed(), now)
             self._advance(now)
 
-    def aux_written(self, now: float) -> None:
-        self.aux_done = True
+    def aux_written(self, decode_rank: int, now: float) -> None:
+        """The aux WRITE to ``decode_rank`` finished."""
+        if decode_rank not in self.aux_targets or decode_rank in self.aux_done:
+            raise LocalProtocolError(f"room {self.room}: unexpected aux completion for decode rank {decode_rank}")
+        self.aux_done.add(decode_rank)
         if not self.status.final:
             self._advance(now)
 
@@ -291,7 +299,7 @@ class SenderRoom(_Room):
     def _complete(self) -> bool:
         if not self.sealed:
             return False
-        if self.aux_target is not None and not self.aux_done:
+        if self.aux_done != self.aux_targets:
             return False
         return len(self.done) == len(self.chunks) * len(self.targets)
 
@@ -324,6 +332,7 @@ class ReceiverRoom(_Room):
 
     def bootstrapped(self, writers: Iterable[int], wants_aux_from: int | None, now: float) -> None:
         """The writers are known and every TransferRequest went out."""
+        transition(self._table, self.status, Bootstrapped())  # refuse before touching any state
         self.writers = frozenset(writers)
         self.wants_aux_from = wants_aux_from
         self.landed = {w: set() for w in self.writers}
@@ -336,14 +345,25 @@ class ReceiverRoom(_Room):
         """
         if sender not in self.landed:
             raise RemoteProtocolError(f"room {self.room}: chunk from prefill rank {sender}, not a writer of it")
+        if chunk_id < 0:
+            raise RemoteProtocolError(f"room {self.room}: chunk id {chunk_id} < 0 from rank {sender}")
         seen = self.landed[sender]
-        if chunk_id in seen or chunk_id < 0:
+        if chunk_id in seen:
             raise RemoteProtocolError(f"room {self.room}: chunk {chunk_id} from prefill rank {sender} landed twice")
-        known_last = self.last_chunk.get(sender)
-        if (known_last is not None and (chunk_id > known_last or last)) or (last and seen and max(seen) > chunk_id):
+        # Every writer sends the same chunks (one per send() of the room): once any writer has marked
+        # its last chunk, the room's chunk count is fixed for all of them. Staged completion counts
+        # scattered chunks against it, so a writer that disagrees must not be believed.
+        expected = self.chunks_expected()
+        if expected is not None and (chunk_id >= expected or (last and chunk_id != expected - 1)):
             raise RemoteProtocolError(
-                f"room {self.room}: chunk {chunk_id} (last={last}) of prefill rank {sender} after last={known_last}"
+                f"room {self.room}: chunk {chunk_id} (last={last}) of prefill rank {sender} after last chunk {expected - 1}"
             )
+        if last:
+            highest = max((max(ids) for ids in self.landed.values() if ids), default=-1)
+            if highest > chunk_id:
+                raise RemoteProtocolError(
+                    f"room {self.room}: prefill rank {sender} marks chunk {chunk_id} last after chunk {highest} landed"
+                )
         seen.add(chunk_id)
         if last:
             self.last_chunk[sender] = chunk_id
@@ -371,7 +391,7 @@ class ReceiverRoom(_Room):
         return last is not None and len(self.landed[writer]) == last + 1
 
     def chunks_expected(self) -> int | None:
-        """How many chunks every writer sends, once any writer has sent its last; else None."""
+        """How many chunks every writer sends, once any writer's last chunk has landed; else None."""
         return next(iter(self.last_chunk.values())) + 1 if self.last_chunk else None
 
     def _maybe_complete(self, now: float) -> None:

@@ -1,0 +1,110 @@
+"""Shared set-up for integration tests: P prefill and D decode engines in one process, real NIXL and ZMQ."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+import torch
+
+from transfer_engine.config import EngineConfig
+from transfer_engine.engine import TransferEngine
+from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine import patterns
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    prefill: list[TransferEngine]
+    decode: list[TransferEngine]
+    bootstrap: str
+
+    def assert_no_leaks(self) -> None:
+        for engine in self.prefill + self.decode:
+            leaks = engine.leaks()
+            assert all(v == 0 for v in leaks.values()), f"{engine.agent_name} leaked {leaks}"
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    layout: KVLayout,
+    P: int,
+    D: int,
+    *,
+    num_pages: int = 64,
+    decode_layout: KVLayout | None = None,
+    aux: int = 8,
+    **config: object,
+) -> AsyncIterator[Cluster]:
+    port = free_port()
+    async with contextlib.AsyncExitStack() as stack:
+        prefill = []
+        for rank in range(P):
+            cfg = EngineConfig(role="prefill", tp_size=P, tp_rank=rank, bootstrap_port=port, num_workers=2, **config)  # type: ignore[arg-type]
+            pool = KVPool.allocate(layout, P, rank, num_pages, aux_slots=aux, aux_item_bytes=16 if aux else 0)
+            prefill.append(TransferEngine(cfg, pool))
+        for engine in prefill:  # rank 0 first: it hosts the bootstrap the others register with
+            await stack.enter_async_context(engine)
+        decode = []
+        for rank in range(D):
+            cfg = EngineConfig(role="decode", tp_size=D, tp_rank=rank, bootstrap_port=port, **config)  # type: ignore[arg-type]
+            pool = KVPool.allocate(decode_layout or layout, D, rank, num_pages, aux_slots=aux, aux_item_bytes=16 if aux else 0)
+            decode.append(await stack.enter_async_context(TransferEngine(cfg, pool)))
+        yield Cluster(prefill, decode, f"tcp://127.0.0.1:{port}")
+
+
+async def run_room(
+    c: Cluster,
+    room: int,
+    prefill_pages: np.ndarray,
+    decode_pages: np.ndarray,
+    chunks: list[int],
+    *,
+    aux_slot: int | None = None,
+) -> None:
+    """Fill, transfer in ``chunks`` (page counts), wait on both sides, verify every byte on every decode rank."""
+    for engine in c.prefill:
+        patterns.fill(engine.pool, room, prefill_pages)
+        if aux_slot is not None:
+            patterns.fill_aux(engine.pool, room, aux_slot)
+    receivers = [
+        await engine.receiver(room, c.bootstrap, decode_pages, aux_slot=aux_slot) for engine in c.decode
+    ]
+    senders = [engine.sender(room) for engine in c.prefill]
+    for sender in senders:
+        start = 0
+        for i, n in enumerate(chunks):
+            last = i == len(chunks) - 1
+            await sender.send(prefill_pages[start : start + n], last=last, aux_slot=aux_slot if last else None)
+            start += n
+    with anyio.fail_after(30):
+        for s in senders:
+            await s.wait()
+        for r in receivers:
+            await r.wait()
+    p_ps = c.prefill[0].pool.layout.page_size
+    for engine in c.decode:
+        d_ps = engine.pool.layout.page_size
+        tokens = patterns.received_tokens(len(prefill_pages), p_ps, len(decode_pages), d_ps)
+        assert patterns.mismatches(engine.pool, room, decode_pages, tokens) == 0
+        if aux_slot is not None:
+            assert patterns.aux_ok(engine.pool, room, aux_slot)
+
+
+def shuffled_pages(rng: random.Random, num_pages: int, n: int) -> np.ndarray:
+    return np.array(rng.sample(range(num_pages), n), dtype=np.int64)
+
+
+def small_layout(num_heads: int = 8, mla: bool = False, page_size: int = 4) -> KVLayout:
+    return KVLayout(num_layers=3, num_heads=num_heads, head_dim=64 if mla else 16, dtype=torch.bfloat16, page_size=page_size, mla=mla)

@@ -1,0 +1,93 @@
+"""Bootstrap actor: the prefill instance's registry of ranks (DESIGN §6).
+
+A ZMQ ROUTER on ``bootstrap_port`` (hosted by prefill rank 0 unless configured otherwise). Prefill
+ranks announce themselves with ``RegisterRank``; decode ranks ask ``TopologyQuery`` and get the
+ranks registered so far, with ``complete`` once every rank of the TP group is in. A rank that
+re-registers (a restarted process) replaces its old entry. Ranks whose TP size or layout differ
+from the first registration are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import anyio
+import zmq
+import zmq.asyncio
+from anyio.abc import TaskStatus
+
+from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError
+from transfer_engine.protocol import messages as m
+
+log = logging.getLogger(__name__)
+
+
+class Bootstrap:
+    """See the module docstring. ``ranks`` maps rank -> its control endpoint."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self.tp_size: int | None = None
+        self.compat: int | None = None
+        self.ranks: dict[int, str] = {}
+        self.dropped: Counter[str] = Counter()
+        self._ctx = zmq.asyncio.Context()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(f"tcp://{self.host}:{self.port}")
+        except zmq.ZMQError as exc:
+            sock.close()
+            self._ctx.term()
+            raise PeerUnreachableError(f"tcp://{self.host}:{self.port}", f"bootstrap cannot bind: {exc}") from exc
+        task_status.started()
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) != 2:
+                    self._drop("bad_frames", f"{len(frames)} frames")
+                    continue
+                ident, payload = frames
+                try:
+                    message = m.decode(payload)
+                except RemoteProtocolError as exc:
+                    self._drop("malformed", str(exc))
+                    continue
+                answer = self.handle(message)
+                if answer is None:
+                    self._drop(type(message).__name__, "not a bootstrap message")
+                    continue
+                await sock.send_multipart([ident, m.encode(answer)])
+        finally:
+            sock.close(linger=0)
+            self._ctx.term()
+
+    def _drop(self, kind: str, detail: str) -> None:
+        self.dropped[kind] += 1
+        log.warning("bootstrap %s:%d dropped %s: %s", self.host, self.port, kind, detail)
+
+    def handle(self, message: m.AnyMessage) -> m.Message | None:
+        """The answer to one message (pure: no I/O), or None for messages it does not serve."""
+        match message:
+            case m.RegisterRank(rank=rank, tp_size=tp_size, endpoint=endpoint, compat=compat):
+                if self.tp_size is None:
+                    self.tp_size, self.compat = tp_size, compat
+                if tp_size != self.tp_size:
+                    return m.RegisterAck(ok=False, detail=f"tp_size={tp_size}, instance has {self.tp_size}")
+                if compat != self.compat:
+                    return m.RegisterAck(ok=False, detail=f"rank {rank} layout differs from rank 0's")
+                if not 0 <= rank < tp_size:
+                    return m.RegisterAck(ok=False, detail=f"rank {rank} outside [0, {tp_size})")
+                if self.ranks.get(rank) not in (None, endpoint):
+                    log.info("bootstrap: prefill rank %d re-registered at %s", rank, endpoint)
+                self.ranks[rank] = endpoint
+                return m.RegisterAck(ok=True)
+            case m.TopologyQuery():
+                ranks = [m.RankInfo(r, e) for r, e in sorted(self.ranks.items())]
+                tp = self.tp_size or 0
+                return m.Topology(tp_size=tp, ranks=ranks, complete=tp > 0 and len(ranks) == tp)
+        return None

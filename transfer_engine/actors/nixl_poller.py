@@ -1,0 +1,174 @@
+"""NixlPoller actor: the sole owner of the NIXL agent.
+
+Every NIXL call of the engine is made by this object, on the event-loop thread (the agent is not
+thread-safe). It posts WRITEs (:meth:`post_write`, synchronous: the caller learns at once whether
+the WRITE was refused), polls the state of every posted WRITE — which is also what makes NIXL send
+their notifications — releases finished handles, and drains incoming notifications, handing each
+decoded one to ``on_notif``. Polling is tight while WRITEs or live rooms exist and backs off when
+idle.
+
+:meth:`drained` lets a room wait until one full drain cycle has happened, so that deadlines are
+checked only after every notification that had arrived was applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import anyio
+import numpy as np
+from anyio.abc import TaskStatus
+
+from transfer_engine.errors import RemoteProtocolError, TransportError
+from transfer_engine.protocol import messages as m
+from transfer_engine.transport.nixl import RemotePeer, Transport, XferState
+
+log = logging.getLogger(__name__)
+
+Completion = Callable[[bool, str], Awaitable[None]]
+"""Called once per WRITE when it ends: ``(ok, detail)``."""
+
+NotifHandler = Callable[[str, m.ChunkLanded | m.AuxLanded], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class _Posted:
+    handle: int
+    peer: str
+    nbytes: int
+    on_done: Completion
+
+
+class NixlPoller:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        on_notif: NotifHandler,
+        *,
+        poll_interval: float = 0.0002,
+        busy: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.transport = transport
+        self._on_notif = on_notif
+        self._interval = poll_interval
+        self._busy = busy
+        self._posted: list[_Posted] = []
+        self._cycle = anyio.Event()
+        self._wake = anyio.Event()
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def name(self) -> str:
+        return self.transport.name
+
+    def metadata(self) -> bytes:
+        return self.transport.metadata()
+
+    def add_peer(self, peer: RemotePeer, metadata: bytes) -> None:
+        self.transport.add_peer(peer, metadata)
+
+    def remove_peer(self, agent_name: str) -> None:
+        self.transport.remove_peer(agent_name)
+
+    def in_flight(self, peer: str | None = None) -> int:
+        return sum(1 for p in self._posted if peer is None or p.peer == peer)
+
+    def post_write(
+        self,
+        peer: str,
+        local_mem: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        length: np.ndarray,
+        local_devices: np.ndarray | int,
+        notif: bytes,
+        on_done: Completion,
+    ) -> None:
+        """Post one WRITE now; ``on_done`` runs from the polling loop when it ends.
+
+        Raises AddressRangeError / TransportError when it cannot be posted (``on_done`` is then
+        never called).
+        """
+        handle = self.transport.post_write(peer, local_mem, src, dst, length, local_devices, notif)
+        self._posted.append(_Posted(handle, peer, int(length.sum()), on_done))
+        self.counters["writes_posted"] += 1
+        self.counters["descriptors_posted"] += len(src)
+        self._wake.set()
+
+    async def drained(self) -> None:
+        """Return after the next complete poll-and-drain cycle."""
+        self._wake.set()
+        await self._cycle.wait()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        idle = 0
+        while True:
+            worked = await self._poll_once()
+            cycle, self._cycle = self._cycle, anyio.Event()
+            cycle.set()
+            if worked or self._posted or self._busy():
+                idle = 0 if worked else min(idle + 1, 20)
+                await anyio.sleep(self._interval if idle < 20 else self._interval * 5)
+            else:
+                self._wake = anyio.Event()
+                with anyio.move_on_after(self._interval * 50):
+                    await self._wake.wait()
+
+    async def _poll_once(self) -> bool:
+        worked = False
+        if self._posted:
+            still: list[_Posted] = []
+            finished: list[tuple[_Posted, bool, str]] = []
+            for posted in self._posted:
+                state = self.transport.state(posted.handle)
+                if state is XferState.PROC:
+                    still.append(posted)
+                    continue
+                self.transport.release(posted.handle)
+                ok = state is XferState.DONE
+                self.counters["writes_done" if ok else "writes_failed"] += 1
+                if ok:
+                    self.counters["bytes_written"] += posted.nbytes
+                finished.append((posted, ok, "" if ok else f"WRITE to {posted.peer} ended in error"))
+            self._posted = still
+            for posted, ok, detail in finished:
+                worked = True
+                await posted.on_done(ok, detail)
+        try:
+            notifs = self.transport.drain_notifs()
+        except Exception as exc:  # NIXL raised; keep serving
+            log.warning("get_new_notifs failed: %s", exc)
+            notifs = {}
+        for agent, items in notifs.items():
+            for raw in items:
+                worked = True
+                try:
+                    notif = m.decode_notification(raw)
+                except RemoteProtocolError as exc:
+                    self.counters["notifs_dropped"] += 1
+                    log.warning("dropped notification from %s: %s", agent, exc)
+                    continue
+                self.counters["notifs"] += 1
+                await self._on_notif(agent, notif)
+        return worked
+
+    async def drain_posted(self, timeout: float) -> None:
+        """Wait (bounded) until no WRITE is in flight; used when the engine shuts down."""
+        with anyio.move_on_after(timeout):
+            while self._posted:
+                await self._poll_once()
+                await anyio.sleep(self._interval)
+        if self._posted:
+            log.warning("%d WRITEs still in flight at shutdown", len(self._posted))
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        except TransportError as exc:
+            log.warning("closing NIXL transport: %s", exc)

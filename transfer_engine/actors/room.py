@@ -1,0 +1,405 @@
+"""Room actors: one per live room and side, each a thin shell around the core's room state machine.
+
+A room actor is the only task that mutates its room. Everything that concerns the room — wire
+messages, notifications, WRITE completions, the user's ``send``/``abort`` — arrives in its mailbox.
+It wakes at the room's deadline, lets the NixlPoller finish a drain cycle, applies whatever
+arrived, and only then asks the core whether the deadline has passed.
+
+A room ends (its actor returns and it leaves the engine) only when it is final AND quiescent: no
+WRITE of it can still land. On the prefill side that means no posted WRITE is unfinished; on the
+decode side that every writer has acknowledged an abort (or died) when the room did not succeed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from transfer_engine.errors import ProtocolError, TransferFailed, failure_error
+from transfer_engine.peers import Peer
+from transfer_engine.protocol import heads
+from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.protocol.rooms import Deadlines, ReceiverRoom, RoomStatus, SenderRoom, _Room
+
+from .worker import WriteJob
+
+if TYPE_CHECKING:
+    from transfer_engine.engine import TransferEngine
+
+log = logging.getLogger("transfer_engine.room")
+
+MAILBOX = 256
+
+
+@dataclass(frozen=True, slots=True)
+class QueueChunk:
+    pages: np.ndarray
+    last: bool
+    aux_slot: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    chunk_id: int | None
+    """None for the aux WRITE."""
+    decode_rank: int
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class LocalAbort:
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDead:
+    agent: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+RoomMail = (
+    QueueChunk
+    | WriteDone
+    | LocalAbort
+    | PeerDead
+    | Shutdown
+    | m.TransferRequest
+    | m.Abort
+    | m.AbortAck
+    | m.RoomFailed
+    | m.ChunkLanded
+    | m.AuxLanded
+)
+
+
+class _RoomActor:
+    core: _Room
+    side: str
+
+    def __init__(self, engine: TransferEngine, room: int) -> None:
+        self.engine = engine
+        self.room = room
+        self.inbox: MemoryObjectSendStream[RoomMail]
+        self._rx: MemoryObjectReceiveStream[RoomMail]
+        self.inbox, self._rx = anyio.create_memory_object_stream[RoomMail](MAILBOX)
+        self.done = anyio.Event()
+        self.created = time.monotonic()
+
+    @property
+    def status(self) -> RoomStatus:
+        return self.core.status
+
+    def error(self) -> TransferFailed | None:
+        failure = self.core.failure
+        return None if failure is None else failure_error(self.room, failure.reason, failure.detail)
+
+    def _fail(self, reason: FailureReason, detail: str) -> bool:
+        if self.core.fail(reason, detail, time.monotonic()):
+            log.info("%s room %d failed: %s: %s", self.side, self.room, reason.name, detail)
+            return True
+        return False
+
+    def quiescent(self) -> bool:
+        raise NotImplementedError
+
+    async def handle(self, mail: RoomMail) -> None:
+        raise NotImplementedError
+
+    async def finish(self) -> None:
+        """Runs once, when the room is final and quiescent, before it leaves the engine."""
+
+    async def run(self) -> None:
+        """The room's life: mailbox loop until final and quiescent, then cleanup (always)."""
+        log.info("%s room %d: %s", self.side, self.room, self.core.status.name)
+        try:
+            async with self._rx:
+                while not (self.core.status.final and self.quiescent()):
+                    deadline = self.core.deadline
+                    wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                    with anyio.move_on_after(wait):
+                        await self._apply(await self._rx.receive())
+                        continue
+                    await self._check_deadline()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.finish()
+                self.inbox.close()
+                self.engine.forget_room(self)
+                self.done.set()
+            log.info("%s room %d ended %s", self.side, self.room, self.core.status.name)
+
+    async def _apply(self, mail: RoomMail) -> None:
+        before = self.core.status
+        try:
+            await self.handle(mail)
+        except ProtocolError as exc:
+            self._fail(FailureReason.PROTOCOL, str(exc))
+        if self.core.status is not before:
+            log.info("%s room %d: %s -> %s", self.side, self.room, before.name, self.core.status.name)
+            await self.on_status_change(before)
+
+    async def on_status_change(self, before: RoomStatus) -> None:
+        """Hook for side effects of a status change (telling peers about a failure, ...)."""
+
+    async def _check_deadline(self) -> None:
+        await self.engine.poller.drained()
+        while True:
+            try:
+                mail = self._rx.receive_nowait()
+            except anyio.WouldBlock:
+                break
+            await self._apply(mail)
+        failure = self.core.expired(time.monotonic())
+        if failure is not None:
+            before = self.core.status
+            self._fail(failure.reason, failure.detail)
+            await self.on_status_change(before)
+
+
+class SenderRoomActor(_RoomActor):
+    """One room on a prefill rank; see the module docstring."""
+
+    side = "prefill"
+
+    def __init__(self, engine: TransferEngine, room: int, deadlines: Deadlines) -> None:
+        super().__init__(engine, room)
+        self.core: SenderRoom = SenderRoom(room, deadlines, time.monotonic())
+        self.requests: dict[int, m.TransferRequest] = {}
+        self.peers: dict[int, Peer] = {}
+        self.pages: list[np.ndarray] = []
+        self.jobs: list[WriteJob] = []
+        self.ack_to: dict[str, Peer] = {}
+        self.remote_failure = False
+
+    def quiescent(self) -> bool:
+        return self.core.in_flight == 0
+
+    async def handle(self, mail: RoomMail) -> None:
+        now = time.monotonic()
+        match mail:
+            case m.TransferRequest():
+                await self._on_request(mail, now)
+            case QueueChunk(pages=pages, last=last, aux_slot=aux_slot):
+                chunk = self.core.queue_chunk(len(pages), last, aux_slot, now)
+                self.pages.append(pages)
+                for d in sorted(self.requests):
+                    await self._schedule(chunk.chunk_id, d)
+                if last:
+                    for d in sorted(self.core.aux_targets):
+                        await self._schedule_aux(d)
+            case WriteDone(chunk_id=chunk_id, decode_rank=d, ok=ok, detail=detail):
+                self.core.in_flight -= 1
+                if not ok:
+                    self._fail(FailureReason.TRANSPORT, detail)
+                elif chunk_id is None:
+                    self.core.aux_written(d, now)
+                else:
+                    self.core.write_done(chunk_id, d, now)
+            case m.Abort(agent=agent, detail=detail):
+                peer = self.engine.peers.get(agent)
+                if peer is not None:
+                    self.ack_to[agent] = peer
+                self.remote_failure = True
+                self._fail(FailureReason.ABORTED, f"aborted by decode {agent}: {detail}")
+            case m.RoomFailed(agent=agent, reason=reason, detail=detail):
+                self.remote_failure = True
+                self._fail(FailureReason.REMOTE, f"decode {agent} failed the room: {FailureReason(reason).name}: {detail}")
+            case LocalAbort(detail=detail):
+                self._fail(FailureReason.ABORTED, detail)
+            case PeerDead(agent=agent, detail=detail):
+                if any(p.agent_name == agent for p in self.peers.values()):
+                    self._fail(FailureReason.PEER_DEAD, detail)
+            case Shutdown():
+                self._fail(FailureReason.SHUTDOWN, "engine closed")
+            case _:
+                raise ProtocolError(f"{type(mail).__name__} is not for a prefill room")
+
+    async def _on_request(self, req: m.TransferRequest, now: float) -> None:
+        peer = self.engine.peers.get(req.agent)
+        if peer is None:
+            raise ProtocolError(f"TransferRequest from unknown decode agent {req.agent!r}")
+        layout = self.engine.pool.layout
+        my_rank = self.engine.config.tp_rank
+        expected = heads.targets_of(
+            layout.num_heads, self.engine.config.tp_size, req.decode_tp, my_rank, layout.mla
+        ).get(req.decode_rank)
+        got = req.slices[0] if req.slices else None
+        if len(req.slices) > 1 or (expected is None) != (got is None):
+            raise ProtocolError(f"decode rank {req.decode_rank} asked for slices {req.slices}, expected {expected}")
+        if got is not None and expected is not None:
+            if (got.src_head_start, got.dst_head_start, got.num_heads) != (
+                expected.src_head_start,
+                expected.dst_head_start,
+                expected.num_heads,
+            ):
+                raise ProtocolError(f"decode rank {req.decode_rank} asked for {got}, expected {expected}")
+        if req.path not in ("direct", "slice"):
+            raise ProtocolError(f"path {req.path!r} is not served by this engine")
+        bad = [p for p in req.dst_pages if not 0 <= p < peer.layout.num_pages]
+        if bad:
+            raise ProtocolError(f"decode page {bad[0]} outside [0, {peer.layout.num_pages})")
+        self.core.on_request(req.decode_rank, req.decode_tp, got is not None, req.aux_slot is not None, now)
+        self.requests[req.decode_rank] = req
+        self.peers[req.decode_rank] = peer
+        for chunk in self.core.chunks:
+            await self._schedule(chunk.chunk_id, req.decode_rank)
+        if self.core.sealed and req.decode_rank in self.core.aux_targets:
+            await self._schedule_aux(req.decode_rank)
+
+    async def _schedule(self, chunk_id: int, decode_rank: int) -> None:
+        req = self.requests[decode_rank]
+        if not req.slices or self.core.status.final:
+            return
+        await self._dispatch(
+            WriteJob(
+                self.room,
+                self.engine.config.tp_rank,
+                self.peers[decode_rank],
+                req,
+                self.core.chunks[chunk_id],
+                self.pages[chunk_id],
+                self._completion(chunk_id, decode_rank),
+            )
+        )
+
+    async def _schedule_aux(self, d: int) -> None:
+        if d not in self.requests or self.core.status.final:
+            return
+        aux_slot = self.core.aux_slot
+        if aux_slot is None:
+            raise ProtocolError(f"decode rank {d} asked for the aux item but the last send() gave no aux_slot")
+        empty = np.empty(0, dtype=np.int64)
+        job = WriteJob(
+            self.room, self.engine.config.tp_rank, self.peers[d], self.requests[d], None, empty,
+            self._completion(None, d), aux_slot=aux_slot,
+        )  # fmt: skip
+        await self._dispatch(job)
+
+    async def _dispatch(self, job: WriteJob) -> None:
+        self.core.in_flight += 1
+        self.jobs.append(job)
+        await self.engine.worker_for(job.peer.agent_name).inbox.send(job)
+
+    def _completion(self, chunk_id: int | None, decode_rank: int) -> Callable[[bool, str], Awaitable[None]]:
+        async def done(ok: bool, detail: str) -> None:
+            await self.inbox.send(WriteDone(chunk_id, decode_rank, ok, detail))
+
+        return done
+
+    async def on_status_change(self, before: RoomStatus) -> None:
+        if self.core.status is not RoomStatus.FAILED:
+            return
+        for job in self.jobs:
+            job.cancelled = True
+        if self.remote_failure:
+            return
+        failure = self.core.failure
+        assert failure is not None
+        for peer in self.peers.values():
+            self.engine.control.send(
+                peer.endpoint,
+                m.RoomFailed(
+                    room=self.room,
+                    agent=self.engine.agent_name,
+                    rank=self.engine.config.tp_rank,
+                    reason=int(failure.reason),
+                    detail=failure.detail,
+                ),
+            )
+
+    async def finish(self) -> None:
+        if self.core.status is RoomStatus.SUCCESS:
+            self.jobs.clear()
+            return
+        if not self.core.status.final:
+            self._fail(FailureReason.SHUTDOWN, "room actor stopped")
+        self.jobs.clear()
+        for agent, peer in self.ack_to.items():
+            self.engine.control.send(
+                peer.endpoint, m.AbortAck(room=self.room, agent=self.engine.agent_name, rank=self.engine.config.tp_rank)
+            )
+            log.debug("prefill room %d: AbortAck to %s", self.room, agent)
+
+
+class ReceiverRoomActor(_RoomActor):
+    """One room on a decode rank; see the module docstring."""
+
+    side = "decode"
+
+    def __init__(self, engine: TransferEngine, room: int, deadlines: Deadlines, writers: dict[int, Peer]) -> None:
+        super().__init__(engine, room)
+        self.core: ReceiverRoom = ReceiverRoom(room, deadlines, time.monotonic())
+        self.writers = writers
+        """Global prefill rank -> peer, for every rank that writes into this decode rank."""
+        self.everyone: list[Peer] = []
+        """Every prefill rank of the instance: all got a TransferRequest, all hear about a failure."""
+        self.aborting = False
+        self.remote_failure = False
+
+    def quiescent(self) -> bool:
+        if self.core.status is RoomStatus.SUCCESS:
+            return True
+        return self.aborting and not self.core.awaiting_acks
+
+    async def handle(self, mail: RoomMail) -> None:
+        now = time.monotonic()
+        match mail:
+            case m.ChunkLanded(sender=sender, chunk_id=chunk_id, last=last):
+                self.core.on_chunk(sender, chunk_id, last, now)
+            case m.AuxLanded(sender=sender):
+                self.core.on_aux(sender, now)
+            case m.AbortAck(rank=rank):
+                self.core.awaiting_acks.discard(rank)
+            case m.RoomFailed(agent=agent, reason=reason, detail=detail):
+                self.remote_failure = True
+                why = FailureReason(reason)
+                self._fail(
+                    FailureReason.ABORTED if why is FailureReason.ABORTED else FailureReason.REMOTE,
+                    f"prefill {agent} failed the room: {why.name}: {detail}",
+                )
+            case LocalAbort(detail=detail):
+                self._fail(FailureReason.ABORTED, detail)
+            case PeerDead(agent=agent, detail=detail):
+                for rank, peer in self.writers.items():
+                    if peer.agent_name == agent:
+                        self.core.awaiting_acks.discard(rank)
+                        self._fail(FailureReason.PEER_DEAD, detail)
+            case Shutdown():
+                self._fail(FailureReason.SHUTDOWN, "engine closed")
+            case _:
+                raise ProtocolError(f"{type(mail).__name__} is not for a decode room")
+
+    async def on_status_change(self, before: RoomStatus) -> None:
+        if self.core.status is not RoomStatus.FAILED or self.aborting:
+            return
+        await self.start_abort()
+
+    async def start_abort(self) -> None:
+        """Ask every writer to stop; the room becomes quiescent once all of them acknowledged."""
+        self.aborting = True
+        failure = self.core.failure
+        detail = failure.detail if failure else "aborted"
+        self.core.awaiting_acks = {rank for rank, peer in self.writers.items() if peer.alive}
+        for peer in self.everyone:
+            self.engine.control.send(
+                peer.endpoint,
+                m.Abort(room=self.room, agent=self.engine.agent_name, rank=self.engine.config.tp_rank, detail=detail),
+            )
+
+    async def finish(self) -> None:
+        if not self.core.status.final:
+            self._fail(FailureReason.SHUTDOWN, "room actor stopped")

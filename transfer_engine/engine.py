@@ -1,0 +1,543 @@
+"""The public API (DESIGN §8): :class:`TransferEngine`, its :class:`Sender` and :class:`Receiver`.
+
+``TransferEngine`` is the supervisor actor. Entering it starts every other actor under one task
+group (each reports ready through ``tg.start`` only once its resources exist): the NixlPoller with
+the rank's registered KV memory, the Control sockets, the Bootstrap registry where this rank hosts
+it, the TransferWorkers (prefill) and the heartbeat loop. Rooms are actors started per request.
+Leaving it fails live rooms with ``SHUTDOWN``, waits (bounded) for posted WRITEs, and releases
+every socket, NIXL handle and registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import numpy as np
+from anyio.abc import TaskGroup
+
+from transfer_engine.actors.bootstrap import Bootstrap
+from transfer_engine.actors.control import Control
+from transfer_engine.actors.nixl_poller import NixlPoller
+from transfer_engine.actors.room import (
+    LocalAbort,
+    PeerDead,
+    QueueChunk,
+    ReceiverRoomActor,
+    RoomMail,
+    SenderRoomActor,
+    Shutdown,
+    _RoomActor,
+)
+from transfer_engine.actors.worker import TransferWorker
+from transfer_engine.config import EngineConfig
+from transfer_engine.errors import (
+    ConfigError,
+    LayoutError,
+    LocalProtocolError,
+    PeerUnreachableError,
+    RemoteProtocolError,
+    RoomInUseError,
+    TransferError,
+)
+from transfer_engine.layout import KVPool
+from transfer_engine.peers import Peer, PrefillInstance
+from transfer_engine.protocol import heads
+from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.protocol.rooms import Deadlines, RoomStatus
+from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
+
+log = logging.getLogger(__name__)
+
+MAX_ROOM_ID = (1 << 63) - 1
+SHUTDOWN_DRAIN_S = 10.0
+
+
+def _pages_array(pages: Sequence[int] | np.ndarray | Any, pool: KVPool, what: str) -> np.ndarray:
+    arr = np.asarray(pages.cpu() if hasattr(pages, "cpu") else pages)
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise ConfigError(f"{what} must be a non-empty 1-D sequence of integers, got {arr.dtype} shape {arr.shape}")
+    arr = arr.astype(np.int64)
+    bad = np.flatnonzero((arr < 0) | (arr >= pool.num_pages))
+    if bad.size:
+        raise LayoutError(f"{what} contains page {int(arr[bad[0]])}, outside [0, {pool.num_pages})")
+    return arr
+
+
+def _check_room(room: int) -> None:
+    if not isinstance(room, int) or not 0 <= room <= MAX_ROOM_ID:
+        raise ConfigError(f"room={room!r} must be an integer in [0, 2**63)")
+
+
+class _Handle:
+    def __init__(self, actor: _RoomActor) -> None:
+        self._actor = actor
+
+    @property
+    def room(self) -> int:
+        return self._actor.room
+
+    def poll(self) -> RoomStatus:
+        """The room's status now; never blocks (for scheduler loops)."""
+        return self._actor.status
+
+    @property
+    def failure(self) -> tuple[FailureReason, str] | None:
+        f = self._actor.core.failure
+        return None if f is None else (f.reason, f.detail)
+
+    async def wait(self) -> None:
+        """Return once the room succeeded and nothing of it is in flight; raise TransferFailed otherwise."""
+        await self._actor.done.wait()
+        error = self._actor.error()
+        if error is not None:
+            raise error
+
+    async def abort(self, detail: str = "aborted by the application") -> None:
+        """Stop the room at any point; returns when no WRITE of it can still land. Idempotent."""
+        if not self._actor.done.is_set():
+            try:
+                await self._actor.inbox.send(LocalAbort(detail))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass
+        await self._actor.done.wait()
+
+
+class Sender(_Handle):
+    """Prefill side of one room. Created by :meth:`TransferEngine.sender`."""
+
+    def __init__(self, actor: SenderRoomActor, pool: KVPool) -> None:
+        super().__init__(actor)
+        self._pool = pool
+        self._sealed = False
+
+    async def send(self, pages: Sequence[int] | np.ndarray | Any, last: bool = False, aux_slot: int | None = None) -> None:
+        """Queue the next chunk: the prefill's KV page indices of it, in request order. Returns at once.
+
+        Raises LayoutError/ConfigError for pages or an aux slot outside the pool, and
+        LocalProtocolError after the last chunk or once the room is final. Nothing is queued then.
+        """
+        arr = _pages_array(pages, self._pool, "pages")
+        self._pool.check_aux_slot(aux_slot)
+        if self._sealed:
+            raise LocalProtocolError(f"room {self.room} already sent its last chunk")
+        if self._actor.done.is_set() or self._actor.status.final:
+            raise LocalProtocolError(f"room {self.room} is {self._actor.status.name}; send() is not allowed")
+        self._sealed = last
+        await self._actor.inbox.send(QueueChunk(arr, last, aux_slot))
+
+
+class Receiver(_Handle):
+    """Decode side of one room. Created by :meth:`TransferEngine.receiver`."""
+
+
+class TransferEngine:
+    """One rank's transfer engine; use as ``async with TransferEngine(config, kv) as engine``."""
+
+    def __init__(self, config: EngineConfig, kv: KVPool, *, transport: Transport | None = None) -> None:
+        if (config.tp_size, config.tp_rank) != (kv.tp_size, kv.tp_rank):
+            raise ConfigError(
+                f"config tp_size/tp_rank={config.tp_size}/{config.tp_rank} but the KV pool is for "
+                f"{kv.tp_size}/{kv.tp_rank}"
+            )
+        self.config = config
+        self.pool = kv
+        self.agent_name = config.agent_name or f"te-{config.role}-{config.tp_rank}-{os.getpid()}-{id(self):x}"
+        self._transport = transport
+        self.deadlines = Deadlines(config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout)
+        self.rooms: dict[int, _RoomActor] = {}
+        self.peers: dict[str, Peer] = {}
+        self.instances: dict[str, PrefillInstance] = {}
+        self._connecting: dict[str, anyio.Event] = {}
+        self._stash: dict[int, list[tuple[float, RoomMail]]] = defaultdict(list)
+        self.workers: list[TransferWorker] = []
+        self.bootstrap: Bootstrap | None = None
+        self._tg: TaskGroup | None = None
+        self._info = kv.info()
+        self._compat = m.compat_hash(self._info)
+        self._heartbeat_seq = 0
+        self.counters: dict[str, int] = defaultdict(int)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> TransferEngine:
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        try:
+            await self._start(tg)
+        except BaseException as exc:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(type(exc), exc, exc.__traceback__)
+            self._close_transport()
+            raise
+        return self
+
+    async def _start(self, tg: TaskGroup) -> None:
+        cfg = self.config
+        transport = self._transport or NixlTransport(self.agent_name, cfg.nixl_backend, cfg.nixl_params)
+        self._transport = transport
+        transport.register(self.pool.regions(), self.pool.mem_type)
+        aux = self.pool.aux_region()
+        if aux is not None:
+            transport.register([aux], "VRAM" if self.pool.aux is not None and self.pool.aux.is_cuda else "DRAM")
+        self.poller = NixlPoller(transport, self._on_notif, poll_interval=cfg.poll_interval, busy=lambda: bool(self.rooms))
+        await tg.start(self.poller.run)
+        self.control = Control(cfg.host, cfg.control_port, self._dispatch, name=f"{cfg.role}{cfg.tp_rank}")
+        await tg.start(self.control.run)
+        if cfg.hosts_bootstrap:
+            self.bootstrap = Bootstrap(cfg.bootstrap_host, cfg.bootstrap_port)
+            await tg.start(self.bootstrap.run)
+        if cfg.role == "prefill":
+            for i in range(cfg.num_workers):
+                worker = TransferWorker(i, self.pool, self.poller)
+                self.workers.append(worker)
+                await tg.start(worker.run)
+            await self._register()
+        tg.start_soon(self._heartbeat_loop)
+        log.info("%s rank %d/%d up: control %s agent %s", cfg.role, cfg.tp_rank, cfg.tp_size, self.endpoint, self.agent_name)
+
+    @property
+    def endpoint(self) -> str:
+        return self.control.endpoint
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._tg is not None
+        tg = self._tg
+        with anyio.CancelScope(shield=True):
+            for actor in list(self.rooms.values()):
+                try:
+                    actor.inbox.send_nowait(Shutdown())
+                except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    pass
+            with anyio.move_on_after(SHUTDOWN_DRAIN_S):
+                for actor in list(self.rooms.values()):
+                    if not actor.status.final or actor.side == "prefill":
+                        await actor.done.wait()
+            await self.poller.drain_posted(SHUTDOWN_DRAIN_S)
+            for worker in self.workers:
+                worker.inbox.close()
+            tg.cancel_scope.cancel()
+        try:
+            await tg.__aexit__(exc_type, exc, tb)
+        finally:
+            self._close_transport()
+
+    def _close_transport(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def leaks(self) -> dict[str, int]:
+        """What is still held: rooms, stashed messages, NIXL handles in flight. All 0 when idle."""
+        return {
+            "rooms": len(self.rooms),
+            "stashed": sum(len(v) for v in self._stash.values()),
+            "nixl_handles": self._transport.live_handles() if self._transport else 0,
+            "writes_in_flight": self.poller.in_flight(),
+        }
+
+    # --- prefill API ----------------------------------------------------------------------------
+
+    def sender(self, room: int) -> Sender:
+        """Open ``room`` on this prefill rank. RoomInUseError while a room with that id is live."""
+        if self.config.role != "prefill":
+            raise ConfigError("sender() is for prefill engines; this one is decode")
+        _check_room(room)
+        if room in self.rooms:
+            raise RoomInUseError(room)
+        actor = SenderRoomActor(self, room, self.deadlines)
+        self._start_room(actor)
+        for _, mail in self._stash.pop(room, []):
+            actor.inbox.send_nowait(mail)
+        return Sender(actor, self.pool)
+
+    def worker_for(self, agent_name: str) -> TransferWorker:
+        return self.workers[zlib.crc32(agent_name.encode()) % len(self.workers)]
+
+    async def _register(self) -> None:
+        cfg = self.config
+        msg = m.RegisterRank(rank=cfg.tp_rank, tp_size=cfg.tp_size, endpoint=self.endpoint, layout=self._info, compat=self._compat)
+        deadline = time.monotonic() + cfg.bootstrap_timeout
+        while True:
+            try:
+                reply = await self.control.request(cfg.bootstrap_endpoint, msg, min(cfg.connect_timeout, 1.0))
+                break
+            except PeerUnreachableError:
+                if time.monotonic() > deadline:
+                    raise
+        if not isinstance(reply, m.RegisterAck) or not reply.ok:
+            raise ConfigError(f"bootstrap {cfg.bootstrap_endpoint} refused rank {cfg.tp_rank}: {reply}")
+
+    # --- decode API -----------------------------------------------------------------------------
+
+    async def receiver(
+        self,
+        room: int,
+        bootstrap: str,
+        pages: Sequence[int] | np.ndarray | Any,
+        aux_slot: int | None = None,
+    ) -> Receiver:
+        """Open ``room`` on this decode rank: its KV goes into ``pages`` (this rank's page indices).
+
+        Connects to the prefill instance behind ``bootstrap`` the first time (raising
+        PeerUnreachableError, or LayoutError for an incompatible layout), then sends the room's
+        TransferRequests and returns with the room in WaitingForInput. Bad arguments raise before
+        anything is registered.
+        """
+        if self.config.role != "decode":
+            raise ConfigError("receiver() is for decode engines; this one is prefill")
+        _check_room(room)
+        arr = _pages_array(pages, self.pool, "pages")
+        self.pool.check_aux_slot(aux_slot)
+        if room in self.rooms:
+            raise RoomInUseError(room)
+        instance = await self._instance(bootstrap)
+        if room in self.rooms:
+            raise RoomInUseError(room)
+        path = self._choose_path(instance)
+        layout = self.pool.layout
+        D, d = self.config.tp_size, self.config.tp_rank
+        writers = heads.writers_of(layout.num_heads, instance.tp_size, D, d, layout.mla)
+        aux_writer = writers[0].prefill_rank if aux_slot is not None else None
+        actor = ReceiverRoomActor(self, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers})
+        actor.everyone = list(instance.ranks)
+        self._start_room(actor)
+        by_rank = {w.prefill_rank: w for w in writers}
+        pages_list = arr.tolist()
+        for peer in instance.ranks:
+            w = by_rank.get(peer.rank)
+            slices = [] if w is None else [m.SliceSpec(w.prefill_rank, w.src_head_start, w.dst_head_start, w.num_heads)]
+            self.control.send(
+                peer.endpoint,
+                m.TransferRequest(
+                    room=room,
+                    agent=self.agent_name,
+                    decode_rank=d,
+                    decode_tp=D,
+                    path=path,
+                    dst_pages=pages_list,
+                    aux_slot=aux_slot if peer.rank == aux_writer else None,
+                    slices=slices,
+                ),
+            )
+        actor.core.bootstrapped(by_rank, aux_writer, time.monotonic())
+        log.info("decode room %d: requested from %s (%d writers, path %s)", room, bootstrap, len(writers), path)
+        return Receiver(actor)
+
+    def _choose_path(self, instance: PrefillInstance) -> str:
+        layout = self.pool.layout
+        policy = self.config.path
+        same_pages = all(p.layout.page_size == layout.page_size for p in instance.ranks)
+        equal = instance.tp_size == self.config.tp_size or layout.mla
+        if policy == "auto":
+            path = "direct" if equal and same_pages else "slice"
+            return path
+        if policy == "direct":
+            if not equal:
+                raise ConfigError(f"path=direct needs equal TP or MLA; prefill tp {instance.tp_size}, decode tp {self.config.tp_size}")
+            if not same_pages:
+                raise ConfigError("path=direct needs equal page sizes on prefill and decode")
+            return "direct"
+        if policy == "slice":
+            return "slice"
+        raise ConfigError(f"path={policy!r} is not available in this engine yet")
+
+    async def _instance(self, bootstrap: str) -> PrefillInstance:
+        """The prefill instance behind ``bootstrap``, connecting (once, shared by callers) if needed."""
+        while bootstrap not in self.instances:
+            pending = self._connecting.get(bootstrap)
+            if pending is not None:
+                await pending.wait()
+                if bootstrap not in self.instances:
+                    raise PeerUnreachableError(bootstrap, "connection attempt by a concurrent receiver() failed")
+                break
+            event = self._connecting[bootstrap] = anyio.Event()
+            try:
+                self.instances[bootstrap] = await self._connect(bootstrap)
+            finally:
+                del self._connecting[bootstrap]
+                event.set()
+        return self.instances[bootstrap]
+
+    async def _connect(self, bootstrap: str) -> PrefillInstance:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.bootstrap_timeout
+        while True:
+            try:
+                topo = await self.control.request(bootstrap, m.TopologyQuery(), cfg.connect_timeout)
+            except PeerUnreachableError:
+                raise
+            if not isinstance(topo, m.Topology):
+                raise RemoteProtocolError(f"bootstrap {bootstrap} answered {type(topo).__name__}")
+            if topo.complete:
+                break
+            if time.monotonic() > deadline:
+                raise PeerUnreachableError(bootstrap, f"only {len(topo.ranks)} of {topo.tp_size} prefill ranks registered")
+            await anyio.sleep(0.05)
+        if not self.pool.layout.mla:
+            heads.validate_split(self.pool.layout.num_heads, topo.tp_size, cfg.tp_size)
+        hello = m.PeerHello(
+            rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            endpoint=self.endpoint,
+            agent_name=self.agent_name,
+            agent_metadata=self.poller.metadata(),
+            mem_type=self.pool.mem_type,
+            regions=self.pool.regions(),
+            aux=self.pool.aux_region(),
+            ring=None,
+            layout=self._info,
+            compat=self._compat,
+        )
+        peers: list[Peer] = []
+        for info in topo.ranks:
+            ack = await self.control.request(info.endpoint, hello, cfg.connect_timeout)
+            if not isinstance(ack, m.PeerHelloAck):
+                raise RemoteProtocolError(f"prefill rank {info.rank} answered {type(ack).__name__} to PeerHello")
+            if not ack.ok or ack.layout is None:
+                raise LayoutError(f"prefill rank {info.rank} at {info.endpoint} refused this decode rank: {ack.detail}")
+            peer = Peer(ack.agent_name, info.endpoint, info.rank, ack.tp_size, ack.layout, last_seen=time.monotonic())
+            self.poller.add_peer(RemotePeer(peer.agent_name, "DRAM", []), ack.agent_metadata)
+            self.peers[peer.agent_name] = peer
+            peers.append(peer)
+        log.info("decode rank %d connected to prefill instance %s (tp %d)", cfg.tp_rank, bootstrap, topo.tp_size)
+        return PrefillInstance(bootstrap, topo.tp_size, peers)
+
+    def _on_peer_hello(self, hello: m.PeerHello) -> m.PeerHelloAck:
+        """Prefill side of the handshake: validate, load the peer's agent and memory, answer."""
+        refuse = None
+        if hello.compat != self._compat or hello.layout.mla != self._info.mla:
+            refuse = f"layout mismatch: decode {hello.layout}, prefill {self._info}"
+        elif not self._info.mla:
+            try:
+                heads.validate_split(self._info.num_heads, self.config.tp_size, hello.tp_size)
+            except ConfigError as exc:
+                refuse = str(exc)
+        if refuse is None and (hello.layout.aux_item_bytes and self._info.aux_item_bytes) and (
+            hello.layout.aux_item_bytes != self._info.aux_item_bytes
+        ):
+            refuse = f"aux item bytes differ: decode {hello.layout.aux_item_bytes}, prefill {self._info.aux_item_bytes}"
+        if refuse is None:
+            try:
+                peer = Peer(
+                    hello.agent_name, hello.endpoint, hello.rank, hello.tp_size, hello.layout,
+                    hello.mem_type, list(hello.regions), hello.aux, hello.ring, time.monotonic(),
+                )  # fmt: skip
+                remote_regions = list(hello.regions) + ([hello.aux] if hello.aux else []) + ([hello.ring] if hello.ring else [])
+                self.poller.add_peer(RemotePeer(hello.agent_name, hello.mem_type, remote_regions), hello.agent_metadata)
+                old = self.peers.get(hello.agent_name)
+                if old is not None and old.endpoint != hello.endpoint:
+                    self.control.forget(old.endpoint)
+                self.peers[hello.agent_name] = peer
+            except TransferError as exc:
+                refuse = str(exc)
+        if refuse is not None:
+            log.warning("refused PeerHello from %s: %s", hello.agent_name, refuse)
+            return m.PeerHelloAck(ok=False, detail=refuse, rank=self.config.tp_rank, tp_size=self.config.tp_size,
+                                  agent_name=self.agent_name, agent_metadata=b"", layout=None, compat=self._compat)  # fmt: skip
+        log.info("prefill rank %d accepted decode rank %d/%d (%s)", self.config.tp_rank, hello.rank, hello.tp_size, hello.agent_name)
+        return m.PeerHelloAck(ok=True, detail="", rank=self.config.tp_rank, tp_size=self.config.tp_size,
+                              agent_name=self.agent_name, agent_metadata=self.poller.metadata(), layout=self._info,
+                              compat=self._compat)  # fmt: skip
+
+    # --- routing ----------------------------------------------------------------------------------
+
+    def _start_room(self, actor: _RoomActor) -> None:
+        assert self._tg is not None
+        self.rooms[actor.room] = actor
+        self.counters["rooms_opened"] += 1
+        self._tg.start_soon(actor.run, name=f"{actor.side}-room-{actor.room}")
+
+    def forget_room(self, actor: _RoomActor) -> None:
+        """Called by a room actor as it ends (final and quiescent)."""
+        if self.rooms.get(actor.room) is actor:
+            del self.rooms[actor.room]
+        self.counters[f"rooms_{actor.status.name.lower()}"] += 1
+        failure = actor.core.failure
+        if failure is not None:
+            self.counters[f"failed_{failure.reason.name.lower()}"] += 1
+
+    async def _to_room(self, room: int, mail: RoomMail) -> bool:
+        actor = self.rooms.get(room)
+        if actor is None or actor.done.is_set():
+            return False
+        try:
+            await actor.inbox.send(mail)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return False
+        return True
+
+    async def _dispatch(self, message: m.AnyMessage, ident: bytes) -> None:
+        match message:
+            case m.PeerHello() if self.config.role == "prefill":
+                await self.control.reply_to(ident, self._on_peer_hello(message))
+            case m.TransferRequest(room=room) if self.config.role == "prefill":
+                if not await self._to_room(room, message):
+                    self._stash[room].append((time.monotonic(), message))
+            case m.Abort(room=room, agent=agent, rank=rank) if self.config.role == "prefill":
+                if not await self._to_room(room, message):
+                    self._stash.pop(room, None)
+                    peer = self.peers.get(agent)
+                    if peer is not None:
+                        self.control.send(peer.endpoint, m.AbortAck(room=room, agent=self.agent_name, rank=self.config.tp_rank))
+                    else:
+                        self.control.count_drop("Abort", ident, f"abort of room {room} from unknown agent {agent} (rank {rank})")
+            case m.RoomFailed(room=room) | m.AbortAck(room=room):
+                if not await self._to_room(room, message):
+                    self.counters["late_messages"] += 1
+            case m.Heartbeat(agent=agent):
+                peer = self.peers.get(agent)
+                if peer is not None:
+                    peer.last_seen = time.monotonic()
+            case _:
+                self.control.count_drop(type(message).__name__, ident, f"not accepted by a {self.config.role} engine")
+
+    async def _on_notif(self, agent: str, notif: m.ChunkLanded | m.AuxLanded) -> None:
+        if self.config.role != "decode" or not await self._to_room(notif.room, notif):
+            self.counters["notifs_unrouted"] += 1
+            log.warning("%s: notification %s from %s for no live room dropped", self.agent_name, notif, agent)
+
+    # --- liveness -----------------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval
+        while True:
+            await anyio.sleep(interval)
+            now = time.monotonic()
+            self._heartbeat_seq += 1
+            beat = m.Heartbeat(agent=self.agent_name, rank=self.config.tp_rank, side=self.config.role, seq=self._heartbeat_seq)
+            for peer in list(self.peers.values()):
+                if not peer.alive:
+                    continue
+                self.control.send(peer.endpoint, beat)
+                if now - peer.last_seen > 2 * interval:
+                    await self._peer_dead(peer, f"no heartbeat from {peer.agent_name} for {now - peer.last_seen:.2f} s")
+            stale = now - self.config.bootstrap_timeout
+            for room in [r for r, items in self._stash.items() if items and items[0][0] < stale]:
+                del self._stash[room]
+                self.counters["stash_expired"] += 1
+
+    async def _peer_dead(self, peer: Peer, detail: str) -> None:
+        log.warning("%s rank %d: peer %s (rank %d) declared dead: %s", self.config.role, self.config.tp_rank,
+                    peer.agent_name, peer.rank, detail)  # fmt: skip
+        peer.alive = False
+        self.counters["peers_dead"] += 1
+        del self.peers[peer.agent_name]
+        for bootstrap, inst in list(self.instances.items()):
+            if peer in inst.ranks:
+                del self.instances[bootstrap]
+        self.control.forget(peer.endpoint)
+        for actor in list(self.rooms.values()):
+            await self._to_room(actor.room, PeerDead(peer.agent_name, detail))
+        if self.poller.in_flight(peer.agent_name) == 0:
+            self.poller.remove_peer(peer.agent_name)

@@ -1,0 +1,232 @@
+"""The narrow interface the engine uses to talk to NIXL, and its one implementation.
+
+Only the NixlPoller actor holds a :class:`Transport`; every NIXL call goes through it (the agent is
+not thread-safe, and one owner keeps the bookkeeping of handles in one place). NIXL's exceptions are
+translated here into :class:`~transfer_engine.errors.TransportError`.
+
+A WRITE is described by three uint64 arrays ``(src_addr, dst_addr, length)``; the transport turns
+them into NIXL descriptor lists without Python loops and posts one transfer carrying one
+notification. Remote ranges are checked against the regions the peer registered *before* posting
+(:class:`~transfer_engine.errors.AddressRangeError`).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from transfer_engine.errors import AddressRangeError, TransportError
+from transfer_engine.protocol.messages import MemRegion
+
+log = logging.getLogger(__name__)
+
+
+class XferState(enum.Enum):
+    """State of a posted WRITE, as NIXL reports it."""
+
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+
+
+@dataclass
+class RemotePeer:
+    """A remote agent this side may WRITE into: its name, memory type and registered regions."""
+
+    agent_name: str
+    mem_type: str
+    regions: list[MemRegion]
+    _starts: np.ndarray = field(init=False, repr=False)
+    _ends: np.ndarray = field(init=False, repr=False)
+    _devices: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        order = sorted(self.regions, key=lambda r: r.addr)
+        self._starts = np.array([r.addr for r in order], dtype=np.uint64)
+        self._ends = np.array([r.end for r in order], dtype=np.uint64)
+        self._devices = np.array([r.device for r in order], dtype=np.uint64)
+
+    def check(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """Device id of each range; AddressRangeError naming the first range outside every region."""
+        if len(self._starts) == 0:
+            raise AddressRangeError(f"peer {self.agent_name} registered no memory")
+        idx = np.searchsorted(self._starts, addr, side="right").astype(np.int64) - 1
+        safe = np.clip(idx, 0, None)
+        ok = (idx >= 0) & (addr + length <= self._ends[safe])
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise AddressRangeError(
+                f"WRITE of {int(length[bad])} bytes at {int(addr[bad]):#x} lies outside every region "
+                f"registered by peer {self.agent_name}"
+            )
+        return self._devices[safe]
+
+
+class Transport(Protocol):
+    """What the engine needs from a transfer library. Implemented by :class:`NixlTransport`."""
+
+    name: str
+
+    def metadata(self) -> bytes: ...
+    def register(self, regions: Sequence[MemRegion], mem_type: str) -> int: ...
+    def deregister(self, reg: int) -> None: ...
+    def add_peer(self, peer: RemotePeer, metadata: bytes) -> None: ...
+    def remove_peer(self, agent_name: str) -> None: ...
+    def post_write(
+        self,
+        peer: str,
+        local_mem: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        length: np.ndarray,
+        local_devices: np.ndarray | int,
+        notif: bytes,
+    ) -> int: ...
+    def state(self, handle: int) -> XferState: ...
+    def release(self, handle: int) -> None: ...
+    def drain_notifs(self) -> dict[str, list[bytes]]: ...
+    def live_handles(self) -> int: ...
+    def close(self) -> None: ...
+
+
+def _descs(addr: np.ndarray, length: np.ndarray, devices: np.ndarray | int) -> np.ndarray:
+    out = np.empty((len(addr), 3), dtype=np.uint64)
+    out[:, 0] = addr
+    out[:, 1] = length
+    out[:, 2] = devices
+    return out
+
+
+class NixlTransport:
+    """One NIXL agent with the UCX (or another) backend. Not thread-safe: one owner calls it."""
+
+    def __init__(self, name: str, backend: str = "UCX", params: dict[str, str] | None = None) -> None:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:  # pragma: no cover - nixl is a hard dependency
+            raise TransportError(f"nixl is not importable: {exc}") from exc
+        self.name = name
+        try:
+            config = nixl_agent_config(backends=[] if params else [backend], num_threads=0)
+            self._agent: Any = nixl_agent(name, config)
+            if params:
+                self._agent.create_backend(backend, dict(params))
+        except Exception as exc:
+            raise TransportError(f"cannot create NIXL agent {name!r} with backend {backend}: {exc}") from exc
+        self._regs: dict[int, Any] = {}
+        self._peers: dict[str, RemotePeer] = {}
+        self._handles: dict[int, Any] = {}
+        self._ids = itertools.count(1)
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def register(self, regions: Sequence[MemRegion], mem_type: str) -> int:
+        """Register memory ranges; returns a registration id for :meth:`deregister`."""
+        triples = [(r.addr, r.length, r.device, "") for r in regions]
+        try:
+            reg = self._agent.register_memory(triples, mem_type)
+        except Exception as exc:
+            raise TransportError(f"NIXL register_memory of {len(triples)} {mem_type} regions failed: {exc}") from exc
+        rid = next(self._ids)
+        self._regs[rid] = reg
+        return rid
+
+    def deregister(self, reg: int) -> None:
+        self._agent.deregister_memory(self._regs.pop(reg))
+
+    def add_peer(self, peer: RemotePeer, metadata: bytes) -> None:
+        """Load a peer's agent metadata (replacing an older one of the same name)."""
+        if peer.agent_name in self._peers:
+            self.remove_peer(peer.agent_name)
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransportError(f"NIXL add_remote_agent({peer.agent_name}) failed: {exc}") from exc
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != peer.agent_name:
+            self._agent.remove_remote_agent(name)
+            raise TransportError(f"peer metadata names agent {name!r}, expected {peer.agent_name!r}")
+        self._peers[peer.agent_name] = peer
+
+    def remove_peer(self, agent_name: str) -> None:
+        if self._peers.pop(agent_name, None) is not None:
+            try:
+                self._agent.remove_remote_agent(agent_name)
+            except Exception as exc:
+                log.warning("remove_remote_agent(%s) failed: %s", agent_name, exc)
+
+    def has_peer(self, agent_name: str) -> bool:
+        return agent_name in self._peers
+
+    def post_write(
+        self,
+        peer: str,
+        local_mem: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        length: np.ndarray,
+        local_devices: np.ndarray | int,
+        notif: bytes,
+    ) -> int:
+        """Post one WRITE of ``len(src)`` descriptors with ``notif`` riding on it; returns a handle.
+
+        Raises AddressRangeError (nothing posted) when a destination range is outside the peer's
+        registered regions, and TransportError when NIXL refuses the transfer.
+        """
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise TransportError(f"no NIXL peer named {peer!r}")
+        remote_devices = remote.check(dst, length)
+        try:
+            local = self._agent.get_xfer_descs(_descs(src, length, local_devices), local_mem)
+            far = self._agent.get_xfer_descs(_descs(dst, length, remote_devices), remote.mem_type)
+            handle = self._agent.initialize_xfer("WRITE", local, far, peer, notif)
+        except Exception as exc:
+            raise TransportError(f"cannot create WRITE to {peer} ({len(src)} descriptors): {exc}") from exc
+        hid = next(self._ids)
+        self._handles[hid] = handle
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            self.release(hid)
+            raise TransportError(f"WRITE to {peer} failed to start: {exc}") from exc
+        if state == "ERR":
+            self.release(hid)
+            raise TransportError(f"WRITE to {peer} failed to start")
+        return hid
+
+    def state(self, handle: int) -> XferState:
+        try:
+            return XferState(self._agent.check_xfer_state(self._handles[handle]))
+        except Exception as exc:
+            log.warning("check_xfer_state failed: %s", exc)
+            return XferState.ERR
+
+    def release(self, handle: int) -> None:
+        h = self._handles.pop(handle)
+        try:
+            self._agent.release_xfer_handle(h)
+        except Exception as exc:
+            log.warning("release_xfer_handle failed: %s", exc)
+
+    def drain_notifs(self) -> dict[str, list[bytes]]:
+        notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        return notifs
+
+    def live_handles(self) -> int:
+        return len(self._handles)
+
+    def close(self) -> None:
+        for hid in list(self._handles):
+            self.release(hid)
+        for name in list(self._peers):
+            self.remove_peer(name)
+        for rid in list(self._regs):
+            self.deregister(rid)
