@@ -64,7 +64,9 @@ SHUTDOWN_DRAIN_S = 10.0
 def _pages_array(pages: Sequence[int] | np.ndarray | Any, pool: KVPool, what: str) -> np.ndarray:
     arr = np.asarray(pages.cpu() if hasattr(pages, "cpu") else pages)
     if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise ConfigError(f"{what} must be a non-empty 1-D sequence of integers, got {arr.dtype} shape {arr.shape}")
+        raise ConfigError(
+            f"{what} must be a non-empty 1-D sequence of integers, got {arr.dtype} shape {arr.shape}"
+        )
     arr = arr.astype(np.int64)
     bad = np.flatnonzero((arr < 0) | (arr >= pool.num_pages))
     if bad.size:
@@ -119,7 +121,9 @@ class Sender(_Handle):
         self._pool = pool
         self._sealed = False
 
-    async def send(self, pages: Sequence[int] | np.ndarray | Any, last: bool = False, aux_slot: int | None = None) -> None:
+    async def send(
+        self, pages: Sequence[int] | np.ndarray | Any, last: bool = False, aux_slot: int | None = None
+    ) -> None:
         """Queue the next chunk: the prefill's KV page indices of it, in request order. Returns at once.
 
         Raises LayoutError/ConfigError for pages or an aux slot outside the pool, and
@@ -188,8 +192,12 @@ class TransferEngine:
         transport.register(self.pool.regions(), self.pool.mem_type)
         aux = self.pool.aux_region()
         if aux is not None:
-            transport.register([aux], "VRAM" if self.pool.aux is not None and self.pool.aux.is_cuda else "DRAM")
-        self.poller = NixlPoller(transport, self._on_notif, poll_interval=cfg.poll_interval, busy=lambda: bool(self.rooms))
+            transport.register(
+                [aux], "VRAM" if self.pool.aux is not None and self.pool.aux.is_cuda else "DRAM"
+            )
+        self.poller = NixlPoller(
+            transport, self._on_notif, poll_interval=cfg.poll_interval, busy=lambda: bool(self.rooms)
+        )
         await tg.start(self.poller.run)
         self.control = Control(cfg.host, cfg.control_port, self._dispatch, name=f"{cfg.role}{cfg.tp_rank}")
         await tg.start(self.control.run)
@@ -203,7 +211,14 @@ class TransferEngine:
                 await tg.start(worker.run)
             await self._register()
         tg.start_soon(self._heartbeat_loop)
-        log.info("%s rank %d/%d up: control %s agent %s", cfg.role, cfg.tp_rank, cfg.tp_size, self.endpoint, self.agent_name)
+        log.info(
+            "%s rank %d/%d up: control %s agent %s",
+            cfg.role,
+            cfg.tp_rank,
+            cfg.tp_size,
+            self.endpoint,
+            self.agent_name,
+        )
 
     @property
     def endpoint(self) -> str:
@@ -266,7 +281,13 @@ class TransferEngine:
 
     async def _register(self) -> None:
         cfg = self.config
-        msg = m.RegisterRank(rank=cfg.tp_rank, tp_size=cfg.tp_size, endpoint=self.endpoint, layout=self._info, compat=self._compat)
+        msg = m.RegisterRank(
+            rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            endpoint=self.endpoint,
+            layout=self._info,
+            compat=self._compat,
+        )
         deadline = time.monotonic() + cfg.bootstrap_timeout
         while True:
             try:
@@ -309,14 +330,20 @@ class TransferEngine:
         D, d = self.config.tp_size, self.config.tp_rank
         writers = heads.writers_of(layout.num_heads, instance.tp_size, D, d, layout.mla)
         aux_writer = writers[0].prefill_rank if aux_slot is not None else None
-        actor = ReceiverRoomActor(self, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers})
+        actor = ReceiverRoomActor(
+            self, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers}
+        )
         actor.everyone = list(instance.ranks)
         self._start_room(actor)
         by_rank = {w.prefill_rank: w for w in writers}
         pages_list = arr.tolist()
         for peer in instance.ranks:
             w = by_rank.get(peer.rank)
-            slices = [] if w is None else [m.SliceSpec(w.prefill_rank, w.src_head_start, w.dst_head_start, w.num_heads)]
+            slices = (
+                []
+                if w is None
+                else [m.SliceSpec(w.prefill_rank, w.src_head_start, w.dst_head_start, w.num_heads)]
+            )
             self.control.send(
                 peer.endpoint,
                 m.TransferRequest(
@@ -331,8 +358,16 @@ class TransferEngine:
                 ),
             )
         actor.core.bootstrapped(by_rank, aux_writer, time.monotonic())
-        log.info("decode room %d: requested from %s (%d writers, path %s)", room, bootstrap, len(writers), path)
+        log.info(
+            "decode room %d: requested from %s (%d writers, path %s)", room, bootstrap, len(writers), path
+        )
         return Receiver(actor)
+
+    async def connect(self, bootstrap: str) -> None:
+        """Handshake with the prefill instance behind ``bootstrap`` now, ahead of its first room."""
+        if self.config.role != "decode":
+            raise ConfigError("connect() is for decode engines; this one is prefill")
+        await self._instance(bootstrap)
 
     def _choose_path(self, instance: PrefillInstance) -> str:
         layout = self.pool.layout
@@ -344,7 +379,9 @@ class TransferEngine:
             return path
         if policy == "direct":
             if not equal:
-                raise ConfigError(f"path=direct needs equal TP or MLA; prefill tp {instance.tp_size}, decode tp {self.config.tp_size}")
+                raise ConfigError(
+                    f"path=direct needs equal TP or MLA; prefill tp {instance.tp_size}, decode tp {self.config.tp_size}"
+                )
             if not same_pages:
                 raise ConfigError("path=direct needs equal page sizes on prefill and decode")
             return "direct"
@@ -359,7 +396,9 @@ class TransferEngine:
             if pending is not None:
                 await pending.wait()
                 if bootstrap not in self.instances:
-                    raise PeerUnreachableError(bootstrap, "connection attempt by a concurrent receiver() failed")
+                    raise PeerUnreachableError(
+                        bootstrap, "connection attempt by a concurrent receiver() failed"
+                    )
                 break
             event = self._connecting[bootstrap] = anyio.Event()
             try:
@@ -382,7 +421,9 @@ class TransferEngine:
             if topo.complete:
                 break
             if time.monotonic() > deadline:
-                raise PeerUnreachableError(bootstrap, f"only {len(topo.ranks)} of {topo.tp_size} prefill ranks registered")
+                raise PeerUnreachableError(
+                    bootstrap, f"only {len(topo.ranks)} of {topo.tp_size} prefill ranks registered"
+                )
             await anyio.sleep(0.05)
         if not self.pool.layout.mla:
             heads.validate_split(self.pool.layout.num_heads, topo.tp_size, cfg.tp_size)
@@ -403,14 +444,22 @@ class TransferEngine:
         for info in topo.ranks:
             ack = await self.control.request(info.endpoint, hello, cfg.connect_timeout)
             if not isinstance(ack, m.PeerHelloAck):
-                raise RemoteProtocolError(f"prefill rank {info.rank} answered {type(ack).__name__} to PeerHello")
+                raise RemoteProtocolError(
+                    f"prefill rank {info.rank} answered {type(ack).__name__} to PeerHello"
+                )
             if not ack.ok or ack.layout is None:
-                raise LayoutError(f"prefill rank {info.rank} at {info.endpoint} refused this decode rank: {ack.detail}")
-            peer = Peer(ack.agent_name, info.endpoint, info.rank, ack.tp_size, ack.layout, last_seen=time.monotonic())
+                raise LayoutError(
+                    f"prefill rank {info.rank} at {info.endpoint} refused this decode rank: {ack.detail}"
+                )
+            peer = Peer(
+                ack.agent_name, info.endpoint, info.rank, ack.tp_size, ack.layout, last_seen=time.monotonic()
+            )
             self.poller.add_peer(RemotePeer(peer.agent_name, "DRAM", []), ack.agent_metadata)
             self.peers[peer.agent_name] = peer
             peers.append(peer)
-        log.info("decode rank %d connected to prefill instance %s (tp %d)", cfg.tp_rank, bootstrap, topo.tp_size)
+        log.info(
+            "decode rank %d connected to prefill instance %s (tp %d)", cfg.tp_rank, bootstrap, topo.tp_size
+        )
         return PrefillInstance(bootstrap, topo.tp_size, peers)
 
     def _on_peer_hello(self, hello: m.PeerHello) -> m.PeerHelloAck:
@@ -423,8 +472,10 @@ class TransferEngine:
                 heads.validate_split(self._info.num_heads, self.config.tp_size, hello.tp_size)
             except ConfigError as exc:
                 refuse = str(exc)
-        if refuse is None and (hello.layout.aux_item_bytes and self._info.aux_item_bytes) and (
-            hello.layout.aux_item_bytes != self._info.aux_item_bytes
+        if (
+            refuse is None
+            and (hello.layout.aux_item_bytes and self._info.aux_item_bytes)
+            and (hello.layout.aux_item_bytes != self._info.aux_item_bytes)
         ):
             refuse = f"aux item bytes differ: decode {hello.layout.aux_item_bytes}, prefill {self._info.aux_item_bytes}"
         if refuse is None:
@@ -433,8 +484,14 @@ class TransferEngine:
                     hello.agent_name, hello.endpoint, hello.rank, hello.tp_size, hello.layout,
                     hello.mem_type, list(hello.regions), hello.aux, hello.ring, time.monotonic(),
                 )  # fmt: skip
-                remote_regions = list(hello.regions) + ([hello.aux] if hello.aux else []) + ([hello.ring] if hello.ring else [])
-                self.poller.add_peer(RemotePeer(hello.agent_name, hello.mem_type, remote_regions), hello.agent_metadata)
+                remote_regions = (
+                    list(hello.regions)
+                    + ([hello.aux] if hello.aux else [])
+                    + ([hello.ring] if hello.ring else [])
+                )
+                self.poller.add_peer(
+                    RemotePeer(hello.agent_name, hello.mem_type, remote_regions), hello.agent_metadata
+                )
                 old = self.peers.get(hello.agent_name)
                 if old is not None and old.endpoint != hello.endpoint:
                     self.control.forget(old.endpoint)
@@ -445,7 +502,13 @@ class TransferEngine:
             log.warning("refused PeerHello from %s: %s", hello.agent_name, refuse)
             return m.PeerHelloAck(ok=False, detail=refuse, rank=self.config.tp_rank, tp_size=self.config.tp_size,
                                   agent_name=self.agent_name, agent_metadata=b"", layout=None, compat=self._compat)  # fmt: skip
-        log.info("prefill rank %d accepted decode rank %d/%d (%s)", self.config.tp_rank, hello.rank, hello.tp_size, hello.agent_name)
+        log.info(
+            "prefill rank %d accepted decode rank %d/%d (%s)",
+            self.config.tp_rank,
+            hello.rank,
+            hello.tp_size,
+            hello.agent_name,
+        )
         return m.PeerHelloAck(ok=True, detail="", rank=self.config.tp_rank, tp_size=self.config.tp_size,
                               agent_name=self.agent_name, agent_metadata=self.poller.metadata(), layout=self._info,
                               compat=self._compat)  # fmt: skip
@@ -457,6 +520,7 @@ class TransferEngine:
         self.rooms[actor.room] = actor
         self.counters["rooms_opened"] += 1
         self._tg.start_soon(actor.run, name=f"{actor.side}-room-{actor.room}")
+        self.poller.wake()
 
     def forget_room(self, actor: _RoomActor) -> None:
         """Called by a room actor as it ends (final and quiescent)."""
@@ -489,9 +553,14 @@ class TransferEngine:
                     self._stash.pop(room, None)
                     peer = self.peers.get(agent)
                     if peer is not None:
-                        self.control.send(peer.endpoint, m.AbortAck(room=room, agent=self.agent_name, rank=self.config.tp_rank))
+                        self.control.send(
+                            peer.endpoint,
+                            m.AbortAck(room=room, agent=self.agent_name, rank=self.config.tp_rank),
+                        )
                     else:
-                        self.control.count_drop("Abort", ident, f"abort of room {room} from unknown agent {agent} (rank {rank})")
+                        self.control.count_drop(
+                            "Abort", ident, f"abort of room {room} from unknown agent {agent} (rank {rank})"
+                        )
             case m.RoomFailed(room=room) | m.AbortAck(room=room):
                 if not await self._to_room(room, message):
                     self.counters["late_messages"] += 1
@@ -500,7 +569,9 @@ class TransferEngine:
                 if peer is not None:
                     peer.last_seen = time.monotonic()
             case _:
-                self.control.count_drop(type(message).__name__, ident, f"not accepted by a {self.config.role} engine")
+                self.control.count_drop(
+                    type(message).__name__, ident, f"not accepted by a {self.config.role} engine"
+                )
 
     async def _on_notif(self, agent: str, notif: m.ChunkLanded | m.AuxLanded) -> None:
         if self.config.role != "decode" or not await self._to_room(notif.room, notif):
@@ -511,17 +582,34 @@ class TransferEngine:
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
+        last_tick = time.monotonic()
         while True:
             await anyio.sleep(interval)
             now = time.monotonic()
+            if now - last_tick > 1.5 * interval:
+                # This loop itself was stalled (a blocking call in the application): the peers'
+                # heartbeats are queued unread, so their silence is ours. Extend their leases.
+                log.warning(
+                    "heartbeat loop stalled %.2f s; extending peer leases", now - last_tick - interval
+                )
+                for peer in self.peers.values():
+                    peer.last_seen = max(peer.last_seen, now - interval)
+            last_tick = now
             self._heartbeat_seq += 1
-            beat = m.Heartbeat(agent=self.agent_name, rank=self.config.tp_rank, side=self.config.role, seq=self._heartbeat_seq)
+            beat = m.Heartbeat(
+                agent=self.agent_name,
+                rank=self.config.tp_rank,
+                side=self.config.role,
+                seq=self._heartbeat_seq,
+            )
             for peer in list(self.peers.values()):
                 if not peer.alive:
                     continue
                 self.control.send(peer.endpoint, beat)
                 if now - peer.last_seen > 2 * interval:
-                    await self._peer_dead(peer, f"no heartbeat from {peer.agent_name} for {now - peer.last_seen:.2f} s")
+                    await self._peer_dead(
+                        peer, f"no heartbeat from {peer.agent_name} for {now - peer.last_seen:.2f} s"
+                    )
             stale = now - self.config.bootstrap_timeout
             for room in [r for r, items in self._stash.items() if items and items[0][0] < stale]:
                 del self._stash[room]

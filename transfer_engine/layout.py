@@ -132,7 +132,9 @@ class KVPool:
             )
         shape = (first.shape[0], self.heads_local, layout.head_dim)
         if shape[0] == 0 or shape[0] % layout.page_size:
-            raise LayoutError(f"num_slots={shape[0]} is not a positive multiple of page_size={layout.page_size}")
+            raise LayoutError(
+                f"num_slots={shape[0]} is not a positive multiple of page_size={layout.page_size}"
+            )
         for i, t in enumerate(self.tensors):
             if tuple(t.shape) != shape:
                 raise LayoutError(f"KV tensor {i} has shape {tuple(t.shape)}, expected {list(shape)}")

@@ -26,7 +26,9 @@ def global_heads(pool: KVPool) -> torch.Tensor:
     return torch.arange(start, stop, dtype=torch.int64)
 
 
-def values(room: int, tensor: int, heads: torch.Tensor, tokens: torch.Tensor, head_dim: int, itemsize: int) -> torch.Tensor:
+def values(
+    room: int, tensor: int, heads: torch.Tensor, tokens: torch.Tensor, head_dim: int, itemsize: int
+) -> torch.Tensor:
     """``[tokens, heads, head_dim]`` integers of the dtype's width: the expected bits."""
     dims = torch.arange(head_dim, dtype=torch.int64)
     x = (
@@ -43,7 +45,9 @@ def values(room: int, tensor: int, heads: torch.Tensor, tokens: torch.Tensor, he
 
 def _slots(pages: np.ndarray, page_size: int, num_tokens: int) -> torch.Tensor:
     offsets = np.arange(num_tokens)
-    return torch.from_numpy(np.asarray(pages, dtype=np.int64)[offsets // page_size] * page_size + offsets % page_size)
+    return torch.from_numpy(
+        np.asarray(pages, dtype=np.int64)[offsets // page_size] * page_size + offsets % page_size
+    )
 
 
 def fill(pool: KVPool, room: int, pages: np.ndarray) -> None:
@@ -86,6 +90,8 @@ def aux_ok(pool: KVPool, room: int, slot: int) -> bool:
     return bool(torch.equal(pool.aux[slot].cpu(), aux_bytes(room, pool.aux.shape[1])))
 
 
-def received_tokens(prefill_pages: int, prefill_page_size: int, decode_pages: int, decode_page_size: int) -> int:
+def received_tokens(
+    prefill_pages: int, prefill_page_size: int, decode_pages: int, decode_page_size: int
+) -> int:
     """Tokens a decode rank holds after a transfer: the prefill's pages, clipped to the decode's."""
     return min(prefill_pages * prefill_page_size, decode_pages * decode_page_size)

@@ -12,10 +12,10 @@ import anyio
 import numpy as np
 import torch
 
+from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
 from transfer_engine.layout import KVLayout, KVPool
-from transfer_engine import patterns
 
 
 def free_port() -> int:
@@ -51,7 +51,9 @@ async def cluster(
     async with contextlib.AsyncExitStack() as stack:
         prefill = []
         for rank in range(P):
-            cfg = EngineConfig(role="prefill", tp_size=P, tp_rank=rank, bootstrap_port=port, num_workers=2, **config)  # type: ignore[arg-type]
+            cfg = EngineConfig(
+                role="prefill", tp_size=P, tp_rank=rank, bootstrap_port=port, num_workers=2, **config
+            )  # type: ignore[arg-type]
             pool = KVPool.allocate(layout, P, rank, num_pages, aux_slots=aux, aux_item_bytes=16 if aux else 0)
             prefill.append(TransferEngine(cfg, pool))
         for engine in prefill:  # rank 0 first: it hosts the bootstrap the others register with
@@ -59,7 +61,9 @@ async def cluster(
         decode = []
         for rank in range(D):
             cfg = EngineConfig(role="decode", tp_size=D, tp_rank=rank, bootstrap_port=port, **config)  # type: ignore[arg-type]
-            pool = KVPool.allocate(decode_layout or layout, D, rank, num_pages, aux_slots=aux, aux_item_bytes=16 if aux else 0)
+            pool = KVPool.allocate(
+                decode_layout or layout, D, rank, num_pages, aux_slots=aux, aux_item_bytes=16 if aux else 0
+            )
             decode.append(await stack.enter_async_context(TransferEngine(cfg, pool)))
         yield Cluster(prefill, decode, f"tcp://127.0.0.1:{port}")
 
@@ -86,7 +90,9 @@ async def run_room(
         start = 0
         for i, n in enumerate(chunks):
             last = i == len(chunks) - 1
-            await sender.send(prefill_pages[start : start + n], last=last, aux_slot=aux_slot if last else None)
+            await sender.send(
+                prefill_pages[start : start + n], last=last, aux_slot=aux_slot if last else None
+            )
             start += n
     with anyio.fail_after(30):
         for s in senders:
@@ -107,4 +113,11 @@ def shuffled_pages(rng: random.Random, num_pages: int, n: int) -> np.ndarray:
 
 
 def small_layout(num_heads: int = 8, mla: bool = False, page_size: int = 4) -> KVLayout:
-    return KVLayout(num_layers=3, num_heads=num_heads, head_dim=64 if mla else 16, dtype=torch.bfloat16, page_size=page_size, mla=mla)
+    return KVLayout(
+        num_layers=3,
+        num_heads=num_heads,
+        head_dim=64 if mla else 16,
+        dtype=torch.bfloat16,
+        page_size=page_size,
+        mla=mla,
+    )

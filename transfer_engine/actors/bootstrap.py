@@ -43,7 +43,9 @@ class Bootstrap:
         except zmq.ZMQError as exc:
             sock.close()
             self._ctx.term()
-            raise PeerUnreachableError(f"tcp://{self.host}:{self.port}", f"bootstrap cannot bind: {exc}") from exc
+            raise PeerUnreachableError(
+                f"tcp://{self.host}:{self.port}", f"bootstrap cannot bind: {exc}"
+            ) from exc
         task_status.started()
         try:
             while True:

@@ -113,17 +113,17 @@ class Control:
         if sock is not None:
             sock.close(linger=0)
 
-    async def request(self, endpoint: str, message: m.Message, timeout: float) -> m.AnyMessage:
-        """Send ``message`` and wait for one answer; PeerUnreachableError after ``timeout`` seconds."""
+    async def request(self, endpoint: str, message: m.Message, wait_s: float) -> m.AnyMessage:
+        """Send ``message`` and wait for one answer; PeerUnreachableError after ``wait_s`` seconds."""
         sock = self._ctx.socket(zmq.DEALER)
         _configure(sock)
         try:
             sock.connect(endpoint)
             await sock.send(m.encode(message))
-            with anyio.move_on_after(timeout):
+            with anyio.move_on_after(wait_s):
                 reply = await sock.recv()
                 return m.decode(reply)
-            raise PeerUnreachableError(endpoint, f"no answer to {type(message).__name__} within {timeout} s")
+            raise PeerUnreachableError(endpoint, f"no answer to {type(message).__name__} within {wait_s} s")
         finally:
             sock.close(linger=0)
 

@@ -100,6 +100,10 @@ class NixlPoller:
         self.counters["descriptors_posted"] += len(src)
         self._wake.set()
 
+    def wake(self) -> None:
+        """Leave idle back-off now: a room started, so notifications may come any moment."""
+        self._wake.set()
+
     async def drained(self) -> None:
         """Return after the next complete poll-and-drain cycle."""
         self._wake.set()
@@ -158,9 +162,9 @@ class NixlPoller:
                 await self._on_notif(agent, notif)
         return worked
 
-    async def drain_posted(self, timeout: float) -> None:
+    async def drain_posted(self, limit_s: float) -> None:
         """Wait (bounded) until no WRITE is in flight; used when the engine shuts down."""
-        with anyio.move_on_after(timeout):
+        with anyio.move_on_after(limit_s):
             while self._posted:
                 await self._poll_once()
                 await anyio.sleep(self._interval)

@@ -217,7 +217,10 @@ class SenderRoomActor(_RoomActor):
                 self._fail(FailureReason.ABORTED, f"aborted by decode {agent}: {detail}")
             case m.RoomFailed(agent=agent, reason=reason, detail=detail):
                 self.remote_failure = True
-                self._fail(FailureReason.REMOTE, f"decode {agent} failed the room: {FailureReason(reason).name}: {detail}")
+                self._fail(
+                    FailureReason.REMOTE,
+                    f"decode {agent} failed the room: {FailureReason(reason).name}: {detail}",
+                )
             case LocalAbort(detail=detail):
                 self._fail(FailureReason.ABORTED, detail)
             case PeerDead(agent=agent, detail=detail):
@@ -239,7 +242,9 @@ class SenderRoomActor(_RoomActor):
         ).get(req.decode_rank)
         got = req.slices[0] if req.slices else None
         if len(req.slices) > 1 or (expected is None) != (got is None):
-            raise ProtocolError(f"decode rank {req.decode_rank} asked for slices {req.slices}, expected {expected}")
+            raise ProtocolError(
+                f"decode rank {req.decode_rank} asked for slices {req.slices}, expected {expected}"
+            )
         if got is not None and expected is not None:
             if (got.src_head_start, got.dst_head_start, got.num_heads) != (
                 expected.src_head_start,
@@ -281,7 +286,9 @@ class SenderRoomActor(_RoomActor):
             return
         aux_slot = self.core.aux_slot
         if aux_slot is None:
-            raise ProtocolError(f"decode rank {d} asked for the aux item but the last send() gave no aux_slot")
+            raise ProtocolError(
+                f"decode rank {d} asked for the aux item but the last send() gave no aux_slot"
+            )
         empty = np.empty(0, dtype=np.int64)
         job = WriteJob(
             self.room, self.engine.config.tp_rank, self.peers[d], self.requests[d], None, empty,
@@ -330,7 +337,8 @@ class SenderRoomActor(_RoomActor):
         self.jobs.clear()
         for agent, peer in self.ack_to.items():
             self.engine.control.send(
-                peer.endpoint, m.AbortAck(room=self.room, agent=self.engine.agent_name, rank=self.engine.config.tp_rank)
+                peer.endpoint,
+                m.AbortAck(room=self.room, agent=self.engine.agent_name, rank=self.engine.config.tp_rank),
             )
             log.debug("prefill room %d: AbortAck to %s", self.room, agent)
 
@@ -340,7 +348,9 @@ class ReceiverRoomActor(_RoomActor):
 
     side = "decode"
 
-    def __init__(self, engine: TransferEngine, room: int, deadlines: Deadlines, writers: dict[int, Peer]) -> None:
+    def __init__(
+        self, engine: TransferEngine, room: int, deadlines: Deadlines, writers: dict[int, Peer]
+    ) -> None:
         super().__init__(engine, room)
         self.core: ReceiverRoom = ReceiverRoom(room, deadlines, time.monotonic())
         self.writers = writers
@@ -397,7 +407,12 @@ class ReceiverRoomActor(_RoomActor):
         for peer in self.everyone:
             self.engine.control.send(
                 peer.endpoint,
-                m.Abort(room=self.room, agent=self.engine.agent_name, rank=self.engine.config.tp_rank, detail=detail),
+                m.Abort(
+                    room=self.room,
+                    agent=self.engine.agent_name,
+                    rank=self.engine.config.tp_rank,
+                    detail=detail,
+                ),
             )
 
     async def finish(self) -> None:

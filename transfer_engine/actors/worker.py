@@ -48,7 +48,9 @@ class WriteJob:
     cancelled: bool = field(default=False)
 
 
-def plan_write(job: WriteJob, pool: KVPool, bases: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
+def plan_write(
+    job: WriteJob, pool: KVPool, bases: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
     """The WRITE for a job: ``(src_addr, dst_addr, length, notification)``. Pure; raises TransferError.
 
     Direct path: coalesced page runs of every KV tensor. Slice path: one descriptor per tensor and
@@ -56,11 +58,21 @@ def plan_write(job: WriteJob, pool: KVPool, bases: np.ndarray) -> tuple[np.ndarr
     """
     req, peer, chunk = job.request, job.peer, job.chunk
     if chunk is None:
-        assert job.aux_slot is not None and req.aux_slot is not None and peer.aux is not None and pool.aux is not None
+        assert (
+            job.aux_slot is not None
+            and req.aux_slot is not None
+            and peer.aux is not None
+            and pool.aux is not None
+        )
         item = pool.aux.shape[1]
         src = np.array([pool.aux.data_ptr() + job.aux_slot * item], dtype=np.uint64)
         dst = np.array([peer.aux.addr + req.aux_slot * item], dtype=np.uint64)
-        return src, dst, np.array([item], dtype=np.uint64), m.encode(m.AuxLanded(room=job.room, sender=job.sender))
+        return (
+            src,
+            dst,
+            np.array([item], dtype=np.uint64),
+            m.encode(m.AuxLanded(room=job.room, sender=job.sender)),
+        )
     dst_pages_all = np.asarray(req.dst_pages, dtype=np.int64)
     notif = m.encode(
         m.ChunkLanded(
@@ -82,7 +94,9 @@ def plan_write(job: WriteJob, pool: KVPool, bases: np.ndarray) -> tuple[np.ndarr
                 f"[{chunk.page_start}, {chunk.page_start + chunk.num_pages}) but decode rank "
                 f"{req.decode_rank} gave only {len(dst_pages_all)} pages"
             )
-        src, dst, length = descriptors.direct_descriptors(bases, peer.bases, pool.page_bytes, job.src_pages, dst_pages)
+        src, dst, length = descriptors.direct_descriptors(
+            bases, peer.bases, pool.page_bytes, job.src_pages, dst_pages
+        )
         return src, dst, length, notif
     src_ps, dst_ps = pool.layout.page_size, peer.layout.page_size
     start = chunk.page_start * src_ps
@@ -132,7 +146,14 @@ class TransferWorker:
             if len(src) == 0:
                 raise TransferError(f"room {job.room}: empty WRITE")
             self.poller.post_write(
-                job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id, notif, job.on_done
+                job.peer.agent_name,
+                self.pool.mem_type,
+                src,
+                dst,
+                length,
+                self.pool.device_id,
+                notif,
+                job.on_done,
             )
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)

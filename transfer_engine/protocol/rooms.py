@@ -113,12 +113,16 @@ RECEIVER_TRANSITIONS: dict[RoomStatus, dict[type, RoomStatus]] = {
 """Decode side."""
 
 
-def transition(table: dict[RoomStatus, dict[type, RoomStatus]], state: RoomStatus, event: Event) -> RoomStatus:
+def transition(
+    table: dict[RoomStatus, dict[type, RoomStatus]], state: RoomStatus, event: Event
+) -> RoomStatus:
     """The next state, or LocalProtocolError naming the state and the event."""
     try:
         return table[state][type(event)]
     except KeyError:
-        raise LocalProtocolError(f"event {type(event).__name__} is not allowed in state {state.name}") from None
+        raise LocalProtocolError(
+            f"event {type(event).__name__} is not allowed in state {state.name}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +250,9 @@ class SenderRoom(_Room):
                 f"room {self.room}: decode tp {decode_tp} from rank {decode_rank}, earlier requests said {self.decode_tp}"
             )
         if decode_rank in self.requested:
-            raise RemoteProtocolError(f"room {self.room}: second TransferRequest from decode rank {decode_rank}")
+            raise RemoteProtocolError(
+                f"room {self.room}: second TransferRequest from decode rank {decode_rank}"
+            )
         self.requested.add(decode_rank)
         if sends:
             self.targets.add(decode_rank)
@@ -276,7 +282,9 @@ class SenderRoom(_Room):
             )
         key = (chunk_id, decode_rank)
         if key in self.done:
-            raise LocalProtocolError(f"room {self.room}: chunk {chunk_id} to decode rank {decode_rank} done twice")
+            raise LocalProtocolError(
+                f"room {self.room}: chunk {chunk_id} to decode rank {decode_rank} done twice"
+            )
         self.done.add(key)
         if not self.status.final:
             self._apply(Landed(), now)
@@ -285,7 +293,9 @@ class SenderRoom(_Room):
     def aux_written(self, decode_rank: int, now: float) -> None:
         """The aux WRITE to ``decode_rank`` finished."""
         if decode_rank not in self.aux_targets or decode_rank in self.aux_done:
-            raise LocalProtocolError(f"room {self.room}: unexpected aux completion for decode rank {decode_rank}")
+            raise LocalProtocolError(
+                f"room {self.room}: unexpected aux completion for decode rank {decode_rank}"
+            )
         self.aux_done.add(decode_rank)
         if not self.status.final:
             self._advance(now)
@@ -344,12 +354,16 @@ class ReceiverRoom(_Room):
         Raises RemoteProtocolError for an unknown sender, a repeated chunk, or contradicting ``last``.
         """
         if sender not in self.landed:
-            raise RemoteProtocolError(f"room {self.room}: chunk from prefill rank {sender}, not a writer of it")
+            raise RemoteProtocolError(
+                f"room {self.room}: chunk from prefill rank {sender}, not a writer of it"
+            )
         if chunk_id < 0:
             raise RemoteProtocolError(f"room {self.room}: chunk id {chunk_id} < 0 from rank {sender}")
         seen = self.landed[sender]
         if chunk_id in seen:
-            raise RemoteProtocolError(f"room {self.room}: chunk {chunk_id} from prefill rank {sender} landed twice")
+            raise RemoteProtocolError(
+                f"room {self.room}: chunk {chunk_id} from prefill rank {sender} landed twice"
+            )
         # Every writer sends the same chunks (one per send() of the room): once any writer has marked
         # its last chunk, the room's chunk count is fixed for all of them. Staged completion counts
         # scattered chunks against it, so a writer that disagrees must not be believed.
@@ -379,7 +393,9 @@ class ReceiverRoom(_Room):
 
     def on_aux(self, sender: int, now: float) -> None:
         if sender != self.wants_aux_from:
-            raise RemoteProtocolError(f"room {self.room}: aux from prefill rank {sender}, expected {self.wants_aux_from}")
+            raise RemoteProtocolError(
+                f"room {self.room}: aux from prefill rank {sender}, expected {self.wants_aux_from}"
+            )
         if self.aux_landed:
             raise RemoteProtocolError(f"room {self.room}: aux landed twice")
         self.aux_landed = True

@@ -133,7 +133,9 @@ class NixlTransport:
         try:
             reg = self._agent.register_memory(triples, mem_type)
         except Exception as exc:
-            raise TransportError(f"NIXL register_memory of {len(triples)} {mem_type} regions failed: {exc}") from exc
+            raise TransportError(
+                f"NIXL register_memory of {len(triples)} {mem_type} regions failed: {exc}"
+            ) from exc
         rid = next(self._ids)
         self._regs[rid] = reg
         return rid
