@@ -1,0 +1,321 @@
+"""Decode side of the example: D rank processes that request the schedule's rooms and verify every byte.
+
+    python examples/decode.py --tp 1 --bootstrap tcp://127.0.0.1:8998 [--rooms 200 --seed 0 ...]
+
+Each rank holds a synthetic KV pool of the same model as the prefill (its own TP split) and walks
+the room schedule of ``common.py`` (same ``--seed``/``--rooms``/shape flags as the prefill!): it
+takes the room's pages from its own allocator, calls ``engine.receiver(room, bootstrap, pages,
+aux_slot)``, and once ``wait()`` returns checks every element of every page with
+``patterns.mismatches`` and the aux item with ``patterns.aux_ok``. Room latency is measured from
+``receiver()`` to ``wait()`` returning, and a room's latency is that of its slowest decode rank. The
+first ``receiver()`` also connects to the prefill instance (retried until ``--wait-for-prefill``
+seconds have passed, so both sides may start in any order): that room is left out of the latency
+percentiles, and the GB/s clock starts when it returned.
+
+Each rank prints its control endpoint at start and one line at the end; the launcher prints one
+summary line (``decode summary: rooms verified N/M ...``) and exits non-zero if any room failed or
+any byte was wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import common
+
+DEFAULT_WAITING_TIMEOUT = 120.0
+ENGINE_SKIP = (
+    "role",
+    "tp_size",
+    "tp_rank",
+    "agent_name",
+    "bootstrap_host",
+    "bootstrap_port",
+    "host_bootstrap",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from transfer_engine.config import EngineConfig
+    from transfer_engine.errors import ConfigError
+
+    parser = argparse.ArgumentParser(
+        description="Decode ranks of the transfer_engine example.", allow_abbrev=False
+    )
+    parser.add_argument("--tp", type=int, default=1, help="decode TP size: rank processes to start")
+    parser.add_argument(
+        "--bootstrap", default="tcp://127.0.0.1:8998", help="the prefill instance's bootstrap server"
+    )
+    parser.add_argument(
+        "--wait-for-prefill",
+        type=float,
+        default=60.0,
+        help="keep trying to reach the prefill instance this long before giving up (s, default 60)",
+    )
+    parser.add_argument(
+        "--progress",
+        choices=["auto", "bar", "lines", "none"],
+        default="auto",
+        help="bar: one updating line on stderr (auto: when stderr is a terminal); lines: 'progress ...' "
+        "lines on stdout, for pd_demo",
+    )
+    parser.add_argument("--json-out", default="", help="also write the summary as JSON to this file")
+    common.add_workload_arguments(parser)
+    group = parser.add_argument_group("engine (EngineConfig fields; TE_* environment variables apply too)")
+    ours = {a.dest for a in parser._actions}
+    EngineConfig.add_arguments(group, skip=(*ENGINE_SKIP, *ours))  # type: ignore[arg-type]
+    args = parser.parse_args(argv)
+    if args.tp < 1:
+        parser.error(f"--tp={args.tp} must be >= 1")
+    problem = common.check_workload(args)
+    if problem:
+        parser.error(problem)
+    try:
+        EngineConfig.from_args(args, role="decode", tp_size=args.tp, tp_rank=0)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def decode_rank(rank: int, args: argparse.Namespace, events: Any) -> None:
+    """Entry point of one rank process."""
+    import anyio
+
+    name = f"decode rank {rank}/{args.tp}"
+    common.rank_entry(lambda: anyio.run(serve, rank, args, events), name, args, events)
+
+
+async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
+    import anyio
+    import anyio.to_thread
+    import numpy as np
+    import torch
+
+    from transfer_engine import patterns
+    from transfer_engine.config import EngineConfig
+    from transfer_engine.engine import Receiver, TransferEngine
+    from transfer_engine.errors import PeerUnreachableError, TransferError, TransferFailed
+    from transfer_engine.layout import KVPool
+
+    D = args.tp
+    name = f"decode rank {rank}/{D}"
+    overrides = {}
+    if args.waiting_timeout is None and "TE_WAITING_TIMEOUT" not in os.environ:
+        # A room whose prefill side ended before our request arrived is never answered; without an
+        # input deadline it would wait forever. The schedule keeps the prefill close behind us.
+        overrides["waiting_timeout"] = DEFAULT_WAITING_TIMEOUT
+    cfg = EngineConfig.from_args(args, role="decode", tp_size=D, tp_rank=rank, **overrides)
+    layout = common.make_layout(args)
+    plans = common.make_schedule(args)
+    device = common.device_for(args.device, rank)
+    itemsize = torch.empty(0, dtype=layout.dtype).element_size()
+    page_bytes = layout.page_size * layout.heads_local(D) * layout.head_dim * itemsize * layout.num_kv_tensors
+    num_pages = common.pool_pages(args, page_bytes)
+    use_aux = args.aux_bytes > 0
+    pool = KVPool.allocate(
+        layout,
+        D,
+        rank,
+        num_pages,
+        device=device,
+        aux_slots=args.inflight if use_aux else 0,
+        aux_item_bytes=args.aux_bytes,
+    )
+    alloc = common.PageAllocator(num_pages, f"decode:{args.seed}:{rank}")
+    aux_slots = list(range(args.inflight))
+    window = anyio.Semaphore(args.inflight)
+    compute = anyio.CapacityLimiter(1)  # one verification at a time; the event loop keeps serving
+    stats: dict[str, Any] = {"ok": 0, "failed": 0, "bytes": 0, "start": 0.0, "end": 0.0}
+
+    def verify(room: int, pages: np.ndarray, slot: int | None) -> str | None:
+        tokens = len(pages) * layout.page_size  # whole pages: every byte the prefill wrote
+        bad = patterns.mismatches(pool, room, pages, tokens)
+        if bad:
+            return f"{bad} wrong elements in {tokens} tokens"
+        if slot is not None and not patterns.aux_ok(pool, room, slot):
+            return f"aux item in slot {slot} is wrong"
+        return None
+
+    async def finish_room(
+        plan: common.RoomPlan, receiver: Receiver, pages: np.ndarray, slot: int | None, t0: float
+    ) -> None:
+        ok, latency, nbytes = False, 0.0, 0
+        try:
+            await receiver.wait()
+            latency = time.monotonic() - t0
+            problem = await anyio.to_thread.run_sync(verify, plan.room, pages, slot, limiter=compute)
+            if problem is None:
+                ok = True
+                nbytes = plan.num_pages * page_bytes + (args.aux_bytes if use_aux else 0)
+            else:
+                common.say(f"{name}: room {plan.room} (#{plan.index}): {problem}")
+        except TransferFailed as exc:  # wait() raises only once the room is quiescent
+            if stats["failed"] < 5:
+                common.say(f"{name}: room {plan.room} (#{plan.index}) failed: {exc}")
+        finally:
+            alloc.free(pages)
+            if slot is not None:
+                aux_slots.append(slot)
+            window.release()
+        stats["ok" if ok else "failed"] += 1
+        stats["bytes"] += nbytes
+        stats["end"] = time.time()
+        events.put(("room", rank, (plan.index, ok, nbytes, latency)))
+
+    async def open_room(plan: common.RoomPlan, pages: np.ndarray, slot: int | None) -> tuple[Receiver, float]:
+        give_up = time.monotonic() + args.wait_for_prefill
+        while True:
+            t0 = time.monotonic()
+            try:
+                receiver = await engine.receiver(plan.room, args.bootstrap, pages, aux_slot=slot)
+                return receiver, t0
+            except PeerUnreachableError as exc:
+                # Only the first receiver() connects; until the prefill instance is up, try again.
+                if plan.index > 0 or time.monotonic() > give_up:
+                    raise
+                log_wait(exc)
+                await anyio.sleep(0.5)
+
+    warned: list[str] = []
+
+    def log_wait(exc: Exception) -> None:
+        if not warned:
+            warned.append(str(exc))
+            common.say(f"{name}: waiting for the prefill instance at {args.bootstrap} ({exc})")
+
+    async with TransferEngine(cfg, pool) as engine:
+        common.say(
+            f"{name}: control endpoint {engine.endpoint} (agent {engine.agent_name}); "
+            f"pool {num_pages} pages = {common.human_bytes(num_pages * page_bytes)} on {device}"
+        )
+        events.put(("up", rank, engine.endpoint))
+        async with common.STOP.cancel_on_signal():
+            async with anyio.create_task_group() as tg:
+                for plan in plans:
+                    await window.acquire()
+                    pages = await alloc.alloc(plan.num_pages)
+                    slot = aux_slots.pop() if use_aux else None
+                    try:
+                        receiver, t0 = await open_room(plan, pages, slot)
+                    except TransferError as exc:
+                        common.say(f"{name}: cannot open room {plan.room} (#{plan.index}): {exc}")
+                        raise SystemExit(f"giving up: {exc}") from None
+                    if plan.index == 0:
+                        stats["start"] = time.time()  # connected: the clock of GB/s starts here
+                    tg.start_soon(finish_room, plan, receiver, pages, slot, t0)
+    total = len(plans)
+    missing = total - stats["ok"] - stats["failed"]
+    elapsed = max(0.0, stats["end"] - stats["start"]) if stats["start"] else 0.0
+    common.say(
+        f"{name}: rooms ok={stats['ok']} failed={stats['failed']} not-run={missing} of {total}, "
+        f"{common.human_bytes(stats['bytes'])} verified in {elapsed:.2f} s"
+        + (f" (stopped by {common.STOP.name})" if common.STOP.signum else "")
+    )
+    events.put(("done", rank, {**stats, "rooms": total}))
+    return 0 if stats["ok"] == total else 1
+
+
+class Progress:
+    """Aggregates the ranks' per-room events: a room is verified once every decode rank verified it."""
+
+    def __init__(self, total: int, ranks: int, mode: str) -> None:
+        self.total, self.ranks, self.mode = total, ranks, mode
+        self.reports: dict[int, list[tuple[bool, int, float]]] = {}
+        self.verified = self.failed = self.bytes = 0
+        self.latencies: list[float] = []
+        self.done: dict[int, dict[str, Any]] = {}
+        self.started = time.monotonic()
+        self._shown = 0.0
+
+    def on_event(self, kind: str, rank: int, payload: Any) -> None:
+        if kind == "done":
+            self.done[rank] = payload
+            return
+        if kind != "room":
+            return
+        index, ok, nbytes, latency = payload
+        got = self.reports.setdefault(index, [])
+        got.append((ok, nbytes, latency))
+        self.bytes += nbytes
+        if len(got) == self.ranks:
+            if all(r[0] for r in got):
+                self.verified += 1
+                if index > 0:  # the first room's receiver() also connected to the prefill instance
+                    self.latencies.append(max(r[2] for r in got))  # ready once every rank has it
+            else:
+                self.failed += 1
+        self.show()
+
+    def show(self, final: bool = False) -> None:
+        now = time.monotonic()
+        if self.mode == "none" or (not final and now - self._shown < 0.1):
+            return
+        self._shown = now
+        if self.mode == "lines":
+            common.say(
+                f"progress verified={self.verified} failed={self.failed} total={self.total} bytes={self.bytes}"
+            )
+            return
+        width = 30
+        done = self.verified + self.failed
+        filled = width * done // max(self.total, 1)
+        bar = "#" * filled + "." * (width - filled)
+        sys.stderr.write(
+            f"\r[{bar}] {done}/{self.total} rooms, {self.failed} failed, "
+            f"{common.human_bytes(self.bytes)}, {now - self.started:.1f} s "
+        )
+        if final:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plans = common.make_schedule(args)
+    common.say(
+        f"decode: {args.tp} rank(s), prefill at {args.bootstrap}, {len(plans)} rooms, "
+        f"{common.layout_text(args)}, schedule {common.fingerprint(plans, common.layout_text(args))}"
+    )
+    mode = args.progress
+    if mode == "auto":
+        mode = "bar" if sys.stderr.isatty() else "none"
+    progress = Progress(len(plans), args.tp, mode)
+    codes = common.run_ranks("decode", args.tp, decode_rank, args, progress.on_event)
+    progress.show(final=True)
+    starts = [d["start"] for d in progress.done.values() if d["start"]]
+    ends = [d["end"] for d in progress.done.values() if d["end"]]
+    seconds = max(ends) - min(starts) if starts and ends else 0.0
+    p50 = common.percentile(progress.latencies, 50)
+    p99 = common.percentile(progress.latencies, 99)
+    gbps = progress.bytes / seconds / 1e9 if seconds > 0 else 0.0
+    good = all(c == 0 for c in codes) and progress.verified == len(plans)
+    summary = {
+        "rooms": len(plans),
+        "verified": progress.verified,
+        "failed": len(plans) - progress.verified,
+        "bytes": progress.bytes,
+        "seconds": seconds,
+        "gbps": gbps,
+        "latency_p50_ms": p50 * 1e3,
+        "latency_p99_ms": p99 * 1e3,
+        "exit_codes": codes,
+        "ok": good,
+    }
+    common.say(
+        f"decode summary: rooms verified {progress.verified}/{len(plans)}, failed {summary['failed']}, "
+        f"{common.human_bytes(progress.bytes)} in {seconds:.2f} s = {gbps:.3f} GB/s, "
+        f"room latency p50 {p50 * 1e3:.1f} ms p99 {p99 * 1e3:.1f} ms, exit codes {codes}"
+    )
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f)
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

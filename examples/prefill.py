@@ -1,0 +1,220 @@
+"""Prefill side of the example: P rank processes, each a TransferEngine serving a schedule of rooms.
+
+    python examples/prefill.py --tp 2 [--bootstrap-port 8998] [--rooms 200 --seed 0 ...]
+
+Rank 0 hosts the bootstrap server on ``--bootstrap-port``; every rank registers with it, so decode
+ranks find the whole TP group from one address. Each rank holds a synthetic KV pool (Qwen3-8B's
+shape by default, few pages) and walks the room schedule of ``common.py``: it takes the room's
+pages from its allocator, fills them with ``patterns.fill`` (what the model would compute), opens
+``engine.sender(room)`` and ``send()``s the room's chunks. It does not wait for the decode's request:
+the engine parks the room in Bootstrapping (or keeps an early request) until both are there.
+``sender.wait()`` returns once every WRITE of the room is done; only then are its pages reused.
+
+After the schedule a rank keeps serving until its decode peers are gone (or ``--linger`` seconds),
+and SIGTERM/SIGINT shut it down gracefully at any time. Each rank prints its control endpoint at
+start and one line at the end; the exit status is non-zero if any room failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import common
+
+ENGINE_SKIP = ("role", "tp_size", "tp_rank", "agent_name")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from transfer_engine.config import EngineConfig
+    from transfer_engine.errors import ConfigError
+
+    parser = argparse.ArgumentParser(
+        description="Prefill ranks of the transfer_engine example.", allow_abbrev=False
+    )
+    parser.add_argument("--tp", type=int, default=1, help="prefill TP size: rank processes to start")
+    parser.add_argument(
+        "--linger",
+        type=float,
+        default=60.0,
+        help="after the schedule, keep serving until every decode peer is gone, at most this long (s)",
+    )
+    parser.add_argument(
+        "--send-early",
+        action="store_true",
+        help="send() a room's chunks right after sender(), before every decode rank's request is in. "
+        "By default a rank waits for the room to leave Bootstrapping first: with decode TP >= 2 the "
+        "engine fails a room whose early WRITE finishes before the last request arrives "
+        "(PROTOCOL: event Landed is not allowed in state BOOTSTRAPPING)",
+    )
+    common.add_workload_arguments(parser)
+    group = parser.add_argument_group("engine (EngineConfig fields; TE_* environment variables apply too)")
+    ours = {a.dest for a in parser._actions}
+    EngineConfig.add_arguments(group, skip=(*ENGINE_SKIP, *ours))  # type: ignore[arg-type]
+    args = parser.parse_args(argv)
+    if args.tp < 1:
+        parser.error(f"--tp={args.tp} must be >= 1")
+    problem = common.check_workload(args)
+    if problem:
+        parser.error(problem)
+    try:
+        EngineConfig.from_args(args, role="prefill", tp_size=args.tp, tp_rank=0)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def prefill_rank(rank: int, args: argparse.Namespace, events: Any) -> None:
+    """Entry point of one rank process."""
+    import anyio
+
+    name = f"prefill rank {rank}/{args.tp}"
+    common.rank_entry(lambda: anyio.run(serve, rank, args, events), name, args, events)
+
+
+async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
+    import anyio
+    import anyio.to_thread
+    import numpy as np
+    import torch
+
+    from transfer_engine import patterns
+    from transfer_engine.config import EngineConfig
+    from transfer_engine.engine import Sender, TransferEngine
+    from transfer_engine.errors import TransferError
+    from transfer_engine.layout import KVPool
+    from transfer_engine.protocol.rooms import RoomStatus
+
+    P = args.tp
+    name = f"prefill rank {rank}/{P}"
+    cfg = EngineConfig.from_args(args, role="prefill", tp_size=P, tp_rank=rank)
+    layout = common.make_layout(args)
+    plans = common.make_schedule(args)
+    device = common.device_for(args.device, rank)
+    itemsize = torch.empty(0, dtype=layout.dtype).element_size()
+    page_bytes = layout.page_size * layout.heads_local(P) * layout.head_dim * itemsize * layout.num_kv_tensors
+    num_pages = common.pool_pages(args, page_bytes)
+    use_aux = args.aux_bytes > 0
+    pool = KVPool.allocate(
+        layout,
+        P,
+        rank,
+        num_pages,
+        device=device,
+        aux_slots=args.inflight if use_aux else 0,
+        aux_item_bytes=args.aux_bytes,
+    )
+    alloc = common.PageAllocator(num_pages, f"prefill:{args.seed}:{rank}")
+    started = finished = time.monotonic()
+    aux_slots = list(range(args.inflight))
+    window = anyio.Semaphore(args.inflight)
+    compute = anyio.CapacityLimiter(1)  # one fill at a time: the event loop keeps serving meanwhile
+    stats = {"ok": 0, "failed": 0, "bytes": 0}
+
+    def fill(room: int, pages: np.ndarray, slot: int | None) -> None:
+        patterns.fill(pool, room, pages)
+        if slot is not None:
+            patterns.fill_aux(pool, room, slot)
+        if pool.device.type == "cuda":
+            torch.cuda.synchronize(pool.device)  # the WRITE reads this memory: it must be written first
+
+    async def serve_room(plan: common.RoomPlan, sender: Sender, pages: np.ndarray, slot: int | None) -> None:
+        nonlocal finished
+        try:
+            if not args.send_early:
+                # As SGLang's scheduler does: send once every decode rank's request is in. (Sending
+                # earlier is allowed, but see --send-early.)
+                delay = 0.001
+                while sender.poll() is RoomStatus.BOOTSTRAPPING:  # noqa: ASYNC110 (no event to wait on)
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, 0.01)
+                if sender.poll() is RoomStatus.FAILED:
+                    await sender.wait()  # raises the room's failure (a bootstrap timeout, an abort...)
+            start = 0
+            for i, n in enumerate(plan.chunks):
+                last = i == len(plan.chunks) - 1
+                await sender.send(pages[start : start + n], last=last, aux_slot=slot if last else None)
+                start += n
+            await sender.wait()
+            stats["ok"] += 1
+            stats["bytes"] += plan.num_pages * page_bytes + (args.aux_bytes if use_aux else 0)
+        except TransferError as exc:
+            stats["failed"] += 1
+            if stats["failed"] <= 5:
+                common.say(f"{name}: room {plan.room} (#{plan.index}) failed: {exc}")
+            with anyio.CancelScope(shield=True):
+                await sender.abort(f"prefill rank {rank}: {exc}")  # returns once no WRITE can land
+        finally:
+            finished = time.monotonic()
+            alloc.free(pages)
+            if slot is not None:
+                aux_slots.append(slot)
+            window.release()
+
+    async with TransferEngine(cfg, pool) as engine:
+        where = f", bootstrap server {cfg.bootstrap_endpoint}" if cfg.hosts_bootstrap else ""
+        common.say(
+            f"{name}: control endpoint {engine.endpoint} (agent {engine.agent_name}{where}); "
+            f"pool {num_pages} pages = {common.human_bytes(num_pages * page_bytes)} on {device}"
+        )
+        events.put(("up", rank, engine.endpoint))
+        async with common.STOP.cancel_on_signal():
+            async with anyio.create_task_group() as tg:
+                for plan in plans:
+                    await window.acquire()
+                    pages = await alloc.alloc(plan.num_pages)
+                    slot = aux_slots.pop() if use_aux else None
+                    if plan.index == 0:
+                        started = time.monotonic()
+                    await anyio.to_thread.run_sync(fill, plan.room, pages, slot, limiter=compute)
+                    tg.start_soon(serve_room, plan, engine.sender(plan.room), pages, slot)
+            # A server would go on; this one has served its schedule. Stay while decode ranks are
+            # still connected (their last rooms may be finishing), so they never see us vanish.
+            with anyio.move_on_after(args.linger):
+                while engine.peers:  # noqa: ASYNC110 (the engine has no event for a peer leaving)
+                    await anyio.sleep(0.1)
+    elapsed = max(0.0, finished - started)
+    total = len(plans)
+    missing = total - stats["ok"] - stats["failed"]
+    common.say(
+        f"{name}: rooms ok={stats['ok']} failed={stats['failed']} not-run={missing} of {total}, "
+        f"{common.human_bytes(stats['bytes'])} in {elapsed:.2f} s"
+        + (f" (stopped by {common.STOP.name})" if common.STOP.signum else "")
+    )
+    events.put(("done", rank, {**stats, "rooms": total, "seconds": elapsed}))
+    return 0 if stats["ok"] == total else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transfer_engine.config import EngineConfig
+
+    args = parse_args(argv)
+    plans = common.make_schedule(args)
+    cfg = EngineConfig.from_args(args, role="prefill", tp_size=args.tp, tp_rank=0)
+    common.say(
+        f"prefill: {args.tp} rank(s), bootstrap {cfg.bootstrap_endpoint}, {len(plans)} rooms, "
+        f"{common.layout_text(args)}, schedule {common.fingerprint(plans, common.layout_text(args))}"
+    )
+    done: dict[int, dict[str, Any]] = {}
+
+    def on_event(kind: str, rank: int, payload: Any) -> None:
+        if kind == "done":
+            done[rank] = payload
+
+    started = time.monotonic()
+    codes = common.run_ranks("prefill", args.tp, prefill_rank, args, on_event)
+    ok = min((done[r]["ok"] if r in done else 0) for r in range(args.tp))
+    failed = sum(d["failed"] for d in done.values())
+    nbytes = sum(d["bytes"] for d in done.values())
+    good = all(c == 0 for c in codes) and ok == len(plans)
+    common.say(
+        f"prefill summary: rooms ok {ok}/{len(plans)} on every rank, failed {failed}, "
+        f"{common.human_bytes(nbytes)} served, {time.monotonic() - started:.2f} s, exit codes {codes}"
+    )
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
