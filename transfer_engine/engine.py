@@ -187,7 +187,9 @@ class TransferEngine:
 
     async def _start(self, tg: TaskGroup) -> None:
         cfg = self.config
-        transport = self._transport or NixlTransport(self.agent_name, cfg.nixl_backend, cfg.nixl_params)
+        transport = self._transport or NixlTransport(
+            self.agent_name, cfg.nixl_backend, cfg.nixl_params, progress_thread=cfg.nixl_progress_thread
+        )
         self._transport = transport
         transport.register(self.pool.regions(), self.pool.mem_type)
         aux = self.pool.aux_region()

@@ -113,16 +113,21 @@ class NixlPoller:
         task_status.started()
         idle = 0
         while True:
+            self._wake = anyio.Event()
             worked = await self._poll_once()
             cycle, self._cycle = self._cycle, anyio.Event()
             cycle.set()
-            if worked or self._posted or self._busy():
-                idle = 0 if worked else min(idle + 1, 20)
-                await anyio.sleep(self._interval if idle < 20 else self._interval * 5)
+            if worked:
+                idle = 0
+                await anyio.sleep(0)
+                continue
+            idle += 1
+            if self._posted or self._busy():
+                delay = self._interval if idle < 20 else self._interval * 2.5
             else:
-                self._wake = anyio.Event()
-                with anyio.move_on_after(self._interval * 50):
-                    await self._wake.wait()
+                delay = self._interval * 50
+            with anyio.move_on_after(delay):
+                await self._wake.wait()  # a new WRITE or room cuts the wait short
 
     async def _poll_once(self) -> bool:
         worked = False

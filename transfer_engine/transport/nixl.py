@@ -106,14 +106,23 @@ def _descs(addr: np.ndarray, length: np.ndarray, devices: np.ndarray | int) -> n
 class NixlTransport:
     """One NIXL agent with the UCX (or another) backend. Not thread-safe: one owner calls it."""
 
-    def __init__(self, name: str, backend: str = "UCX", params: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        backend: str = "UCX",
+        params: dict[str, str] | None = None,
+        *,
+        progress_thread: bool = False,
+    ) -> None:
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as exc:  # pragma: no cover - nixl is a hard dependency
             raise TransportError(f"nixl is not importable: {exc}") from exc
         self.name = name
         try:
-            config = nixl_agent_config(backends=[] if params else [backend], num_threads=0)
+            config = nixl_agent_config(
+                enable_prog_thread=progress_thread, backends=[] if params else [backend], num_threads=0
+            )
             self._agent: Any = nixl_agent(name, config)
             if params:
                 self._agent.create_backend(backend, dict(params))
