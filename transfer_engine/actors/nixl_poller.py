@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 from anyio.abc import TaskStatus
 
@@ -119,7 +120,7 @@ class NixlPoller:
             cycle.set()
             if worked:
                 idle = 0
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
                 continue
             idle += 1
             if self._posted or self._busy():
