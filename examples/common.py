@@ -77,11 +77,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--aux-bytes", type=int, default=16, help="bytes of each room's aux item (default 16)")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="pool memory; cuda: cuda:<rank>")
     g.add_argument(
-        "--torch-threads", type=int, default=1, help="torch CPU threads per rank process (default 1)"
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch CPU threads per rank process; the KV patterns are computed on the CPU even for "
+        "cuda pools (default 0: the CPUs shared among this machine's ranks, at least 1)",
     )
     g.add_argument(
         "--nixl-progress-thread",
         action="store_true",
+        default=None,
         help="keep NIXL's own progress thread (off by default here: it busy-polls a third of a core per "
         "agent, and the engine polls NIXL itself)",
     )
@@ -286,6 +291,11 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
+def torch_threads(asked: int, ranks_on_host: int) -> int:
+    """``asked``, or (0) this machine's CPUs divided among the rank processes on it, at least 1."""
+    return asked if asked > 0 else max(1, (os.cpu_count() or 1) // max(ranks_on_host, 1))
+
+
 def disable_nixl_progress_thread() -> None:
     """Create NIXL agents without NIXL's own progress thread (workaround, see below).
 
@@ -293,7 +303,9 @@ def disable_nixl_progress_thread() -> None:
     That thread busy-polls: about a third of a CPU core per agent even when idle, which on a small
     machine takes a large share of the cores from the transfers themselves. The engine's NixlPoller
     already drives progress (it polls every posted WRITE and drains notifications), so the thread is
-    not needed. An explicit ``enable_prog_thread=...`` given by the engine is left as it is.
+    not needed. An explicit ``enable_prog_thread=...`` given by the engine is left as it is, so once
+    the engine passes its own setting (an ``EngineConfig.nixl_progress_thread`` is on its way) this
+    shim does nothing and can be deleted.
     """
     try:
         from nixl._api import nixl_agent_config
@@ -324,7 +336,7 @@ def rank_entry(run: Callable[[], int], name: str, args: argparse.Namespace, even
     try:
         import torch
 
-        torch.set_num_threads(max(1, args.torch_threads))
+        torch.set_num_threads(torch_threads(args.torch_threads, 2 * args.tp))
         if not args.nixl_progress_thread:
             disable_nixl_progress_thread()
         code = run()

@@ -7,10 +7,10 @@ the room schedule of ``common.py`` (same ``--seed``/``--rooms``/shape flags as t
 takes the room's pages from its own allocator, calls ``engine.receiver(room, bootstrap, pages,
 aux_slot)``, and once ``wait()`` returns checks every element of every page with
 ``patterns.mismatches`` and the aux item with ``patterns.aux_ok``. Room latency is measured from
-``receiver()`` to ``wait()`` returning, and a room's latency is that of its slowest decode rank. The
-first ``receiver()`` also connects to the prefill instance (retried until ``--wait-for-prefill``
-seconds have passed, so both sides may start in any order): that room is left out of the latency
-percentiles, and the GB/s clock starts when it returned.
+``receiver()`` to ``wait()`` returning, and a room's latency is that of its slowest decode rank.
+Before the first room each rank calls ``engine.connect(bootstrap)`` (retried until
+``--wait-for-prefill`` seconds have passed, so both sides may start in any order); the GB/s clock
+starts once it is connected.
 
 Each rank prints its control endpoint at start and one line at the end; the launcher prints one
 summary line (``decode summary: rooms verified N/M ...``) and exits non-zero if any room failed or
@@ -167,26 +167,22 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
         stats["end"] = time.time()
         events.put(("room", rank, (plan.index, ok, nbytes, latency)))
 
-    async def open_room(plan: common.RoomPlan, pages: np.ndarray, slot: int | None) -> tuple[Receiver, float]:
+    async def connect(engine: TransferEngine) -> None:
+        """Handshake with the prefill instance before the first room; it may still be starting."""
         give_up = time.monotonic() + args.wait_for_prefill
         while True:
-            t0 = time.monotonic()
             try:
-                receiver = await engine.receiver(plan.room, args.bootstrap, pages, aux_slot=slot)
-                return receiver, t0
+                await engine.connect(args.bootstrap)
+                return
             except PeerUnreachableError as exc:
-                # Only the first receiver() connects; until the prefill instance is up, try again.
-                if plan.index > 0 or time.monotonic() > give_up:
+                if time.monotonic() > give_up:
                     raise
-                log_wait(exc)
+                if not warned:
+                    warned.append(str(exc))
+                    common.say(f"{name}: waiting for the prefill instance at {args.bootstrap} ({exc})")
                 await anyio.sleep(0.5)
 
     warned: list[str] = []
-
-    def log_wait(exc: Exception) -> None:
-        if not warned:
-            warned.append(str(exc))
-            common.say(f"{name}: waiting for the prefill instance at {args.bootstrap} ({exc})")
 
     async with TransferEngine(cfg, pool) as engine:
         common.say(
@@ -195,18 +191,27 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
         )
         events.put(("up", rank, engine.endpoint))
         async with common.STOP.cancel_on_signal():
+            try:
+                await connect(engine)
+            except TransferError as exc:
+                common.say(f"{name}: cannot connect to the prefill instance at {args.bootstrap}: {exc}")
+                plans_to_run: list[common.RoomPlan] = []
+            else:
+                stats["start"] = time.time()  # the clock of GB/s starts once connected
+                plans_to_run = plans
             async with anyio.create_task_group() as tg:
-                for plan in plans:
+                for plan in plans_to_run:
                     await window.acquire()
                     pages = await alloc.alloc(plan.num_pages)
                     slot = aux_slots.pop() if use_aux else None
+                    t0 = time.monotonic()
                     try:
-                        receiver, t0 = await open_room(plan, pages, slot)
-                    except TransferError as exc:
-                        common.say(f"{name}: cannot open room {plan.room} (#{plan.index}): {exc}")
-                        raise SystemExit(f"giving up: {exc}") from None
-                    if plan.index == 0:
-                        stats["start"] = time.time()  # connected: the clock of GB/s starts here
+                        receiver = await engine.receiver(plan.room, args.bootstrap, pages, aux_slot=slot)
+                    except TransferError as exc:  # nothing was registered: stop the schedule here
+                        common.say(f"{name}: cannot open room {plan.room} (#{plan.index}): {exc}; stopping")
+                        alloc.free(pages)
+                        window.release()
+                        break
                     tg.start_soon(finish_room, plan, receiver, pages, slot, t0)
     total = len(plans)
     missing = total - stats["ok"] - stats["failed"]
@@ -245,8 +250,7 @@ class Progress:
         if len(got) == self.ranks:
             if all(r[0] for r in got):
                 self.verified += 1
-                if index > 0:  # the first room's receiver() also connected to the prefill instance
-                    self.latencies.append(max(r[2] for r in got))  # ready once every rank has it
+                self.latencies.append(max(r[2] for r in got))  # ready once every rank has it
             else:
                 self.failed += 1
         self.show()

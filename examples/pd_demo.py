@@ -11,9 +11,8 @@ ranks verify rooms, and ends with ONE line on stdout:
     pd_demo: rooms verified 200/200, 5.30 GB, 0.21 GB/s, room latency p50 ... p99 ... (...)
 
 GB/s counts the KV (and aux) bytes the decode ranks received and verified, over the time from the
-moment the first room's ``receiver()`` (which connects to the prefill instance) returned to the last
-room's verification; room latency runs from ``receiver()`` to ``wait()`` returning (the slowest decode
-rank of the room; the first room, which includes connecting, is left out). Both sides keep up to
+moment the decode ranks were connected to the prefill instance to the last room's verification; room
+latency runs from ``receiver()`` to ``wait()`` returning (the slowest decode rank of the room). Both sides keep up to
 ``--inflight`` rooms open, so when one side is the bottleneck (on a small CPU machine, usually the
 prefill's fill or the decode's verification), latency includes the wait behind the rooms ahead. The exit status is non-zero if any room
 failed or any byte was wrong, if a side failed, or on ``--timeout``; children are always stopped
@@ -174,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children on SIGTERM too, not only on Ctrl-C
     port = args.bootstrap_port or common.free_port()
+    # Both sides share this machine: divide its CPUs among all ranks (unless told otherwise).
+    args.torch_threads = common.torch_threads(args.torch_threads, args.prefill_tp + args.decode_tp)
     workload = common.workload_argv(args)
     plans = common.make_schedule(args)
     with tempfile.TemporaryDirectory(prefix="pd_demo-") as tmp:

@@ -154,3 +154,17 @@ def test_mismatched_schedules_fail_cleanly() -> None:
     assert re.search(r"^decode summary: rooms verified 0/3, failed 3", decode_out, re.M), tail(decode_out)
     assert "INPUT_TIMEOUT" in decode_out, tail(decode_out)
     assert "BOOTSTRAP_TIMEOUT" in prefill_out, tail(prefill_out)
+
+
+def test_decode_without_prefill_gives_up() -> None:
+    decode = start(
+        "decode.py", "--bootstrap", f"tcp://127.0.0.1:{free_port()}", "--rooms", "2",
+        "--wait-for-prefill", "1", "--connect-timeout", "1", *SMALL,
+    )  # fmt: skip
+    try:
+        out = finish(decode, 30)
+    finally:
+        kill_all(decode)
+    assert decode.returncode != 0, tail(out)
+    assert "cannot connect to the prefill instance" in out, tail(out)
+    assert re.search(r"^decode summary: rooms verified 0/2", out, re.M), tail(out)
