@@ -638,3 +638,18 @@ def test_failed_room_has_no_deadline() -> None:
     room.fail(FailureReason.ABORTED, "user", now=1.0)
     assert room.deadline is None
     assert room.expired(1e9) is None
+
+
+def test_write_done_while_other_decode_ranks_still_bootstrap() -> None:
+    """A WRITE to decode rank 0 may finish before decode rank 1's request arrives (D=2)."""
+    from transfer_engine.protocol.rooms import Deadlines, RoomStatus, SenderRoom
+
+    room = SenderRoom(5, Deadlines(), 0.0)
+    room.queue_chunk(2, True, None, 0.0)
+    room.on_request(0, 2, True, False, 0.0)
+    room.write_done(0, 0, 0.1)
+    assert room.status is RoomStatus.BOOTSTRAPPING
+    room.on_request(1, 2, True, False, 0.2)
+    assert room.status is RoomStatus.TRANSFERRING
+    room.write_done(0, 1, 0.3)
+    assert room.status is RoomStatus.SUCCESS

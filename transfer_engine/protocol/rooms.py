@@ -287,7 +287,8 @@ class SenderRoom(_Room):
             )
         self.done.add(key)
         if not self.status.final:
-            self._apply(Landed(), now)
+            if self.status is _S.TRANSFERRING:  # a WRITE may finish while other decode ranks still bootstrap
+                self._apply(Landed(), now)
             self._advance(now)
 
     def aux_written(self, decode_rank: int, now: float) -> None:
