@@ -154,9 +154,15 @@ def chunk_split(seed: int, room: int, num_pages: int, max_chunks: int) -> tuple[
     return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
 
 
-ROOM_ID_BITS = 58
-"""Room ids may use 63 bits, but ``patterns.aux_bytes`` computes ``room * 17`` in int64 and overflows
-for ids >= 2**63 / 17; 58-bit ids stay clear of that."""
+ROOM_ID_BITS = 63
+"""Room ids are random over the whole range the engine accepts, ``[0, 2**63)``."""
+
+
+def staging_defaults(args: argparse.Namespace) -> dict[str, int]:
+    """Staging sized to this schedule: a chunk is at most one whole room (unless set by flag or TE_*)."""
+    if args.staging_chunk_pages is not None or "TE_STAGING_CHUNK_PAGES" in os.environ:
+        return {}
+    return {"staging_chunk_pages": pages_for(args.max_tokens, args.page_size)}
 
 
 def make_schedule(args: argparse.Namespace) -> list[RoomPlan]:

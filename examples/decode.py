@@ -109,6 +109,7 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
         # A room whose prefill side ended before our request arrived is never answered; without an
         # input deadline it would wait forever. The schedule keeps the prefill close behind us.
         overrides["waiting_timeout"] = DEFAULT_WAITING_TIMEOUT
+    overrides.update(common.staging_defaults(args))
     cfg = EngineConfig.from_args(args, role="decode", tp_size=D, tp_rank=rank, **overrides)
     layout = common.make_layout(args)
     plans = common.make_schedule(args)

@@ -48,9 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-tp", type=int, default=1, help="decode TP size (default 1)")
     parser.add_argument(
         "--path",
-        choices=["auto", "direct", "slice"],
+        choices=["auto", "direct", "staged", "host", "slice"],
         default="auto",
-        help="transfer path the decode side asks for (auto: direct when TP sizes match, else slice)",
+        help="transfer path the decode side asks for (auto: direct when TP sizes match, else staged)",
     )
     parser.add_argument(
         "--bootstrap-port", type=int, default=0, help="prefill bootstrap port (default 0: pick a free one)"

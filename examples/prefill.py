@@ -89,7 +89,9 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
 
     P = args.tp
     name = f"prefill rank {rank}/{P}"
-    cfg = EngineConfig.from_args(args, role="prefill", tp_size=P, tp_rank=rank)
+    cfg = EngineConfig.from_args(
+        args, role="prefill", tp_size=P, tp_rank=rank, **common.staging_defaults(args)
+    )
     layout = common.make_layout(args)
     plans = common.make_schedule(args)
     device = common.device_for(args.device, rank)

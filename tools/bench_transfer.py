@@ -1,17 +1,23 @@
-"""Engine transfer throughput and added latency against raw NIXL, between two processes, in one run.
+"""Engine transfer throughput and added latency against raw NIXL, between processes, in one run.
 
-    python tools/bench_transfer.py [--path direct|slice] [--prefill-tp 1 --decode-tp 1] [--rooms 24]
+    python tools/bench_transfer.py [--path direct|staged|host|slice] [--prefill-tp 1 --decode-tp 1]
+                                   [--rooms 24] [--device cpu|cuda]
 
-One prefill process and one decode process per rank pair (here P = D = 1 unless given). In the SAME
-two processes (prefill rank 0, decode rank 0) a second, raw NIXL agent pair is set up, and
+One process per prefill rank and per decode rank (spawned, as in production). In the SAME processes
+as prefill rank 0 and decode rank 0 a second, raw NIXL agent pair is set up, and
 
-1. raw ceiling: one WRITE of the same bytes as one room, one descriptor, repeated;
+1. raw ceiling: one WRITE of the same bytes as one room (what decode rank 0 receives), one
+   descriptor, repeated;
 2. engine throughput: ``--rooms`` rooms of ``--tokens`` tokens, ``--concurrency`` in flight, each
-   sent in ``--chunks`` chunks, every byte verified on the decode side after the clock stops;
+   sent in ``--chunks`` chunks, every byte verified on the decode side after the clock stops; with
+   p50/p99 room latency (decode ``receiver()`` to ``wait()``) under that load;
 3. small-room latency: ``--lat-rooms`` one-page rooms, one at a time (the prefill has already sent
    when the decode asks), against a raw one-page WRITE plus its notification.
 
 It prints the engine's figure, the raw ceiling and their ratio, and descriptors posted per room.
+With ``--device cuda`` prefill rank r uses GPU ``r % n`` and decode rank r GPU ``(P + r) % n`` (ranks
+share GPUs when P + D > n: the output says so), and a device peer copy of one room's bytes (GPU of
+prefill 0 -> GPU of decode 0) is printed as a second ceiling.
 """
 
 from __future__ import annotations
@@ -43,6 +49,18 @@ def _layout(args: argparse.Namespace) -> KVLayout:
     return KVLayout(args.layers, args.heads, args.head_dim, torch.bfloat16, args.page_size)
 
 
+def _device(args: argparse.Namespace, side: str, rank: int) -> torch.device:
+    if args.device == "cpu":
+        return torch.device("cpu")
+    n = torch.cuda.device_count()
+    index = rank if side == "prefill" else args.prefill_tp + rank
+    return torch.device("cuda", index % n)
+
+
+def _chunk_pages(args: argparse.Namespace) -> int:
+    return math.ceil(math.ceil(args.tokens / args.page_size) / args.chunks)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,16 +75,18 @@ def _room_pages(args: argparse.Namespace, slot: int) -> np.ndarray:
 class RawPair:
     """A raw NIXL agent on each side of the benchmark, with one registered buffer each."""
 
-    def __init__(self, name: str, nbytes: int) -> None:
+    def __init__(self, name: str, nbytes: int, device: torch.device) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        self.buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        self.agent.register_memory(self.buf, "DRAM")
+        self.buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+        self.mem = "VRAM" if device.type == "cuda" else "DRAM"
+        self.dev = (device.index or 0) if device.type == "cuda" else 0
+        self.agent.register_memory(self.buf, self.mem)
 
     def descs(self, nbytes: int) -> Any:
         return self.agent.get_xfer_descs(
-            np.array([[self.buf.data_ptr(), nbytes, 0]], dtype=np.uint64), "DRAM"
+            np.array([[self.buf.data_ptr(), nbytes, self.dev]], dtype=np.uint64), self.mem
         )
 
 
@@ -80,25 +100,43 @@ def _raw_write(raw: RawPair, peer: str, dst: Any, nbytes: int, notif: bytes) -> 
     raw.agent.release_xfer_handle(handle)
 
 
+def _config(args: argparse.Namespace, role: str, rank: int, port: int) -> EngineConfig:
+    tp = args.prefill_tp if role == "prefill" else args.decode_tp
+    return EngineConfig(
+        role=role,  # type: ignore[arg-type]
+        tp_size=tp,
+        tp_rank=rank,
+        bootstrap_port=port,
+        path=args.path,
+        staging_chunk_pages=_chunk_pages(args),
+        transfer_timeout=600.0,
+    )
+
+
 def prefill_main(args: argparse.Namespace, rank: int, port: int, conn: Connection | None) -> None:
     anyio.run(_prefill, args, rank, port, conn)
 
 
 async def _prefill(args: argparse.Namespace, rank: int, port: int, conn: Connection | None) -> None:
     layout = _layout(args)
+    device = _device(args, "prefill", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    pages_per_room = math.ceil(args.tokens / args.page_size)
     pool = KVPool.allocate(
-        layout, args.prefill_tp, rank, args.concurrency * math.ceil(args.tokens / args.page_size) + 4
+        layout, args.prefill_tp, rank, args.concurrency * pages_per_room + 4, device=device
     )
-    cfg = EngineConfig(role="prefill", tp_size=args.prefill_tp, tp_rank=rank, bootstrap_port=port)
-    room_bytes = pool.page_bytes * math.ceil(args.tokens / args.page_size) * layout.num_kv_tensors
-    raw = RawPair(f"raw-prefill-{os.getpid()}", room_bytes) if conn else None
-    if conn is not None and raw is not None:
-        conn.send(raw.agent.get_agent_metadata())
-        md, addr = conn.recv()
+    cfg = _config(args, "prefill", rank, port)
+    raw = None
+    if conn is not None:
+        md, addr, dev, mem, room_bytes = conn.recv()
+        raw = RawPair(f"raw-prefill-{os.getpid()}", room_bytes, device)
         peer = raw.agent.add_remote_agent(md)
-        dst = raw.agent.get_xfer_descs(np.array([[addr, room_bytes, 0]], dtype=np.uint64), "DRAM")
-        small = pool.page_bytes * layout.num_kv_tensors
-        dst_small = raw.agent.get_xfer_descs(np.array([[addr, small, 0]], dtype=np.uint64), "DRAM")
+        dst = raw.agent.get_xfer_descs(np.array([[addr, room_bytes, dev]], dtype=np.uint64), mem)
+        small = room_bytes // pages_per_room
+        dst_small = raw.agent.get_xfer_descs(np.array([[addr, small, dev]], dtype=np.uint64), mem)
+        conn.send(raw.agent.get_agent_metadata())
+        conn.recv()  # the decode loaded our metadata
         _raw_write(raw, peer, dst, room_bytes, b"warm")
         t0 = time.perf_counter()
         for i in range(args.raw_reps):
@@ -146,19 +184,18 @@ def decode_main(args: argparse.Namespace, rank: int, port: int, conn: Connection
 
 async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connection | None, out: Any) -> None:
     layout = _layout(args)
+    device = _device(args, "decode", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     pages_per_room = math.ceil(args.tokens / args.page_size)
-    pool = KVPool.allocate(layout, args.decode_tp, rank, args.concurrency * pages_per_room + 4)
+    pool = KVPool.allocate(layout, args.decode_tp, rank, args.concurrency * pages_per_room + 4, device=device)
     room_bytes = pool.page_bytes * pages_per_room * layout.num_kv_tensors
-    raw = (
-        RawPair(f"raw-decode-{os.getpid()}", room_bytes * (args.prefill_tp // args.decode_tp or 1))
-        if conn
-        else None
-    )
     result: dict[str, Any] = {}
-    if conn is not None and raw is not None:
-        md = conn.recv()
-        raw.agent.add_remote_agent(md)
-        conn.send((raw.agent.get_agent_metadata(), raw.buf.data_ptr()))
+    if conn is not None:
+        raw = RawPair(f"raw-decode-{os.getpid()}", room_bytes, device)
+        conn.send((raw.agent.get_agent_metadata(), raw.buf.data_ptr(), raw.dev, raw.mem, room_bytes))
+        raw.agent.add_remote_agent(conn.recv())
+        conn.send("loaded")
         result["raw_gbps"] = conn.recv()[1]
         got = 0
         while got < args.raw_reps + 1:
@@ -173,23 +210,24 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
             lat.append(time.perf_counter() - t0)
         result["raw_lat_p50_ms"] = statistics.median(lat) * 1e3
         assert conn.recv() == "engine_up"  # before this process's engine exists: blocking is fine
-    cfg = EngineConfig(
-        role="decode", tp_size=args.decode_tp, tp_rank=rank, bootstrap_port=port, path=args.path
-    )
+    cfg = _config(args, "decode", rank, port)
     bootstrap = f"tcp://127.0.0.1:{port}"
     async with TransferEngine(cfg, pool) as engine:
         await engine.connect(bootstrap)  # handshake before the clock starts
         sem = anyio.Semaphore(args.concurrency)
         slots = list(range(args.concurrency))
-        bad = 0
+        room_lat: list[float] = []
+        paths: set[str] = set()
 
         async def one(room: int) -> None:
-            nonlocal bad
             async with sem:
                 slot = slots.pop()
                 pages = _room_pages(args, slot)
+                t1 = time.perf_counter()
                 receiver = await engine.receiver(room, bootstrap, pages)
+                paths.add(receiver._actor.path)  # type: ignore[attr-defined]
                 await receiver.wait()
+                room_lat.append(time.perf_counter() - t1)
                 slots.append(slot)
 
         t0 = time.perf_counter()
@@ -203,17 +241,23 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
             receiver = await engine.receiver(1_000_000 + i, bootstrap, _room_pages(args, 0)[:1])
             await receiver.wait()
             lat.append(time.perf_counter() - t1)
+        room_lat.sort()
         result.update(
             room_bytes=room_bytes,
             engine_gbps=room_bytes * args.rooms / elapsed / 1e9,
+            room_p50_ms=statistics.median(room_lat) * 1e3,
+            room_p99_ms=room_lat[int(0.99 * (len(room_lat) - 1))] * 1e3,
             engine_lat_p50_ms=statistics.median(lat) * 1e3,
             engine_lat_p99_ms=sorted(lat)[int(0.99 * (len(lat) - 1))] * 1e3,
+            engine_path=",".join(sorted(paths)),
         )
         if conn is not None:
             posted = (await anyio.to_thread.run_sync(conn.recv))[1]
+            # descriptors posted by prefill rank 0 per room, times the writers of decode rank 0
             result["descriptors_per_room"] = posted / (args.rooms + args.lat_rooms)
             conn.send("bye")
-    # verified after the engine is closed: a long CPU-bound check would stall its heartbeats
+    # verified after the engine is closed: a long check would stall its heartbeats
+    bad = 0
     for slot in range(args.concurrency):  # every room wrote the same pattern into its slot's pages
         bad += patterns.mismatches(pool, 0, _room_pages(args, slot), pages_per_room * args.page_size)
     result["mismatches"] = bad
@@ -221,13 +265,35 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
         out.put(result)
 
 
+def _peer_copy_gbps(args: argparse.Namespace, nbytes: int) -> float | None:
+    """A device copy of ``nbytes`` from prefill rank 0's GPU to decode rank 0's GPU (median of 10)."""
+    if args.device != "cuda":
+        return None
+    src_dev, dst_dev = _device(args, "prefill", 0), _device(args, "decode", 0)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=src_dev)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+    times = []
+    for _ in range(11):
+        torch.cuda.synchronize(src_dev)
+        torch.cuda.synchronize(dst_dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(dst_dev)
+        torch.cuda.synchronize(src_dev)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--path", default="direct", choices=["auto", "direct", "slice"])
+    parser.add_argument("--path", default="direct", choices=["auto", "direct", "staged", "host", "slice"])
     parser.add_argument("--prefill-tp", type=int, default=1)
     parser.add_argument("--decode-tp", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -241,6 +307,12 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     port = _free_port()
+    layout = _layout(args)
+    room_bytes = (
+        math.ceil(args.tokens / args.page_size) * args.page_size * layout.heads_local(args.decode_tp)
+        * args.head_dim * 2 * layout.num_kv_tensors
+    )  # fmt: skip
+    peer_copy = _peer_copy_gbps(args, room_bytes)
     ctx = mp.get_context("spawn")
     procs = []
     p_conn, d_conn = ctx.Pipe()  # rank 0 of each side coordinate the raw phases through it
@@ -267,19 +339,32 @@ def main() -> int:
         return 1
     for p in procs:
         p.join(timeout=60)
+    placement = ""
+    if args.device == "cuda":
+        gpus = [str(_device(args, "prefill", i).index) for i in range(args.prefill_tp)]
+        dgpus = [str(_device(args, "decode", i).index) for i in range(args.decode_tp)]
+        shared = len(set(gpus) | set(dgpus)) < len(gpus) + len(dgpus)
+        placement = f" gpus prefill={','.join(gpus)} decode={','.join(dgpus)}{' (shared)' if shared else ''}"
     r.update(path=args.path, P=args.prefill_tp, D=args.decode_tp, tokens=args.tokens, rooms=args.rooms,
-             concurrency=args.concurrency, chunks=args.chunks)  # fmt: skip
+             concurrency=args.concurrency, chunks=args.chunks, device=args.device, peer_copy_gbps=peer_copy,
+             placement=placement.strip())  # fmt: skip
     r["throughput_ratio"] = r["engine_gbps"] / r["raw_gbps"]
     r["added_latency_p50_ms"] = r["engine_lat_p50_ms"] - r["raw_lat_p50_ms"]
     if args.json:
         print(json.dumps(r))
+    copy = (
+        ""
+        if peer_copy is None
+        else f", device copy {peer_copy:.1f} GB/s (ratio {r['engine_gbps'] / peer_copy:.2f})"
+    )
     print(
-        f"path={args.path} P={args.prefill_tp} D={args.decode_tp} room={r['room_bytes'] / 1e6:.1f} MB "
-        f"x{args.rooms} conc={args.concurrency}: engine {r['engine_gbps']:.2f} GB/s, raw NIXL "
-        f"{r['raw_gbps']:.2f} GB/s, ratio {r['throughput_ratio']:.2f}; descriptors/room "
-        f"{r['descriptors_per_room']:.0f}; small room p50 {r['engine_lat_p50_ms']:.3f} ms (p99 "
-        f"{r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added {r['added_latency_p50_ms']:.3f} ms; "
-        f"mismatches {r['mismatches']}"
+        f"path={args.path}({r['engine_path']}) P={args.prefill_tp} D={args.decode_tp} {args.device}{placement} "
+        f"room={r['room_bytes'] / 1e6:.1f} MB x{args.rooms} conc={args.concurrency} chunks={args.chunks}: "
+        f"engine {r['engine_gbps']:.2f} GB/s, raw NIXL {r['raw_gbps']:.2f} GB/s, ratio "
+        f"{r['throughput_ratio']:.2f}{copy}; room p50 {r['room_p50_ms']:.2f} ms p99 {r['room_p99_ms']:.2f} ms; "
+        f"descriptors/room {r['descriptors_per_room']:.0f}; small room p50 {r['engine_lat_p50_ms']:.3f} ms "
+        f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added "
+        f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}"
     )
     ok = r["mismatches"] == 0 and all(p.exitcode == 0 for p in procs)
     return 0 if ok else 1

@@ -30,7 +30,7 @@ def values(
     room: int, tensor: int, heads: torch.Tensor, tokens: torch.Tensor, head_dim: int, itemsize: int
 ) -> torch.Tensor:
     """``[tokens, heads, head_dim]`` integers of the dtype's width: the expected bits."""
-    dims = torch.arange(head_dim, dtype=torch.int64)
+    dims = torch.arange(head_dim, dtype=torch.int64, device=tokens.device)
     x = (
         (room % 1_000_003) * 1_000_003
         + tensor * 7_919
@@ -54,29 +54,31 @@ def fill(pool: KVPool, room: int, pages: np.ndarray) -> None:
     """Write the room's pattern into every slot of ``pages`` (request order) on a prefill rank."""
     num_tokens = len(pages) * pool.layout.page_size
     slots = _slots(pages, pool.layout.page_size, num_tokens).to(pool.device)
-    tokens = torch.arange(num_tokens, dtype=torch.int64)
-    hs = global_heads(pool)
+    tokens = torch.arange(num_tokens, dtype=torch.int64, device=pool.device)
+    hs = global_heads(pool).to(pool.device)
     for t, tensor in enumerate(pool.tensors):
         expected = values(room, t, hs, tokens, pool.layout.head_dim, pool.itemsize)
-        tensor.view(_INT_VIEW[pool.itemsize])[slots] = expected.to(pool.device)
+        tensor.view(_INT_VIEW[pool.itemsize])[slots] = expected
 
 
 def mismatches(pool: KVPool, room: int, pages: np.ndarray, num_tokens: int) -> int:
     """How many elements of the first ``num_tokens`` tokens in ``pages`` differ from the pattern."""
     slots = _slots(pages, pool.layout.page_size, num_tokens).to(pool.device)
-    tokens = torch.arange(num_tokens, dtype=torch.int64)
-    hs = global_heads(pool)
+    tokens = torch.arange(num_tokens, dtype=torch.int64, device=pool.device)
+    hs = global_heads(pool).to(pool.device)
     bad = 0
     for t, tensor in enumerate(pool.tensors):
         expected = values(room, t, hs, tokens, pool.layout.head_dim, pool.itemsize)
-        got = tensor.view(_INT_VIEW[pool.itemsize])[slots].cpu()
+        got = tensor.view(_INT_VIEW[pool.itemsize])[slots]
         bad += int((got != expected).sum())
     return bad
 
 
 def aux_bytes(room: int, item_bytes: int) -> torch.Tensor:
     """The aux item of a room: ``item_bytes`` bytes derived from the room id."""
-    x = (torch.arange(item_bytes, dtype=torch.int64) * 31 + room * 17 + 5) & 0xFF
+    # Only the low byte of room * 17 matters, and (room & 0xFF) keeps the product inside int64 for
+    # every room id up to 2**63.
+    x = (torch.arange(item_bytes, dtype=torch.int64) * 31 + (room & 0xFF) * 17 + 5) & 0xFF
     return x.to(torch.uint8)
 
 

@@ -20,7 +20,8 @@ CASES = (
 
 
 def paths_for(heads: int, mla: bool, p: int, d: int) -> list[str]:
-    return ["direct", "slice"] if (p == d or mla) else ["slice"]
+    """Every path that serves the shape: direct needs equal TP (or MLA); staging serves all of them."""
+    return (["direct"] if (p == d or mla) else []) + ["slice", "staged", "host"]
 
 
 PARAMS = [

@@ -10,6 +10,7 @@ from transfer_engine.errors import ConfigError, StagingError
 from transfer_engine.protocol.heads import HeadSlice
 from transfer_engine.protocol.staging import (
     Allocation,
+    BufferLeases,
     RegionLayout,
     RingAllocator,
     Watermark,
@@ -349,3 +350,52 @@ def test_ring_property_fifo_frees_admit_the_next_in_order(size: int, lengths: li
                 assert not _overlap(allocation, younger), f"{younger} admitted over live {allocation}"
         ring.free(allocation.alloc_id)
     assert ring.live == 0
+
+
+# --- BufferLeases: the prefill worker's staging buffer ---------------------------------------------
+
+
+def test_leases_place_after_the_newest_and_wrap() -> None:
+    leases = BufferLeases(1024, align=256)
+    assert leases.lease(300) == 0
+    assert leases.lease(300) == 512  # aligned after the first
+    assert leases.lease(300) is None  # 812 + 300 > 1024 and offset 0 is live
+    leases.release(0)
+    assert leases.lease(300) == 0  # wraps to the freed start
+    assert leases.live == 2
+
+
+def test_leases_never_overlap_under_random_use() -> None:
+    import random
+
+    rng = random.Random(3)
+    leases = BufferLeases(4096, align=64)
+    live: dict[int, int] = {}
+    for _ in range(2000):
+        if live and rng.random() < 0.5:
+            offset = rng.choice(list(live))
+            leases.release(offset)
+            del live[offset]
+            continue
+        n = rng.randint(1, 1500)
+        offset = leases.lease(n)
+        if offset is None:
+            continue
+        assert 0 <= offset and offset + n <= 4096
+        assert all(offset + n <= s or e <= offset for s, e in live.items())
+        live[offset] = offset + n
+    for offset in list(live):
+        leases.release(offset)
+    assert leases.live == 0 and leases.lease(4096) == 0
+
+
+def test_lease_larger_than_buffer_names_staging_bytes() -> None:
+    leases = BufferLeases(100)
+    with pytest.raises(StagingError, match="staging_bytes` to at least 101"):
+        leases.lease(101)
+    with pytest.raises(ConfigError, match="length=0"):
+        leases.lease(0)
+    with pytest.raises(ConfigError, match="offset 5"):
+        leases.release(5)
+    with pytest.raises(ConfigError, match="staging_bytes=0"):
+        BufferLeases(0)

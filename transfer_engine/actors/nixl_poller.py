@@ -25,6 +25,7 @@ from anyio.abc import TaskStatus
 
 from transfer_engine.errors import RemoteProtocolError, TransportError
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.messages import MemRegion
 from transfer_engine.transport.nixl import RemotePeer, Transport, XferState
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,10 @@ class NixlPoller:
 
     def metadata(self) -> bytes:
         return self.transport.metadata()
+
+    def register(self, regions: list[MemRegion], mem_type: str) -> int:
+        """Register local memory (a staging buffer) with the agent."""
+        return self.transport.register(regions, mem_type)
 
     def add_peer(self, peer: RemotePeer, metadata: bytes) -> None:
         self.transport.add_peer(peer, metadata)

@@ -22,14 +22,16 @@ import anyio
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from transfer_engine.errors import ProtocolError, TransferFailed, failure_error
+from transfer_engine.errors import ConfigError, ProtocolError, TransferFailed, failure_error
 from transfer_engine.peers import Peer
-from transfer_engine.protocol import heads
+from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.failures import FailureReason
 from transfer_engine.protocol.rooms import Deadlines, ReceiverRoom, RoomStatus, SenderRoom, _Room
 
-from .worker import WriteJob
+from .ring import FreeRegion, RegionGranted, StagingFailed
+from .scatter import Scattered, ScatterJob
+from .worker import STAGED_PATHS, CancelRoom, WriteJob
 
 if TYPE_CHECKING:
     from transfer_engine.engine import TransferEngine
@@ -53,6 +55,8 @@ class WriteDone:
     decode_rank: int
     ok: bool
     detail: str
+    reason: FailureReason = FailureReason.TRANSPORT
+    """What the room fails with when not ``ok``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,9 @@ class Shutdown:
 RoomMail = (
     QueueChunk
     | WriteDone
+    | RegionGranted
+    | StagingFailed
+    | Scattered
     | LocalAbort
     | PeerDead
     | Shutdown
@@ -201,20 +208,22 @@ class SenderRoomActor(_RoomActor):
                 if last:
                     for d in sorted(self.core.aux_targets):
                         await self._schedule_aux(d)
-            case WriteDone(chunk_id=chunk_id, decode_rank=d, ok=ok, detail=detail):
+            case WriteDone(chunk_id=chunk_id, decode_rank=d, ok=ok, detail=detail, reason=reason):
                 self.core.in_flight -= 1
                 if not ok:
-                    self._fail(FailureReason.TRANSPORT, detail)
+                    self._fail(reason, detail)
                 elif chunk_id is None:
                     self.core.aux_written(d, now)
                 else:
                     self.core.write_done(chunk_id, d, now)
-            case m.Abort(agent=agent, detail=detail):
+            case m.Abort(agent=agent, reason=reason, detail=detail):
                 peer = self.engine.peers.get(agent)
                 if peer is not None:
                     self.ack_to[agent] = peer
                 self.remote_failure = True
-                self._fail(FailureReason.ABORTED, f"aborted by decode {agent}: {detail}")
+                # A ring that cannot place a chunk is worth naming as such on this side too.
+                why = FailureReason.STAGING if reason == FailureReason.STAGING else FailureReason.ABORTED
+                self._fail(why, f"aborted by decode {agent}: {detail}")
             case m.RoomFailed(agent=agent, reason=reason, detail=detail):
                 self.remote_failure = True
                 self._fail(
@@ -252,8 +261,12 @@ class SenderRoomActor(_RoomActor):
                 expected.num_heads,
             ):
                 raise ProtocolError(f"decode rank {req.decode_rank} asked for {got}, expected {expected}")
-        if req.path not in ("direct", "slice"):
+        if req.path not in ("direct", "slice", *STAGED_PATHS):
             raise ProtocolError(f"path {req.path!r} is not served by this engine")
+        if req.path in STAGED_PATHS and got is not None and peer.ring is None:
+            raise ProtocolError(
+                f"path {req.path!r} but decode rank {req.decode_rank} registered no staging ring"
+            )
         bad = [p for p in req.dst_pages if not 0 <= p < peer.layout.num_pages]
         if bad:
             raise ProtocolError(f"decode page {bad[0]} outside [0, {peer.layout.num_pages})")
@@ -301,17 +314,23 @@ class SenderRoomActor(_RoomActor):
         self.jobs.append(job)
         await self.engine.worker_for(job.peer.agent_name).inbox.send(job)
 
-    def _completion(self, chunk_id: int | None, decode_rank: int) -> Callable[[bool, str], Awaitable[None]]:
-        async def done(ok: bool, detail: str) -> None:
-            await self.inbox.send(WriteDone(chunk_id, decode_rank, ok, detail))
+    def _completion(
+        self, chunk_id: int | None, decode_rank: int
+    ) -> Callable[[bool, str, FailureReason], Awaitable[None]]:
+        async def done(ok: bool, detail: str, reason: FailureReason = FailureReason.TRANSPORT) -> None:
+            await self.inbox.send(WriteDone(chunk_id, decode_rank, ok, detail, reason))
 
         return done
 
     async def on_status_change(self, before: RoomStatus) -> None:
         if self.core.status is not RoomStatus.FAILED:
             return
+        workers = set()
         for job in self.jobs:
             job.cancelled = True
+            workers.add(self.engine.worker_for(job.peer.agent_name))
+        for worker in workers:  # parked staged chunks end now instead of waiting for a grant
+            await worker.inbox.send(CancelRoom(self.room))
         if self.remote_failure:
             return
         failure = self.core.failure
@@ -344,12 +363,27 @@ class SenderRoomActor(_RoomActor):
 
 
 class ReceiverRoomActor(_RoomActor):
-    """One room on a decode rank; see the module docstring."""
+    """One room on a decode rank; see the module docstring.
+
+    On the staged paths the room also holds its ring regions: the ring actor tells it of each
+    (:class:`RegionGranted`); when a chunk has landed from every writer the room hands it to the
+    scatter actor, which frees the region once the chunk is in the pages. Regions of chunks that
+    were never scattered are freed when the room ends — only once quiescent, so no WRITE into them
+    can still land — and a room with a scatter running is not quiescent.
+    """
 
     side = "decode"
 
     def __init__(
-        self, engine: TransferEngine, room: int, deadlines: Deadlines, writers: dict[int, Peer]
+        self,
+        engine: TransferEngine,
+        room: int,
+        deadlines: Deadlines,
+        writers: dict[int, Peer],
+        *,
+        pages: np.ndarray,
+        slices: list[heads.HeadSlice],
+        path: str,
     ) -> None:
         super().__init__(engine, room)
         self.core: ReceiverRoom = ReceiverRoom(room, deadlines, time.monotonic())
@@ -357,28 +391,79 @@ class ReceiverRoomActor(_RoomActor):
         """Global prefill rank -> peer, for every rank that writes into this decode rank."""
         self.everyone: list[Peer] = []
         """Every prefill rank of the instance: all got a TransferRequest, all hear about a failure."""
+        self.pages = pages
+        self.slices = slices
+        """The writers' head slices, in ``dst_head_start`` order (their block order in a region)."""
+        self.path = path
+        self.staged = path in STAGED_PATHS
+        self.core.staged = self.staged
+        self.regions: dict[int, RegionGranted] = {}
+        """Ring regions this room holds, by chunk id (until scattered, or freed at the end)."""
+        self.scattering = 0
         self.aborting = False
         self.remote_failure = False
 
     def quiescent(self) -> bool:
+        if self.scattering:
+            return False
         if self.core.status is RoomStatus.SUCCESS:
             return True
         return self.aborting and not self.core.awaiting_acks
 
+    # --- staged-path helpers (called by the ring actor, which owns the ring) --------------------
+
+    def writer_index(self, sender: int) -> int:
+        """Position of prefill rank ``sender`` among this room's writers; ConfigError if not one."""
+        for i, spec in enumerate(self.slices):
+            if spec.prefill_rank == sender:
+                return i
+        raise ConfigError(f"prefill rank {sender} is not a writer of room {self.room}")
+
+    def chunk_tokens(self, sender: int, page_start: int, num_pages: int) -> int:
+        """Tokens a chunk of ``num_pages`` prefill pages from ``page_start`` carries into this rank."""
+        src_ps = self.writers[sender].layout.page_size
+        capacity = len(self.pages) * self.engine.pool.layout.page_size
+        return descriptors.chunk_tokens(page_start * src_ps, num_pages, src_ps, capacity)
+
+    # --- mailbox -------------------------------------------------------------------------------
+
     async def handle(self, mail: RoomMail) -> None:
         now = time.monotonic()
         match mail:
-            case m.ChunkLanded(sender=sender, chunk_id=chunk_id, last=last):
-                self.core.on_chunk(sender, chunk_id, last, now)
+            case m.ChunkLanded(sender=sender, chunk_id=chunk_id, last=last, region=region):
+                if self.staged:
+                    granted = self.regions.get(chunk_id)
+                    if granted is None or granted.allocation.alloc_id != region:
+                        raise ProtocolError(
+                            f"chunk {chunk_id} from prefill rank {sender} landed in region {region}, "
+                            f"but the room holds {None if granted is None else granted.allocation.alloc_id}"
+                        )
+                elif region != -1:
+                    raise ProtocolError(
+                        f"chunk {chunk_id} landed in ring region {region} on the {self.path} path"
+                    )
+                if self.core.on_chunk(sender, chunk_id, last, now) and self.staged:
+                    await self._scatter(chunk_id, now)
             case m.AuxLanded(sender=sender):
                 self.core.on_aux(sender, now)
+            case RegionGranted(chunk_id=chunk_id):
+                self.regions[chunk_id] = mail
+            case Scattered(chunk_id=chunk_id, ok=ok, detail=detail):
+                self.scattering -= 1
+                self.regions.pop(chunk_id, None)  # the scatter actor freed it
+                if ok:
+                    self.core.on_scattered(chunk_id, now)
+                else:
+                    self._fail(FailureReason.TRANSPORT, detail)
+            case StagingFailed(detail=detail):
+                self._fail(FailureReason.STAGING, detail)
             case m.AbortAck(rank=rank):
                 self.core.awaiting_acks.discard(rank)
             case m.RoomFailed(agent=agent, reason=reason, detail=detail):
                 self.remote_failure = True
                 why = FailureReason(reason)
                 self._fail(
-                    FailureReason.ABORTED if why is FailureReason.ABORTED else FailureReason.REMOTE,
+                    why if why in (FailureReason.ABORTED, FailureReason.STAGING) else FailureReason.REMOTE,
                     f"prefill {agent} failed the room: {why.name}: {detail}",
                 )
             case LocalAbort(detail=detail):
@@ -393,6 +478,32 @@ class ReceiverRoomActor(_RoomActor):
             case _:
                 raise ProtocolError(f"{type(mail).__name__} is not for a decode room")
 
+    async def _scatter(self, chunk_id: int, now: float) -> None:
+        """Every writer of ``chunk_id`` landed: copy the region into the pages (unless the room failed)."""
+        if self.core.status.final:
+            return
+        granted = self.regions[chunk_id]
+        start = granted.page_start * self.writers[self.slices[0].prefill_rank].layout.page_size
+        slots = descriptors.slots_of(self.pages, self.engine.pool.layout.page_size, start, granted.tokens)
+        blocks = [
+            (offset, spec.dst_head_start, spec.num_heads)
+            for offset, spec in zip(granted.layout.offsets, self.slices, strict=True)
+        ]
+        scatter = self.engine.scatter
+        assert scatter is not None
+        self.scattering += 1
+        await scatter.inbox.send(
+            ScatterJob(
+                self,
+                chunk_id,
+                granted.allocation.alloc_id,
+                granted.allocation.offset,
+                granted.allocation.length,
+                blocks,
+                slots,
+            )  # fmt: skip
+        )
+
     async def on_status_change(self, before: RoomStatus) -> None:
         if self.core.status is not RoomStatus.FAILED or self.aborting:
             return
@@ -403,6 +514,7 @@ class ReceiverRoomActor(_RoomActor):
         self.aborting = True
         failure = self.core.failure
         detail = failure.detail if failure else "aborted"
+        reason = failure.reason if failure else FailureReason.ABORTED
         self.core.awaiting_acks = {rank for rank, peer in self.writers.items() if peer.alive}
         for peer in self.everyone:
             self.engine.control.send(
@@ -411,6 +523,7 @@ class ReceiverRoomActor(_RoomActor):
                     room=self.room,
                     agent=self.engine.agent_name,
                     rank=self.engine.config.tp_rank,
+                    reason=int(reason),
                     detail=detail,
                 ),
             )
@@ -418,3 +531,13 @@ class ReceiverRoomActor(_RoomActor):
     async def finish(self) -> None:
         if not self.core.status.final:
             self._fail(FailureReason.SHUTDOWN, "room actor stopped")
+        ring = self.engine.ring
+        if ring is not None:
+            for granted in self.regions.values():
+                try:
+                    ring.inbox.send_nowait(FreeRegion(granted.allocation.alloc_id))
+                except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    log.error(
+                        "room %d: could not free ring region %d", self.room, granted.allocation.alloc_id
+                    )
+        self.regions.clear()

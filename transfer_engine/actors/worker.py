@@ -1,36 +1,61 @@
 """TransferWorker actor (prefill): turns a room's chunk into one WRITE to one decode rank.
 
 The engine runs N workers and shards jobs by destination decode agent, so every chunk a room sends
-to one decode rank goes through one worker, in order. A worker computes the chunk's descriptors (a
-pure function of the layouts and page lists, see ``protocol.descriptors``), checks them against the
-peer's registered regions, and posts the WRITE through the NixlPoller with the chunk's notification
-on it. The WRITE's end is reported to the room's mailbox by the poller, not to the worker: the
-worker never waits on the network for the direct and slice paths.
+to one decode rank goes through one worker, in order.
+
+Direct and slice paths: the worker computes the chunk's descriptors (a pure function of the layouts
+and page lists, see ``protocol.descriptors``) and posts the WRITE through the NixlPoller with the
+chunk's notification on it; the WRITE's end goes straight to the room. The worker never waits on
+the network.
+
+Staged paths (DESIGN §4.2, §5): the worker asks the decode rank's ring for a region
+(``StagingRequest``) as soon as the chunk is known, and parks the chunk. Once granted, and once the
+peer's latest ``Watermark`` admits the region, it gathers the chunk's head slice — every layer, K
+then V — into a lease of its staging buffer (on its own CUDA stream; on CPU in a worker thread) and
+posts ONE WRITE of it to ``region + writer offset``. A chunk that is not admissible yet stays parked
+while the worker serves other chunks; newer watermarks and finished WRITEs (which release staging
+leases) retry the parked ones. Nothing here blocks on the watermark.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
 import numpy as np
+import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from transfer_engine.errors import TransferError
+from transfer_engine.errors import StagingError, TransferError
+from transfer_engine.kernels import as_kv_table, gather_heads
 from transfer_engine.layout import KVPool
+from transfer_engine.memory import StagingMemory, allocate_staging, stream_reached
 from transfer_engine.peers import Peer
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.failures import FailureReason
 from transfer_engine.protocol.rooms import Chunk
+from transfer_engine.protocol.staging import (
+    Allocation,
+    BufferLeases,
+    Watermark,
+    WatermarkTracker,
+    writer_block_bytes,
+)
 
 from .nixl_poller import NixlPoller
 
 log = logging.getLogger(__name__)
 
-JobDone = Callable[[bool, str], Awaitable[None]]
+JobDone = Callable[[bool, str, FailureReason], Awaitable[None]]
+"""Called once per job when it ends: ``(ok, detail, reason the room fails with when not ok)``."""
+
+STAGED_PATHS = ("staged", "host")
 
 
 @dataclass(eq=False)
@@ -46,6 +71,52 @@ class WriteJob:
     on_done: JobDone
     aux_slot: int | None = None
     cancelled: bool = field(default=False)
+
+    @property
+    def staged(self) -> bool:
+        return self.chunk is not None and self.request.path in STAGED_PATHS
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRoom:
+    """Room -> worker: the room failed; end its parked chunks now (its WRITEs in flight end normally)."""
+
+    room: int
+
+
+@dataclass(eq=False)
+class _Staged:
+    """A staged job between its StagingRequest and its WRITE."""
+
+    job: WriteJob
+    src_slots: np.ndarray
+    nbytes: int
+    host: bool
+    allocation: Allocation | None = None
+    dst: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """Poller -> worker: the staged WRITE from lease ``offset`` ended."""
+
+    staged: _Staged
+    offset: int
+    ok: bool
+    detail: str
+
+
+WorkerMail = WriteJob | CancelRoom | m.StagingGrant | m.StagingRefused | m.Watermark | _Written
+
+
+def staged_slots(job: WriteJob, pool: KVPool) -> np.ndarray:
+    """The prefill token slots a staged chunk gathers (clipped to the decode rank's capacity)."""
+    req, peer, chunk = job.request, job.peer, job.chunk
+    assert chunk is not None
+    src_ps = pool.layout.page_size
+    capacity = len(req.dst_pages) * peer.layout.page_size
+    tokens = descriptors.chunk_tokens(chunk.page_start * src_ps, chunk.num_pages, src_ps, capacity)
+    return descriptors.slots_of(job.src_pages, src_ps, 0, tokens)
 
 
 def plan_write(
@@ -118,28 +189,107 @@ def plan_write(
     return src, dst, length, notif
 
 
-class TransferWorker:
-    """See the module docstring. ``inbox`` takes :class:`WriteJob`s."""
+def _with_reason(done: JobDone, reason: FailureReason) -> Callable[[bool, str], Awaitable[None]]:
+    async def completion(ok: bool, detail: str) -> None:
+        await done(ok, detail, reason)
 
-    def __init__(self, index: int, pool: KVPool, poller: NixlPoller, *, mailbox: int = 1024) -> None:
+    return completion
+
+
+class TransferWorker:
+    """See the module docstring. ``inbox`` takes :data:`WorkerMail`."""
+
+    def __init__(
+        self,
+        index: int,
+        pool: KVPool,
+        poller: NixlPoller,
+        *,
+        agent_name: str,
+        send: Callable[[str, m.Message], bool],
+        staging_bytes: int,
+        mailbox: int = 4096,
+    ) -> None:
         self.index = index
         self.pool = pool
         self.poller = poller
+        self.agent_name = agent_name
+        self._send = send
+        self.staging_bytes = staging_bytes
         self._bases = np.array([t.data_ptr() for t in pool.tensors], dtype=np.uint64)
-        self.inbox: MemoryObjectSendStream[WriteJob]
-        self._rx: MemoryObjectReceiveStream[WriteJob]
-        self.inbox, self._rx = anyio.create_memory_object_stream[WriteJob](mailbox)
-        self.queued = 0
+        self.inbox: MemoryObjectSendStream[WorkerMail]
+        self._rx: MemoryObjectReceiveStream[WorkerMail]
+        self.inbox, self._rx = anyio.create_memory_object_stream[WorkerMail](mailbox)
+        self._kv = as_kv_table(pool.tensors)
+        self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        self._buffers: dict[bool, tuple[StagingMemory, BufferLeases]] = {}
+        self._granting: dict[tuple[str, int, int], _Staged] = {}
+        self._parked: dict[str, list[_Staged]] = defaultdict(list)
+        self._watermarks: dict[str, WatermarkTracker] = defaultdict(WatermarkTracker)
+        self.counters: dict[str, int] = defaultdict(int)
+
+    # --- introspection -------------------------------------------------------------------------
+
+    @property
+    def parked(self) -> int:
+        """Staged chunks granted a region but waiting for the watermark or a staging lease."""
+        return sum(len(v) for v in self._parked.values())
+
+    @property
+    def awaiting_grant(self) -> int:
+        return len(self._granting)
+
+    @property
+    def depth(self) -> int:
+        """Mails queued in the inbox."""
+        return self._rx.statistics().current_buffer_used
+
+    def leases(self) -> int:
+        """Staging-buffer leases held (0 when idle: the leak check)."""
+        return sum(leases.live for _, leases in self._buffers.values())
+
+    def watermark(self, agent: str) -> tuple[int, int]:
+        wm = self._watermarks[agent].current
+        return wm.round, wm.tail
+
+    # --- mailbox -------------------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with self._rx:
-            async for job in self._rx:
-                await self._execute(job)
+            async for mail in self._rx:
+                await self._handle(mail)
+
+    async def _handle(self, mail: WorkerMail) -> None:
+        match mail:
+            case WriteJob() if mail.staged:
+                await self._request_region(mail)
+            case WriteJob():
+                await self._execute(mail)
+            case m.StagingGrant():
+                await self._on_grant(mail)
+            case m.StagingRefused(agent=agent, room=room, chunk_id=chunk_id, detail=detail):
+                staged = self._granting.pop((agent, room, chunk_id), None)
+                if staged is not None:
+                    await staged.job.on_done(
+                        False, f"decode {agent} refused the chunk: {detail}", FailureReason.STAGING
+                    )
+            case m.Watermark(agent=agent, round=rnd, tail=tail):
+                if self._watermarks[agent].update(Watermark(rnd, tail)):
+                    await self._progress(agent)
+            case _Written(staged=staged, offset=offset, ok=ok, detail=detail):
+                self._buffers[staged.host][1].release(offset)
+                await staged.job.on_done(ok, detail, FailureReason.TRANSPORT)
+                for agent in list(self._parked):
+                    await self._progress(agent)
+            case CancelRoom(room=room):
+                await self._cancel(room)
+
+    # --- direct and slice ----------------------------------------------------------------------
 
     async def _execute(self, job: WriteJob) -> None:
         if job.cancelled:
-            await job.on_done(False, "cancelled before posting")
+            await job.on_done(False, "cancelled before posting", FailureReason.ABORTED)
             return
         try:
             src, dst, length, notif = plan_write(job, self.pool, self._bases)
@@ -153,8 +303,188 @@ class TransferWorker:
                 length,
                 self.pool.device_id,
                 notif,
-                job.on_done,
+                _with_reason(job.on_done, FailureReason.TRANSPORT),
             )
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
-            await job.on_done(False, str(exc))
+            await job.on_done(False, str(exc), FailureReason.TRANSPORT)
+
+    # --- staged --------------------------------------------------------------------------------
+
+    def _buffer(self, host: bool) -> tuple[StagingMemory, BufferLeases]:
+        """This worker's staging buffer of that kind, allocated and registered on first use."""
+        if host not in self._buffers:
+            memory = allocate_staging(self.pool, self.staging_bytes, host=host)
+            self.poller.register([memory.region()], memory.mem_type)
+            self._buffers[host] = (memory, BufferLeases(memory.nbytes))
+            log.info(
+                "worker %d: %s staging buffer of %d bytes",
+                self.index,
+                "host" if host else "device",
+                memory.nbytes,
+            )
+        return self._buffers[host]
+
+    async def _request_region(self, job: WriteJob) -> None:
+        req, peer, chunk = job.request, job.peer, job.chunk
+        assert chunk is not None
+        if job.cancelled:
+            await job.on_done(False, "cancelled before posting", FailureReason.ABORTED)
+            return
+        try:
+            if peer.ring is None:
+                raise TransferError(f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring")
+            spec = req.slices[0]
+            src_slots = staged_slots(job, self.pool)
+            if src_slots.size == 0:
+                raise TransferError(
+                    f"room {job.room}: chunk {chunk.chunk_id} carries no tokens for this decode rank"
+                )
+            layout = self.pool.layout
+            nbytes = writer_block_bytes(
+                layout.num_kv_tensors, src_slots.size, spec.num_heads, layout.head_dim, self.pool.itemsize
+            )
+            host = req.path == "host"
+            memory, _ = self._buffer(host)
+            if nbytes > memory.nbytes:
+                raise StagingError(
+                    f"a staged chunk needs {nbytes} bytes of staging buffer but it holds {memory.nbytes} bytes; "
+                    f"raise the config option `staging_bytes` (or `staging_chunk_pages`) to fit it, "
+                    f"or send smaller chunks"
+                )
+        except StagingError as exc:
+            await job.on_done(False, str(exc), FailureReason.STAGING)
+            return
+        except TransferError as exc:
+            await job.on_done(False, str(exc), FailureReason.PROTOCOL)
+            return
+        self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(job, src_slots, nbytes, host)
+        self._send(
+            peer.endpoint,
+            m.StagingRequest(
+                agent=self.agent_name,
+                room=job.room,
+                chunk_id=chunk.chunk_id,
+                sender=job.sender,
+                page_start=chunk.page_start,
+                num_pages=chunk.num_pages,
+                tokens=int(src_slots.size),
+            ),
+        )
+
+    async def _on_grant(self, grant: m.StagingGrant) -> None:
+        staged = self._granting.pop((grant.agent, grant.room, grant.chunk_id), None)
+        if staged is None:  # the room failed meanwhile; the decode room frees the region when it ends
+            self.counters["grants_unmatched"] += 1
+            return
+        ring = staged.job.peer.ring
+        assert ring is not None
+        if grant.writer_bytes != staged.nbytes or grant.writer_offset + grant.writer_bytes > grant.length:
+            await staged.job.on_done(
+                False,
+                f"grant for room {grant.room} chunk {grant.chunk_id} gives {grant.writer_bytes} bytes at "
+                f"+{grant.writer_offset} of {grant.length}; this writer stages {staged.nbytes}",
+                FailureReason.PROTOCOL,
+            )
+            return
+        staged.allocation = Allocation(grant.alloc_id, grant.round, grant.offset, grant.length)
+        staged.dst = ring.addr + grant.offset + grant.writer_offset
+        self._parked[grant.agent].append(staged)
+        await self._progress(grant.agent)
+
+    async def _progress(self, agent: str) -> None:
+        """Start every parked chunk to ``agent`` that the watermark admits and a lease can hold."""
+        parked = self._parked.get(agent)
+        if not parked:
+            return
+        tracker = self._watermarks[agent]
+        waiting: list[_Staged] = []
+        while parked:
+            staged = parked.pop(0)
+            if staged.job.cancelled:
+                await staged.job.on_done(False, "cancelled before posting", FailureReason.ABORTED)
+                continue
+            assert staged.allocation is not None
+            if not tracker.admits(staged.allocation):
+                self.counters["watermark_waits"] += 1
+                waiting.append(staged)
+                continue
+            memory, leases = self._buffers[staged.host]
+            offset = leases.lease(staged.nbytes)
+            if offset is None:
+                self.counters["lease_waits"] += 1
+                waiting.append(staged)
+                continue
+            await self._gather_and_write(staged, memory, offset)
+        if waiting:
+            self._parked[agent] = waiting + self._parked.get(agent, [])
+        else:
+            self._parked.pop(agent, None)
+
+    async def _gather_and_write(self, staged: _Staged, memory: StagingMemory, offset: int) -> None:
+        job = staged.job
+        chunk = job.chunk
+        assert chunk is not None and staged.allocation is not None
+        spec = job.request.slices[0]
+        out = memory.view(offset, staged.nbytes)
+        slots = torch.from_numpy(staged.src_slots)
+        gather = functools.partial(
+            gather_heads, self._kv, slots, spec.src_head_start, spec.num_heads, out, stream=self.stream
+        )
+        leases = self._buffers[staged.host][1]
+        try:
+            if self.stream is None:
+                await anyio.to_thread.run_sync(gather)
+            else:
+                gather()
+                await stream_reached(self.stream)
+        except Exception as exc:  # a kernel error fails the room, never the worker
+            log.exception("worker %d: gather for room %d failed", self.index, job.room)
+            leases.release(offset)
+            await job.on_done(False, f"gather failed: {exc}", FailureReason.TRANSPORT)
+            return
+        if job.cancelled:
+            leases.release(offset)
+            await job.on_done(False, "cancelled before posting", FailureReason.ABORTED)
+            return
+        notif = m.encode(
+            m.ChunkLanded(
+                room=job.room,
+                chunk_id=chunk.chunk_id,
+                last=chunk.last,
+                sender=job.sender,
+                page_start=chunk.page_start,
+                num_pages=chunk.num_pages,
+                region=staged.allocation.alloc_id,
+            )
+        )
+
+        async def written(ok: bool, detail: str) -> None:
+            await self.inbox.send(_Written(staged, offset, ok, detail))
+
+        try:
+            self.poller.post_write(
+                job.peer.agent_name,
+                memory.mem_type,
+                np.array([memory.addr + offset], dtype=np.uint64),
+                np.array([staged.dst], dtype=np.uint64),
+                np.array([staged.nbytes], dtype=np.uint64),
+                memory.device_id,
+                notif,
+                written,
+            )
+        except TransferError as exc:
+            log.warning("worker %d: room %d: %s", self.index, job.room, exc)
+            leases.release(offset)
+            await job.on_done(False, str(exc), FailureReason.TRANSPORT)
+            return
+        self.counters["staged_writes"] += 1
+
+    async def _cancel(self, room: int) -> None:
+        for key in [k for k in self._granting if k[1] == room]:
+            staged = self._granting.pop(key)
+            await staged.job.on_done(
+                False, "cancelled while waiting for a ring region", FailureReason.ABORTED
+            )
+        for agent in list(self._parked):
+            await self._progress(agent)  # ends the room's cancelled chunks

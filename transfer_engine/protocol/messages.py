@@ -133,6 +133,9 @@ class PeerHello(Message, frozen=True):
     """The KV tensors, in order K_0..K_{L-1}, V_0..V_{L-1} (or the L MLA latents)."""
     aux: MemRegion | None
     ring: MemRegion | None
+    """The staging ring (staged paths), or None when this decode rank has none."""
+    ring_mem_type: str
+    """NIXL memory type of the ring: "VRAM", or "DRAM" for host staging."""
     layout: LayoutInfo
     compat: int
 
@@ -189,6 +192,9 @@ class StagingRequest(Message, frozen=True):
 class StagingGrant(Message, frozen=True, gc=False):
     """decode rank -> prefill writer: write your block at ``offset + writer_offset`` of ``round``."""
 
+    agent: str
+    """NIXL agent name of the decode rank that owns the ring."""
+
     room: int
     chunk_id: int
     alloc_id: int
@@ -201,6 +207,9 @@ class StagingGrant(Message, frozen=True, gc=False):
 
 class StagingRefused(Message, frozen=True):
     """decode rank -> prefill writer: the chunk cannot be placed; the room fails with ``detail``."""
+
+    agent: str
+    """NIXL agent name of the decode rank that owns the ring."""
 
     room: int
     chunk_id: int
@@ -226,6 +235,8 @@ class Abort(Message, frozen=True):
 
     room: int
     rank: int
+    reason: int
+    """Why the sender stops the room (a :class:`FailureReason` value)."""
     detail: str
 
 
@@ -363,8 +374,10 @@ def decode(data: bytes | bytearray | memoryview, *, limit: int = MAX_MESSAGE_BYT
         raise RemoteProtocolError(
             f"{type(message).__name__} has protocol version {message.v}, expected {PROTOCOL_VERSION}"
         )
-    if isinstance(message, RoomFailed) and message.reason not in _REASONS:
-        raise RemoteProtocolError(f"RoomFailed of room {message.room} has unknown reason {message.reason}")
+    if isinstance(message, RoomFailed | Abort) and message.reason not in _REASONS:
+        raise RemoteProtocolError(
+            f"{type(message).__name__} of room {message.room} has unknown reason {message.reason}"
+        )
     return message
 
 

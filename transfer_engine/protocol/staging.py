@@ -25,6 +25,7 @@ from transfer_engine.protocol.heads import HeadSlice
 __all__ = [
     "DEFAULT_ALIGN",
     "Allocation",
+    "BufferLeases",
     "RegionLayout",
     "RingAllocator",
     "Watermark",
@@ -284,3 +285,53 @@ class WatermarkTracker:
     def admits(self, allocation: Allocation) -> bool:
         """:func:`admits` against :attr:`current`."""
         return admits(self._current, allocation)
+
+
+class BufferLeases:
+    """Byte ranges of one prefill worker's staging buffer, leased per staged chunk.
+
+    A chunk is gathered into its lease and WRITTEN from it; the lease is released when the WRITE
+    has ended. Leases are placed first-fit after the newest one, wrapping to offset 0, never split
+    and never overlapping a live lease; releases may come in any order. :meth:`lease` returns None
+    when no gap is large enough *now* (the worker retries after a release); a request larger than
+    the whole buffer raises :class:`StagingError` naming the option to raise.
+    """
+
+    def __init__(self, size: int, align: int = DEFAULT_ALIGN) -> None:
+        if size < 1:
+            raise ConfigError(f"staging buffer size staging_bytes={size} must be >= 1")
+        if align < 1:
+            raise ConfigError(f"BufferLeases: align={align} must be >= 1")
+        self.size = size
+        self.align = align
+        self._live: dict[int, int] = {}  # offset -> end
+        self._head = 0
+
+    @property
+    def live(self) -> int:
+        """Number of leases not yet released."""
+        return len(self._live)
+
+    def lease(self, length: int) -> int | None:
+        """Offset of a new lease of ``length`` bytes, or None while no gap fits it."""
+        if length < 1:
+            raise ConfigError(f"staging lease length={length} must be >= 1")
+        if length > self.size:
+            raise StagingError(
+                f"a staged chunk needs {length} bytes of staging buffer but it holds {self.size} bytes; "
+                f"raise the config option `staging_bytes` to at least {length} (or send smaller chunks)"
+            )
+        for start in (self._head, 0):
+            end = start + length
+            if end <= self.size and not any(s < end and start < e for s, e in self._live.items()):
+                self._live[start] = end
+                self._head = _align_up(end, self.align) if end < self.size else 0
+                return start
+        return None
+
+    def release(self, offset: int) -> None:
+        """End the lease at ``offset``; :class:`ConfigError` naming it when none is live there."""
+        if self._live.pop(offset, None) is None:
+            raise ConfigError(f"no live staging lease at offset {offset}")
+        if not self._live:
+            self._head = 0

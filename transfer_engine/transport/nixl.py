@@ -37,23 +37,39 @@ class XferState(enum.Enum):
 
 @dataclass
 class RemotePeer:
-    """A remote agent this side may WRITE into: its name, memory type and registered regions."""
+    """A remote agent this side may WRITE into: its name, memory type and registered regions.
+
+    ``mem_types`` gives each region its own NIXL memory type (a host-staging ring is DRAM while the
+    KV is VRAM); when empty every region is ``mem_type``.
+    """
 
     agent_name: str
     mem_type: str
     regions: list[MemRegion]
+    mem_types: list[str] = field(default_factory=list)
     _starts: np.ndarray = field(init=False, repr=False)
     _ends: np.ndarray = field(init=False, repr=False)
     _devices: np.ndarray = field(init=False, repr=False)
+    _kinds: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        order = sorted(self.regions, key=lambda r: r.addr)
-        self._starts = np.array([r.addr for r in order], dtype=np.uint64)
-        self._ends = np.array([r.end for r in order], dtype=np.uint64)
-        self._devices = np.array([r.device for r in order], dtype=np.uint64)
+        kinds = self.mem_types or [self.mem_type] * len(self.regions)
+        if len(kinds) != len(self.regions):
+            raise TransportError(
+                f"peer {self.agent_name}: {len(self.regions)} regions but {len(kinds)} memory types"
+            )
+        order = sorted(range(len(self.regions)), key=lambda i: self.regions[i].addr)
+        self._starts = np.array([self.regions[i].addr for i in order], dtype=np.uint64)
+        self._ends = np.array([self.regions[i].end for i in order], dtype=np.uint64)
+        self._devices = np.array([self.regions[i].device for i in order], dtype=np.uint64)
+        self._kinds = [kinds[i] for i in order]
 
-    def check(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
-        """Device id of each range; AddressRangeError naming the first range outside every region."""
+    def check(self, addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, str]:
+        """``(device id of each range, memory type)``; AddressRangeError naming the first bad range.
+
+        A range is bad when it lies outside every registered region; a WRITE is refused whole when
+        its ranges span regions of different memory types.
+        """
         if len(self._starts) == 0:
             raise AddressRangeError(f"peer {self.agent_name} registered no memory")
         idx = np.searchsorted(self._starts, addr, side="right").astype(np.int64) - 1
@@ -65,7 +81,12 @@ class RemotePeer:
                 f"WRITE of {int(length[bad])} bytes at {int(addr[bad]):#x} lies outside every region "
                 f"registered by peer {self.agent_name}"
             )
-        return self._devices[safe]
+        kinds = {self._kinds[i] for i in np.unique(safe).tolist()}
+        if len(kinds) != 1:
+            raise AddressRangeError(
+                f"WRITE to peer {self.agent_name} spans regions of memory types {sorted(kinds)}"
+            )
+        return self._devices[safe], kinds.pop()
 
 
 class Transport(Protocol):
@@ -194,10 +215,10 @@ class NixlTransport:
         remote = self._peers.get(peer)
         if remote is None:
             raise TransportError(f"no NIXL peer named {peer!r}")
-        remote_devices = remote.check(dst, length)
+        remote_devices, remote_mem = remote.check(dst, length)
         try:
             local = self._agent.get_xfer_descs(_descs(src, length, local_devices), local_mem)
-            far = self._agent.get_xfer_descs(_descs(dst, length, remote_devices), remote.mem_type)
+            far = self._agent.get_xfer_descs(_descs(dst, length, remote_devices), remote_mem)
             handle = self._agent.initialize_xfer("WRITE", local, far, peer, notif)
         except Exception as exc:
             raise TransportError(f"cannot create WRITE to {peer} ({len(src)} descriptors): {exc}") from exc

@@ -1,0 +1,107 @@
+"""The staged paths under pressure: a tiny ring, differing page sizes, chunks that cannot be placed."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import anyio
+import numpy as np
+import pytest
+
+from transfer_engine import patterns
+from transfer_engine.errors import TransferFailed
+from transfer_engine.protocol.failures import FailureReason
+
+from .harness import cluster, run_room, shuffled_pages, small_layout
+
+# small_layout(): 3 layers, 8 heads of 16 bf16 -> one token of all 8 heads over K and V is 1536 B.
+TOKEN_BYTES = 6 * 8 * 16 * 2
+
+
+async def _rooms(c, rng: random.Random, rooms: int, max_pages: int, first_room: int = 100) -> None:  # type: ignore[no-untyped-def]
+    src_free = shuffled_pages(rng, 64, 64).tolist()
+    dst_free = shuffled_pages(rng, 64, 64).tolist()
+    async with anyio.create_task_group() as tg:
+        for room in range(rooms):
+            n = rng.randint(1, max_pages)
+            chunks: list[int] = []
+            left = n
+            while left:
+                chunks.append(rng.randint(1, min(left, 3)))
+                left -= chunks[-1]
+            src, dst = np.array(src_free[:n]), np.array(dst_free[:n])
+            del src_free[:n], dst_free[:n]
+            tg.start_soon(functools.partial(run_room, c, first_room + room, src, dst, chunks, aux_slot=room))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("P", "D"), [(2, 1), (4, 2), (1, 2)])
+async def test_tiny_ring_parks_chunks_and_completes(P: int, D: int) -> None:
+    """A ring of two chunks, many rooms and writers interleaved: chunks wait on the watermark, all finish."""
+    page_size = 4
+    ring = 2 * 3 * page_size * TOKEN_BYTES // D  # two chunks of 3 pages for this decode rank's heads
+    rng = random.Random(P * 10 + D)
+    async with cluster(small_layout(), P, D, path="staged", ring_bytes=ring) as c:
+        await _rooms(c, rng, rooms=6, max_pages=9)
+        c.assert_no_leaks()
+        waits = sum(w.counters["watermark_waits"] for e in c.prefill for w in e.workers)
+        assert waits > 0, "the tiny ring never made a chunk wait for the watermark"
+        for engine in c.decode:
+            assert engine.ring is not None and engine.ring.allocator.round > 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("P", "D"), [(2, 1), (1, 2), (1, 1)])
+async def test_page_sizes_differ(P: int, D: int) -> None:
+    """Prefill pages of 16 tokens, decode pages of 64: the staged path moves token slots."""
+    rng = random.Random(7)
+    async with cluster(
+        small_layout(page_size=16), P, D, path="staged", decode_layout=small_layout(page_size=64), num_pages=32
+    ) as c:
+        for room in range(3):
+            n = rng.randint(1, 12)  # prefill pages; the decode needs ceil(n / 4) of its pages
+            src = shuffled_pages(rng, 32, n)
+            dst = shuffled_pages(rng, 32, -(-n // 4))
+            chunks = [n // 2, n - n // 2] if n > 1 else [1]
+            await run_room(c, 10 + room, src, dst, chunks, aux_slot=room)
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_chunk_larger_than_ring_fails_naming_ring_bytes() -> None:
+    ring = 2 * 4 * TOKEN_BYTES  # two pages' worth
+    async with cluster(small_layout(), 2, 1, path="staged", ring_bytes=ring) as c:
+        src, dst = np.arange(5), np.arange(5)
+        for engine in c.prefill:
+            patterns.fill(engine.pool, 1, src)
+        receiver = await c.decode[0].receiver(1, c.bootstrap, dst)
+        senders = [engine.sender(1) for engine in c.prefill]
+        for s in senders:
+            await s.send(src, last=True)
+        with anyio.fail_after(10):
+            for handle in [receiver, *senders]:
+                with pytest.raises(TransferFailed, match="ring_bytes") as info:
+                    await handle.wait()
+                assert info.value.reason is FailureReason.STAGING
+        # the ring still serves chunks that fit
+        await run_room(c, 2, np.arange(2), np.arange(2), [1, 1])
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_chunk_larger_than_staging_buffer_fails_naming_staging_bytes() -> None:
+    async with cluster(small_layout(), 2, 1, path="staged", staging_bytes=4 * TOKEN_BYTES) as c:
+        src, dst = np.arange(4), np.arange(4)
+        receiver = await c.decode[0].receiver(3, c.bootstrap, dst)
+        senders = [engine.sender(3) for engine in c.prefill]
+        for s in senders:
+            await s.send(src, last=True)
+        with anyio.fail_after(10):
+            for s in senders:
+                with pytest.raises(TransferFailed, match="staging_bytes") as info:
+                    await s.wait()
+                assert info.value.reason is FailureReason.STAGING
+            with pytest.raises(TransferFailed, match="staging_bytes"):
+                await receiver.wait()
+        c.assert_no_leaks()
