@@ -12,9 +12,10 @@ Before the first room each rank calls ``engine.connect(bootstrap)`` (retried unt
 ``--wait-for-prefill`` seconds have passed, so both sides may start in any order); the GB/s clock
 starts once it is connected.
 
-Each rank prints its control endpoint at start and one line at the end; the launcher prints one
-summary line (``decode summary: rooms verified N/M ...``) and exits non-zero if any room failed or
-any byte was wrong.
+Each rank prints its control and introspection endpoints at start (``transfer-engine dump
+--endpoint`` shows its state) and one line at the end; the launcher prints one summary line
+(``decode summary: rooms verified N/M ...``) and exits non-zero if any room failed or any byte was
+wrong.
 """
 
 from __future__ import annotations
@@ -190,6 +191,8 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
             f"{name}: control endpoint {engine.endpoint} (agent {engine.agent_name}); "
             f"pool {num_pages} pages = {common.human_bytes(num_pages * page_bytes)} on {device}"
         )
+        metrics = f", metrics {engine.metrics_endpoint}" if engine.metrics_endpoint else ""
+        common.say(f"{name}: introspect {engine.introspect_endpoint}{metrics}")
         events.put(("up", rank, engine.endpoint))
         async with common.STOP.cancel_on_signal():
             try:

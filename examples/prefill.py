@@ -11,8 +11,9 @@ the engine parks the room in Bootstrapping (or keeps an early request) until bot
 ``sender.wait()`` returns once every WRITE of the room is done; only then are its pages reused.
 
 After the schedule a rank keeps serving until its decode peers are gone (or ``--linger`` seconds),
-and SIGTERM/SIGINT shut it down gracefully at any time. Each rank prints its control endpoint at
-start and one line at the end; the exit status is non-zero if any room failed.
+and SIGTERM/SIGINT shut it down gracefully at any time. Each rank prints its control and
+introspection endpoints at start (``transfer-engine dump --endpoint`` shows its state) and one line
+at the end; the exit status is non-zero if any room failed.
 """
 
 from __future__ import annotations
@@ -161,6 +162,8 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
             f"{name}: control endpoint {engine.endpoint} (agent {engine.agent_name}{where}); "
             f"pool {num_pages} pages = {common.human_bytes(num_pages * page_bytes)} on {device}"
         )
+        metrics = f", metrics {engine.metrics_endpoint}" if engine.metrics_endpoint else ""
+        common.say(f"{name}: introspect {engine.introspect_endpoint}{metrics}")
         events.put(("up", rank, engine.endpoint))
         async with common.STOP.cancel_on_signal():
             async with anyio.create_task_group() as tg:

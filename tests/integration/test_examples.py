@@ -104,6 +104,7 @@ def test_prefill_and_decode_scripts(P: int, D: int) -> None:
     for out, side, n in ((prefill_out, "prefill", P), (decode_out, "decode", D)):
         for rank in range(n):
             assert re.search(rf"^{side} rank {rank}/{n}: control endpoint tcp://127\.0\.0\.1:\d+", out, re.M)
+            assert re.search(rf"^{side} rank {rank}/{n}: introspect tcp://127\.0\.0\.1:\d+$", out, re.M)
             assert re.search(rf"^{side} rank {rank}/{n}: rooms ok={rooms} failed=0 not-run=0", out, re.M), (
                 tail(out)
             )
