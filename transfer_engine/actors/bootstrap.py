@@ -4,21 +4,27 @@ A ZMQ ROUTER on ``bootstrap_port`` (hosted by prefill rank 0 unless configured o
 ranks announce themselves with ``RegisterRank``; decode ranks ask ``TopologyQuery`` and get the
 ranks registered so far, with ``complete`` once every rank of the TP group is in. A rank that
 re-registers (a restarted process) replaces its old entry. Ranks whose TP size or layout differ
-from the first registration are refused.
+from the first registration are refused. With a :class:`~transfer_engine.security.Curve` the
+ROUTER is a CURVE server: only holders of an allowed key can register or ask.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import anyio
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError
+from transfer_engine.actors.control import MAX_FRAME_BYTES
+from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransportError
 from transfer_engine.protocol import messages as m
+
+if TYPE_CHECKING:
+    from transfer_engine.security import Curve
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +32,10 @@ log = logging.getLogger(__name__)
 class Bootstrap:
     """See the module docstring. ``ranks`` maps rank -> its control endpoint."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *, curve: Curve | None = None) -> None:
         self.host = host
         self.port = port
+        self.curve = curve
         self.tp_size: int | None = None
         self.compat: int | None = None
         self.ranks: dict[int, str] = {}
@@ -38,9 +45,12 @@ class Bootstrap:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
+            if self.curve is not None:
+                self.curve.server(sock)
             sock.bind(f"tcp://{self.host}:{self.port}")
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, TransportError) as exc:
             sock.close()
             self._ctx.term()
             raise PeerUnreachableError(
@@ -51,26 +61,26 @@ class Bootstrap:
             while True:
                 frames = await sock.recv_multipart()
                 if len(frames) != 2:
-                    self._drop("bad_frames", f"{len(frames)} frames")
+                    self._drop("bad_frames", frames[0], f"{len(frames)} frames")
                     continue
                 ident, payload = frames
                 try:
                     message = m.decode(payload)
                 except RemoteProtocolError as exc:
-                    self._drop("malformed", str(exc))
+                    self._drop("malformed", ident, str(exc))
                     continue
                 answer = self.handle(message)
                 if answer is None:
-                    self._drop(type(message).__name__, "not a bootstrap message")
+                    self._drop(type(message).__name__, ident, "not a bootstrap message")
                     continue
                 await sock.send_multipart([ident, m.encode(answer)])
         finally:
             sock.close(linger=0)
             self._ctx.term()
 
-    def _drop(self, kind: str, detail: str) -> None:
+    def _drop(self, kind: str, ident: bytes, detail: str) -> None:
         self.dropped[kind] += 1
-        log.warning("bootstrap %s:%d dropped %s: %s", self.host, self.port, kind, detail)
+        log.warning("bootstrap %s:%d dropped %s from %s: %s", self.host, self.port, kind, ident.hex(), detail)
 
     def handle(self, message: m.AnyMessage) -> m.Message | None:
         """The answer to one message (pure: no I/O), or None for messages it does not serve."""

@@ -2,11 +2,18 @@
 
 One ROUTER bound at the rank's control endpoint receives every message peers send; each is decoded
 with the one typed decoder and handed to ``dispatch``. Malformed, oversized and unknown frames are
-logged with their source, counted in ``dropped`` and dropped; the actor keeps serving.
+logged with their source, counted in ``dropped`` and dropped; the actor keeps serving. A message
+whose dispatch raises is dropped too (counted as ``dispatch_error``, logged with its traceback):
+that is a bug of the engine, but one message must never take a rank down.
 
 Outgoing one-way messages go through one cached DEALER per peer endpoint (:meth:`send`, never
 blocks: a full queue drops and counts). Request/response exchanges (topology, handshake,
 registration) use a short-lived DEALER whose answer comes back on it (:meth:`request`).
+
+With a :class:`~transfer_engine.security.Curve` every socket is secured: the ROUTER is a CURVE
+server that accepts only allowed clients, every DEALER a CURVE client. Tests may set ``faults`` (a
+:class:`~transfer_engine.transport.faults.ControlFaults`) at any time to delay, drop, duplicate or
+reorder what :meth:`send` sends; held messages go out from a small task of :meth:`run`.
 """
 
 from __future__ import annotations
@@ -14,14 +21,19 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import anyio
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError
+from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransportError
 from transfer_engine.protocol import messages as m
+
+if TYPE_CHECKING:
+    from transfer_engine.security import Curve
+    from transfer_engine.transport.faults import ControlFaults
 
 log = logging.getLogger(__name__)
 
@@ -30,45 +42,71 @@ Dispatch = Callable[[m.AnyMessage, bytes], Awaitable[None]]
 
 _SEND_HWM = 10_000
 
+MAX_FRAME_BYTES = 4 * m.MAX_MESSAGE_BYTES
+"""ROUTERs never read a frame larger than this: libzmq drops the connection that sends one, so a peer
+cannot make a rank allocate without bound. Frames between the message limit and this are read,
+counted as malformed and dropped."""
+
 
 def _configure(sock: zmq.asyncio.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
     sock.setsockopt(zmq.RCVHWM, _SEND_HWM)
+    if sock.type == zmq.ROUTER:
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
 
 
 class Control:
     """Owns the rank's ZMQ context and sockets; see the module docstring."""
 
-    def __init__(self, host: str, port: int, dispatch: Dispatch, *, name: str = "control") -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        dispatch: Dispatch,
+        *,
+        name: str = "control",
+        curve: Curve | None = None,
+        faults: ControlFaults | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self.name = name
+        self.curve = curve
+        self.faults = faults
+        """Test hook: faults applied to :meth:`send`; may be set at any time (clearing it drops the
+        messages it still holds)."""
         self._dispatch = dispatch
         self._ctx = zmq.asyncio.Context()
         self._router: zmq.asyncio.Socket | None = None
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._held = anyio.Event()
         self.dropped: Counter[str] = Counter()
         self.endpoint = ""
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         router = self._ctx.socket(zmq.ROUTER)
-        _configure(router)
         try:
+            _configure(router)
+            if self.curve is not None:
+                self.curve.server(router)
             if self.port:
                 router.bind(f"tcp://{self.host}:{self.port}")
             else:
                 self.port = router.bind_to_random_port(f"tcp://{self.host}")
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, TransportError) as exc:
             router.close()
+            self._ctx.term()
             raise PeerUnreachableError(f"tcp://{self.host}:{self.port}", f"cannot bind: {exc}") from exc
         self._router = router
         self.endpoint = f"tcp://{self.host}:{self.port}"
-        task_status.started()
         try:
-            while True:
-                frames = await router.recv_multipart(copy=True)
-                await self._handle(frames)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._release_held)
+                task_status.started()
+                while True:
+                    frames = await router.recv_multipart(copy=True)
+                    await self._handle(frames)
         finally:
             self.close()
 
@@ -82,7 +120,13 @@ class Control:
         except RemoteProtocolError as exc:
             self._drop("malformed", source, str(exc))
             return
-        await self._dispatch(message, frames[0])
+        try:
+            await self._dispatch(message, frames[0])
+        except Exception:  # no message may take the rank down (DESIGN §9); the bug is in the log
+            self.dropped["dispatch_error"] += 1
+            log.exception(
+                "%s: %s from %s could not be handled; dropped", self.name, type(message).__name__, source
+            )
 
     def _drop(self, kind: str, source: str, detail: str) -> None:
         self.dropped[kind] += 1
@@ -92,20 +136,51 @@ class Control:
         """For dispatchers: record a decoded message that is not acceptable now."""
         self._drop(kind, f"{self.endpoint}<-{ident.hex()}", detail)
 
+    def _dealer(self) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        _configure(sock)
+        if self.curve is not None:
+            self.curve.client(sock)
+        return sock
+
     def send(self, endpoint: str, message: m.Message) -> bool:
         """Queue ``message`` to the peer's ROUTER without blocking; False (counted) if it was dropped."""
+        payload = m.encode(message)
+        if self.faults is None:
+            return self._send(endpoint, payload, type(message).__name__)
+        for target, data in self.faults.submit(endpoint, payload):
+            self._send(target, data, type(message).__name__)
+        self._held.set()
+        return True
+
+    def _send(self, endpoint: str, payload: bytes, what: str) -> bool:
+        if self._router is None:
+            return False
         sock = self._dealers.get(endpoint)
         if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            _configure(sock)
+            sock = self._dealer()
             sock.connect(endpoint)
             self._dealers[endpoint] = sock
         try:
-            sock.send(m.encode(message), flags=zmq.NOBLOCK)
+            sock.send(payload, flags=zmq.NOBLOCK)
         except zmq.Again:
-            self._drop("send_queue_full", endpoint, type(message).__name__)
+            self._drop("send_queue_full", endpoint, what)
             return False
         return True
+
+    async def _release_held(self) -> None:
+        """Send the messages ``faults`` held back, each once it is due (idle without faults)."""
+        while True:
+            self._held = anyio.Event()
+            faults = self.faults
+            due = None if faults is None else faults.next_due()
+            if faults is None or due is None:
+                await self._held.wait()
+                continue
+            with anyio.move_on_after(max(due - faults.clock(), 0.0)):
+                await self._held.wait()
+            for target, data in faults.due():
+                self._send(target, data, "held message")
 
     def forget(self, endpoint: str) -> None:
         """Close the cached DEALER to a peer that went away (a restarted peer gets a fresh one)."""
@@ -115,8 +190,7 @@ class Control:
 
     async def request(self, endpoint: str, message: m.Message, wait_s: float) -> m.AnyMessage:
         """Send ``message`` and wait for one answer; PeerUnreachableError after ``wait_s`` seconds."""
-        sock = self._ctx.socket(zmq.DEALER)
-        _configure(sock)
+        sock = self._dealer()
         try:
             sock.connect(endpoint)
             await sock.send(m.encode(message))

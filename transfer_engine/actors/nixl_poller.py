@@ -23,7 +23,7 @@ import anyio.lowlevel
 import numpy as np
 from anyio.abc import TaskStatus
 
-from transfer_engine.errors import RemoteProtocolError, TransportError
+from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransportError
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.messages import MemRegion
 from transfer_engine.transport.nixl import RemotePeer, Transport, XferState
@@ -100,7 +100,14 @@ class NixlPoller:
         Raises AddressRangeError / TransportError when it cannot be posted (``on_done`` is then
         never called).
         """
-        handle = self.transport.post_write(peer, local_mem, src, dst, length, local_devices, notif)
+        try:
+            handle = self.transport.post_write(peer, local_mem, src, dst, length, local_devices, notif)
+        except AddressRangeError:
+            self.counters["writes_refused_address"] += 1
+            raise
+        except TransportError:
+            self.counters["writes_refused"] += 1
+            raise
         self._posted.append(_Posted(handle, peer, int(length.sum()), on_done))
         self.counters["writes_posted"] += 1
         self.counters["descriptors_posted"] += len(src)

@@ -1,0 +1,128 @@
+"""One engine per process for the kill tests: commands in on stdin, events out on stdout, JSON lines.
+
+    python -m tests.chaos.rank --role prefill --bootstrap-port 8998 [--heartbeat 0.5]
+    python -m tests.chaos.rank --role decode --bootstrap-port 8998
+
+Real NIXL and real ZMQ, as in a deployment; the test that starts the process decides the rooms.
+
+Commands (one JSON object a line):
+
+- ``{"cmd": "send", "room": R, "pages": [...], "chunks": [k, ...], "hold": false}`` (prefill): fill
+  the pages with the room's pattern, open ``sender(R)`` and, once every decode request is in,
+  ``send()`` the chunks; with ``hold`` the last chunk is never sent, so the room stays live.
+- ``{"cmd": "recv", "room": R, "pages": [...]}`` (decode): ``receiver(R, ...)``; on success every
+  byte is verified against the pattern.
+- ``{"cmd": "quit"}``: wait for the open rooms to end, report leaks, leave the engine, exit 0.
+
+Events: ``{"event": "up", "endpoint": ...}``, ``{"event": "opened", "room": R}``, ``{"event": "room",
+"room": R, "ok": bool, "reason": "PEER_DEAD" | null, "detail": ..., "t": monotonic}``, ``{"event":
+"leaks", "leaks": {...}}``. ``t`` is ``time.monotonic()``, which is one clock for every process of
+the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from tests.integration.harness import small_layout
+from transfer_engine import patterns
+from transfer_engine.config import EngineConfig
+from transfer_engine.engine import Receiver, Sender, TransferEngine
+from transfer_engine.errors import TransferError, TransferFailed
+from transfer_engine.layout import KVPool
+from transfer_engine.protocol.rooms import RoomStatus
+
+NUM_PAGES = 64
+
+
+def emit(event: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, "t": time.monotonic(), **fields}) + "\n")
+    sys.stdout.flush()
+
+
+async def prefill_room(sender: Sender, pages: np.ndarray, chunks: list[int], hold: bool) -> None:
+    delay = 0.001
+    while sender.poll() is RoomStatus.BOOTSTRAPPING:  # noqa: ASYNC110 (the engine has no event for it)
+        await anyio.sleep(delay)
+        delay = min(2 * delay, 0.01)
+    if sender.poll() is not RoomStatus.FAILED:
+        start = 0
+        for i, k in enumerate(chunks[:-1] if hold else chunks):
+            await sender.send(pages[start : start + k], last=not hold and i == len(chunks) - 1)
+            start += k
+    await sender.wait()
+
+
+async def serve(args: argparse.Namespace) -> int:
+    cfg = EngineConfig(
+        role=args.role,
+        bootstrap_port=args.bootstrap_port,
+        heartbeat_interval=args.heartbeat,
+        connect_timeout=2.0,
+        num_workers=1,
+    )
+    pool = KVPool.allocate(small_layout(), 1, 0, NUM_PAGES, aux_slots=0, aux_item_bytes=0)
+    bootstrap = f"tcp://127.0.0.1:{args.bootstrap_port}"
+    async with TransferEngine(cfg, pool) as engine, anyio.create_task_group() as rooms:
+        emit("up", endpoint=engine.endpoint, agent=engine.agent_name)
+
+        async def finish(room: int, handle: Sender | Receiver, work: Any) -> None:
+            try:
+                await work
+                ok, reason, detail = True, None, ""
+                if isinstance(handle, Receiver):
+                    bad = patterns.mismatches(
+                        pool, room, pages_of[room], len(pages_of[room]) * pool.layout.page_size
+                    )
+                    ok, detail = bad == 0, f"{bad} wrong elements"
+            except TransferFailed as exc:
+                ok, reason, detail = False, exc.reason.name, exc.detail
+            emit("room", room=room, ok=ok, reason=reason, detail=detail)
+
+        pages_of: dict[int, np.ndarray] = {}
+        while True:
+            line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+            if not line or json.loads(line)["cmd"] == "quit":
+                break
+            cmd = json.loads(line)
+            room, pages = int(cmd["room"]), np.array(cmd["pages"], dtype=np.int64)
+            pages_of[room] = pages
+            try:
+                if cmd["cmd"] == "send":
+                    patterns.fill(pool, room, pages)
+                    sender = engine.sender(room)
+                    rooms.start_soon(
+                        finish, room, sender, prefill_room(sender, pages, cmd["chunks"], cmd["hold"])
+                    )
+                else:
+                    receiver = await engine.receiver(room, bootstrap, pages)
+                    rooms.start_soon(finish, room, receiver, receiver.wait())
+            except TransferError as exc:
+                emit("error", room=room, error=f"{type(exc).__name__}: {exc}")
+                continue
+            emit("opened", room=room)
+        with anyio.fail_after(30):
+            while engine.rooms:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        emit("leaks", leaks=engine.leaks())
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--role", choices=["prefill", "decode"], required=True)
+    parser.add_argument("--bootstrap-port", type=int, required=True)
+    parser.add_argument("--heartbeat", type=float, default=0.5)
+    return anyio.run(serve, parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""Fault injection for tests: a wrapper around the real transport, and a hook for the control sockets.
+
+:class:`FaultyTransport` wraps any :class:`~transfer_engine.transport.nixl.Transport` (in practice
+the real :class:`~transfer_engine.transport.nixl.NixlTransport`: the bytes always move over NIXL)
+and applies :class:`Rule`\\ s to two streams:
+
+- **WRITEs** it posts (``writes=``): refuse the post (:attr:`Fault.FAIL_POST`), post it with its
+  destination moved outside the peer's memory so that the real range check refuses it
+  (:attr:`Fault.BAD_ADDRESS`), post it without its notification and report it ended in error
+  (:attr:`Fault.ERROR`), or report its completion late (:attr:`Fault.DELAY`);
+- **notifications** it drains (``notifs=``): deliver late (DELAY), hold everything for a while
+  (STALL), lose (DROP), deliver twice (DUPLICATE), or let the next one overtake (REORDER).
+
+:class:`ControlFaults` applies rules (DELAY, DROP, DUPLICATE, REORDER) to the one-way messages a
+:class:`~transfer_engine.actors.control.Control` sends (set ``control.faults``).
+
+Every rule decides from a seeded ``random.Random`` and counts what it did, so a failing run is
+reproduced by its seed. Held payloads live in a :class:`DeliveryQueue`, a sans-IO scheduler that
+takes ``now`` as an argument. Nothing here is imported by the engine outside tests.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from transfer_engine.errors import RemoteProtocolError, TransportError
+from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.messages import MemRegion
+from transfer_engine.transport.nixl import RemotePeer, Transport, XferState
+
+__all__ = [
+    "ControlFaults",
+    "DeliveryQueue",
+    "Fault",
+    "FaultyTransport",
+    "Rule",
+    "matching",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Fault(enum.Enum):
+    """What a rule does to the WRITE, notification or message it fires on."""
+
+    FAIL_POST = "fail_post"
+    """WRITE: ``post_write`` raises TransportError; nothing is posted."""
+    BAD_ADDRESS = "bad_address"
+    """WRITE: the destination is moved outside the peer's regions; the real transport must refuse it."""
+    ERROR = "error"
+    """WRITE: posted (the bytes move) without its notification; its state ends as ERR."""
+    DELAY = "delay"
+    """WRITE: completion reported ``delay_s`` late. Notification or message: delivered ``delay_s`` late."""
+    STALL = "stall"
+    """Notification: this one and every later one are held until ``delay_s`` from now."""
+    DROP = "drop"
+    """Notification or message: lost."""
+    DUPLICATE = "duplicate"
+    """Notification or message: delivered twice."""
+    REORDER = "reorder"
+    """Notification or message: held until the next one of the same source (or target) went
+    through, then delivered after it; at most ``delay_s`` later."""
+
+
+WRITE_FAULTS = frozenset({Fault.FAIL_POST, Fault.BAD_ADDRESS, Fault.ERROR, Fault.DELAY})
+NOTIF_FAULTS = frozenset({Fault.DELAY, Fault.STALL, Fault.DROP, Fault.DUPLICATE, Fault.REORDER})
+MESSAGE_FAULTS = frozenset({Fault.DELAY, Fault.DROP, Fault.DUPLICATE, Fault.REORDER})
+
+_OUT_OF_RANGE = np.uint64(1 << 56)
+"""Added to every destination address by BAD_ADDRESS: beyond any user-space mapping."""
+
+
+@dataclass
+class Rule:
+    """One fault and when it fires.
+
+    Of the payloads ``match`` accepts (all, when None), the first ``skip`` pass untouched; after
+    that each fires with ``probability``, at most ``times`` times (None: no limit). The payload is
+    a WRITE's notification bytes, a notification, or an encoded control message.
+    """
+
+    fault: Fault
+    match: Callable[[bytes], bool] | None = None
+    probability: float = 1.0
+    skip: int = 0
+    times: int | None = 1
+    delay_s: float = 0.05
+    seen: int = field(default=0, init=False)
+    """Payloads ``match`` accepted so far."""
+    fired: int = field(default=0, init=False)
+    """Times the fault was applied."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.probability <= 1.0:
+            raise ValueError(f"probability={self.probability} must be in [0, 1]")
+        if self.skip < 0 or (self.times is not None and self.times < 0) or self.delay_s < 0:
+            raise ValueError(f"skip={self.skip}, times={self.times}, delay_s={self.delay_s} must be >= 0")
+
+    def fires(self, payload: bytes, rng: random.Random) -> bool:
+        """Whether the rule applies to ``payload`` now; updates ``seen`` and ``fired``."""
+        if self.match is not None and not self.match(payload):
+            return False
+        self.seen += 1
+        if self.seen <= self.skip or (self.times is not None and self.fired >= self.times):
+            return False
+        if self.probability < 1.0 and rng.random() >= self.probability:
+            return False
+        self.fired += 1
+        return True
+
+
+def matching(*types: type[m.Message], room: int | None = None) -> Callable[[bytes], bool]:
+    """A ``Rule.match`` for payloads that decode to one of ``types`` (any type if none), of ``room``."""
+
+    def match(payload: bytes) -> bool:
+        if not payload:
+            return False
+        try:
+            message = m.decode(payload)
+        except RemoteProtocolError:
+            return False
+        if types and not isinstance(message, types):
+            return False
+        return room is None or getattr(message, "room", None) == room
+
+    return match
+
+
+class _Rules:
+    """An ordered rule list over one stream; the first rule that fires wins."""
+
+    def __init__(self, rules: Iterable[Rule], allowed: frozenset[Fault], stream: str, rng: random.Random):
+        self.rules = list(rules)
+        for rule in self.rules:
+            if rule.fault not in allowed:
+                raise ValueError(f"{rule.fault.name} does not apply to {stream}")
+        self._rng = rng
+
+    def pick(self, payload: bytes) -> Rule | None:
+        for rule in self.rules:
+            if rule.fires(payload, self._rng):
+                return rule
+        return None
+
+
+Item = tuple[str, bytes]
+"""``(key, payload)``: key is the notification's source agent, or the message's target endpoint."""
+
+
+class DeliveryQueue:
+    """Holds delayed, stalled and reordered payloads; sans-IO: every call takes ``now``.
+
+    :meth:`put` returns what goes out at once (in order); :meth:`due` what has become due since.
+    Payloads released together keep the order they were put in.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str, bytes]] = []
+        self._held: dict[str, list[int]] = {}
+        self._released: set[int] = set()
+        self._seq = itertools.count()
+        self.stalled_until = 0.0
+
+    def __len__(self) -> int:
+        return len(self._heap) - len(self._released)
+
+    def put(self, key: str, payload: bytes, rule: Rule | None, now: float) -> list[Item]:
+        """Apply ``rule`` (None: no fault) to one payload; returns the payloads to deliver now."""
+        fault = rule.fault if rule is not None else None
+        if fault is Fault.DROP:
+            return []
+        copies = 2 if fault is Fault.DUPLICATE else 1
+        if rule is not None and fault is Fault.STALL:
+            self.stalled_until = max(self.stalled_until, now + rule.delay_s)
+        hold_until = self.stalled_until
+        if rule is not None and fault in (Fault.DELAY, Fault.REORDER):
+            hold_until = max(hold_until, now + rule.delay_s)
+        if hold_until > now:
+            seqs = [self._push(hold_until, key, payload) for _ in range(copies)]
+            if fault is Fault.REORDER:
+                self._held.setdefault(key, []).extend(seqs)
+            return []
+        out = [(key, payload)] * copies
+        for seq in self._held.pop(key, []):  # the held ones go after the one that overtook them
+            if seq not in self._released:
+                out.append(self._find(seq))
+                self._released.add(seq)
+        return out
+
+    def due(self, now: float) -> list[Item]:
+        """The held payloads whose time has come by ``now``, in order."""
+        out: list[Item] = []
+        while self._heap and self._heap[0][0] <= now:
+            _, seq, key, payload = heapq.heappop(self._heap)
+            if seq in self._released:
+                self._released.discard(seq)
+                continue
+            held = self._held.get(key)
+            if held and seq in held:
+                held.remove(seq)
+            out.append((key, payload))
+        return out
+
+    def next_due(self) -> float | None:
+        """When the next held payload is due; None when nothing is held."""
+        live = [entry[0] for entry in self._heap if entry[1] not in self._released]
+        return min(live, default=None)
+
+    def clear(self) -> int:
+        """Forget every held payload; returns how many there were."""
+        n = len(self)
+        self._heap.clear()
+        self._held.clear()
+        self._released.clear()
+        return n
+
+    def _push(self, due: float, key: str, payload: bytes) -> int:
+        seq = next(self._seq)
+        heapq.heappush(self._heap, (due, seq, key, payload))
+        return seq
+
+    def _find(self, seq: int) -> Item:
+        for _, s, key, payload in self._heap:
+            if s == seq:
+                return key, payload
+        raise KeyError(seq)
+
+
+class ControlFaults:
+    """Faults on the one-way messages of a Control actor (``control.faults = ControlFaults(...)``).
+
+    Control calls :meth:`submit` for each message it sends and sends what it returns; it sends
+    what :meth:`due` returns once :meth:`next_due` has passed. ``clock`` is the time source.
+    """
+
+    def __init__(
+        self, rules: Sequence[Rule], *, seed: int = 0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._rules = _Rules(rules, MESSAGE_FAULTS, "control messages", random.Random(seed))
+        self.queue = DeliveryQueue()
+        self.clock = clock
+        self.fired: Counter[str] = Counter()
+
+    @property
+    def rules(self) -> list[Rule]:
+        return self._rules.rules
+
+    def submit(self, endpoint: str, payload: bytes) -> list[Item]:
+        """Apply the rules to one message to ``endpoint``; returns what to send now."""
+        rule = self._rules.pick(payload)
+        if rule is not None:
+            self.fired[rule.fault.value] += 1
+        return self.queue.put(endpoint, payload, rule, self.clock())
+
+    def due(self) -> list[Item]:
+        """The held messages that are due now."""
+        return self.queue.due(self.clock())
+
+    def next_due(self) -> float | None:
+        """When the next held message is due, on ``clock``'s time line; None when none is held."""
+        return self.queue.next_due()
+
+
+@dataclass
+class _Override:
+    error: bool = False
+    release_at: float = 0.0
+
+
+class FaultyTransport:
+    """A :class:`Transport` that applies fault rules around a real one; see the module docstring.
+
+    ``fired`` counts the faults applied, by :class:`Fault` value; ``held()`` is how many
+    notifications are held back right now. Methods not listed here go to the wrapped transport.
+    """
+
+    def __init__(
+        self,
+        inner: Transport,
+        *,
+        writes: Sequence[Rule] = (),
+        notifs: Sequence[Rule] = (),
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        rng = random.Random(seed)
+        self.write_rules = _Rules(writes, WRITE_FAULTS, "WRITEs", rng)
+        self.notif_rules = _Rules(notifs, NOTIF_FAULTS, "notifications", rng)
+        self.inner = inner
+        self.name = inner.name
+        self.clock = clock
+        self.fired: Counter[str] = Counter()
+        self._queue = DeliveryQueue()
+        self._overrides: dict[int, _Override] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def metadata(self) -> bytes:
+        return self.inner.metadata()
+
+    def register(self, regions: Sequence[MemRegion], mem_type: str) -> int:
+        return self.inner.register(regions, mem_type)
+
+    def deregister(self, reg: int) -> None:
+        self.inner.deregister(reg)
+
+    def add_peer(self, peer: RemotePeer, metadata: bytes) -> None:
+        self.inner.add_peer(peer, metadata)
+
+    def remove_peer(self, agent_name: str) -> None:
+        self.inner.remove_peer(agent_name)
+
+    def post_write(
+        self,
+        peer: str,
+        local_mem: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        length: np.ndarray,
+        local_devices: np.ndarray | int,
+        notif: bytes,
+    ) -> int:
+        rule = self.write_rules.pick(notif)
+        fault = rule.fault if rule is not None else None
+        if fault is not None:
+            self.fired[fault.value] += 1
+            log.info("injecting %s into a WRITE to %s", fault.name, peer)
+        if fault is Fault.FAIL_POST:
+            raise TransportError(f"injected fault: WRITE to {peer} refused ({len(src)} descriptors)")
+        if fault is Fault.BAD_ADDRESS:
+            dst = dst + _OUT_OF_RANGE
+        handle = self.inner.post_write(
+            peer, local_mem, src, dst, length, local_devices, b"" if fault is Fault.ERROR else notif
+        )
+        if fault is Fault.ERROR:
+            self._overrides[handle] = _Override(error=True)
+        elif fault is Fault.DELAY:
+            assert rule is not None
+            self._overrides[handle] = _Override(release_at=self.clock() + rule.delay_s)
+        return handle
+
+    def state(self, handle: int) -> XferState:
+        state = self.inner.state(handle)
+        override = self._overrides.get(handle)
+        if state is XferState.PROC or override is None:
+            return state
+        if override.error:
+            return XferState.ERR
+        return XferState.PROC if self.clock() < override.release_at else state
+
+    def release(self, handle: int) -> None:
+        self._overrides.pop(handle, None)
+        self.inner.release(handle)
+
+    def drain_notifs(self) -> dict[str, list[bytes]]:
+        now = self.clock()
+        items = self._queue.due(now)
+        for agent, raws in self.inner.drain_notifs().items():
+            for raw in raws:
+                rule = self.notif_rules.pick(raw)
+                if rule is not None:
+                    self.fired[rule.fault.value] += 1
+                items.extend(self._queue.put(agent, raw, rule, now))
+        out: dict[str, list[bytes]] = {}
+        for agent, raw in items:
+            out.setdefault(agent, []).append(raw)
+        return out
+
+    def held(self) -> int:
+        """Notifications held back now (delayed, stalled or reordered)."""
+        return len(self._queue)
+
+    def live_handles(self) -> int:
+        return self.inner.live_handles()
+
+    def close(self) -> None:
+        dropped = self._queue.clear()
+        if dropped:
+            log.info("FaultyTransport %s: %d held notifications dropped at close", self.name, dropped)
+        self._overrides.clear()
+        self.inner.close()
