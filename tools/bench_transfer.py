@@ -57,6 +57,9 @@ def _device(args: argparse.Namespace, side: str, rank: int) -> torch.device:
     return torch.device("cuda", index % n)
 
 
+WARMUP_ROOM = 2_000_000
+
+
 def _chunk_pages(args: argparse.Namespace) -> int:
     return math.ceil(math.ceil(args.tokens / args.page_size) / args.chunks)
 
@@ -110,6 +113,7 @@ def _config(args: argparse.Namespace, role: str, rank: int, port: int) -> Engine
         path=args.path,
         staging_chunk_pages=_chunk_pages(args),
         transfer_timeout=600.0,
+        heartbeat_interval=args.heartbeat_interval,
     )
 
 
@@ -165,6 +169,9 @@ async def _prefill(args: argparse.Namespace, rank: int, port: int, conn: Connect
                 await sender.wait()
                 slots.append(slot)
 
+        async with anyio.create_task_group() as tg:  # warm-up: JIT, staging buffers, peer mappings
+            for room in range(args.warmup):
+                tg.start_soon(one, WARMUP_ROOM + room, args.chunks)
         async with anyio.create_task_group() as tg:
             for room in range(args.rooms):
                 tg.start_soon(one, room, args.chunks)
@@ -230,6 +237,10 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
                 room_lat.append(time.perf_counter() - t1)
                 slots.append(slot)
 
+        async with anyio.create_task_group() as tg:  # warm-up, off the clock
+            for room in range(args.warmup):
+                tg.start_soon(one, WARMUP_ROOM + room)
+        room_lat.clear()
         t0 = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for room in range(args.rooms):
@@ -254,7 +265,7 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
         if conn is not None:
             posted = (await anyio.to_thread.run_sync(conn.recv))[1]
             # descriptors posted by prefill rank 0 per room, times the writers of decode rank 0
-            result["descriptors_per_room"] = posted / (args.rooms + args.lat_rooms)
+            result["descriptors_per_room"] = posted / (args.warmup + args.rooms + args.lat_rooms)
             conn.send("bye")
     # verified after the engine is closed: a long check would stall its heartbeats
     bad = 0
@@ -303,9 +314,17 @@ def main() -> int:
     parser.add_argument("--rooms", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--raw-reps", type=int, default=10)
+    parser.add_argument(
+        "--warmup", type=int, default=-1, help="untimed rooms first (default -1: as many as --concurrency)"
+    )
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=1.0, help="engine lease (slice posts can stall the loop)"
+    )
     parser.add_argument("--lat-rooms", type=int, default=50)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.warmup < 0:
+        args.warmup = args.concurrency
     port = _free_port()
     layout = _layout(args)
     room_bytes = (

@@ -28,6 +28,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Address the control ROUTER binds to and that peers are told to connect to."""
     control_port: int = 0
     """0 picks a free port (the real one is what the bootstrap registry hands out)."""
+    introspect_port: int = 0
+    """Port of the introspection endpoint (``transfer-engine dump``), bound on ``host``; 0 picks a free
+    port (``engine.introspect_endpoint`` says which)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics over HTTP at ``http://{host}:{metrics_port}/metrics`` (0 picks a free
+    port); None turns them off. Needs the ``metrics`` extra (prometheus-client)."""
     bootstrap_host: str = "127.0.0.1"
     bootstrap_port: int = 8998
     host_bootstrap: bool | None = None
@@ -36,9 +42,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     path: PathPolicy = "auto"
     staging_memory: StagingMemory = "device"
     ring_bytes: int = 0
-    """Decode staging ring size per rank; 0 sizes it to 4 chunks of the largest expected chunk."""
+    """Decode staging ring size per rank; 0 sizes it to 4 chunks of ``staging_chunk_pages`` pages
+    (capped at the size of the KV pool)."""
     staging_bytes: int = 0
-    """Prefill staging buffer per worker; 0 sizes it to one chunk of ``staging_chunk_pages`` pages."""
+    """Prefill staging buffer per worker; 0 sizes it to two chunks of ``staging_chunk_pages`` pages
+    (double buffering: the next chunk is gathered while the previous one's WRITE is in flight)."""
     staging_chunk_pages: int = 64
     bootstrap_timeout: float = 30.0
     waiting_timeout: float | None = None
@@ -56,7 +64,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     agent_name: str = ""
     """NIXL agent name; empty derives a unique one from role, rank and process id."""
     curve_secret_key_file: str = ""
+    """Control-plane CURVE (see ``transfer_engine.security``): the deployment's shared certificate,
+    the ``NAME.key_secret`` file ``zmq.auth.create_certificates`` wrote. Empty: no CURVE, plain TCP."""
     curve_public_keys_dir: str = ""
+    """Directory of the ``*.key`` certificates whose holders the control and bootstrap sockets
+    accept. Set together with ``curve_secret_key_file``, or neither."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -83,9 +95,24 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 sizes it automatically)")
         if self.staging_chunk_pages < 1:
             raise ConfigError(f"staging_chunk_pages={self.staging_chunk_pages} must be >= 1")
-        for name in ("control_port", "bootstrap_port"):
+        for name in ("control_port", "bootstrap_port", "introspect_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name}={getattr(self, name)} is not a TCP port")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port={self.metrics_port} is not a TCP port (None turns metrics off)")
+        self._check_curve()
+
+    def _check_curve(self) -> None:
+        secret, keys = self.curve_secret_key_file, self.curve_public_keys_dir
+        if bool(secret) != bool(keys):
+            raise ConfigError(
+                f"curve_secret_key_file={secret!r} and curve_public_keys_dir={keys!r}: set both "
+                "(CURVE on) or neither (CURVE off)"
+            )
+        if secret and not os.path.isfile(secret):
+            raise ConfigError(f"curve_secret_key_file={secret!r} is not a file")
+        if keys and not os.path.isdir(keys):
+            raise ConfigError(f"curve_public_keys_dir={keys!r} is not a directory")
 
     @property
     def bootstrap_endpoint(self) -> str:

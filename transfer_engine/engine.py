@@ -14,18 +14,22 @@ import logging
 import os
 import time
 import zlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
 import anyio
 import numpy as np
+import torch
 from anyio.abc import TaskGroup
 
 from transfer_engine.actors.bootstrap import Bootstrap
 from transfer_engine.actors.control import Control
+from transfer_engine.actors.introspect import Introspect
+from transfer_engine.actors.metrics import MetricsServer, load_metrics
 from transfer_engine.actors.nixl_poller import NixlPoller
+from transfer_engine.actors.ring import RingActor, Subscribe
 from transfer_engine.actors.room import (
     LocalAbort,
     PeerDead,
@@ -36,7 +40,8 @@ from transfer_engine.actors.room import (
     Shutdown,
     _RoomActor,
 )
-from transfer_engine.actors.worker import TransferWorker
+from transfer_engine.actors.scatter import ScatterActor
+from transfer_engine.actors.worker import STAGED_PATHS, TransferWorker
 from transfer_engine.config import EngineConfig
 from transfer_engine.errors import (
     ConfigError,
@@ -47,18 +52,23 @@ from transfer_engine.errors import (
     RoomInUseError,
     TransferError,
 )
+from transfer_engine.introspect import ENDED_ROOMS_KEPT, RoomSnapshot, build_snapshot, record_ended
 from transfer_engine.layout import KVPool
+from transfer_engine.memory import allocate_staging, chunk_region_bytes
 from transfer_engine.peers import Peer, PrefillInstance
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.failures import FailureReason
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
+from transfer_engine.security import Curve
 from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
 
 log = logging.getLogger(__name__)
 
 MAX_ROOM_ID = (1 << 63) - 1
 SHUTDOWN_DRAIN_S = 10.0
+LEASE_SILENCE = 1.75
+"""Heartbeat intervals of silence after which a peer is dead (checked every quarter interval)."""
 
 
 def _pages_array(pages: Sequence[int] | np.ndarray | Any, pool: KVPool, what: str) -> np.ndarray:
@@ -136,7 +146,11 @@ class Sender(_Handle):
         if self._actor.done.is_set() or self._actor.status.final:
             raise LocalProtocolError(f"room {self.room} is {self._actor.status.name}; send() is not allowed")
         self._sealed = last
-        await self._actor.inbox.send(QueueChunk(arr, last, aux_slot))
+        ready = None
+        if self._pool.device.type == "cuda":  # the KV of this chunk is written by work queued so far
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._pool.device))
+        await self._actor.inbox.send(QueueChunk(arr, last, aux_slot, ready))
 
 
 class Receiver(_Handle):
@@ -156,6 +170,8 @@ class TransferEngine:
         self.pool = kv
         self.agent_name = config.agent_name or f"te-{config.role}-{config.tp_rank}-{os.getpid()}-{id(self):x}"
         self._transport = transport
+        self.curve = Curve.from_config(config)
+        """Control-plane CURVE keys (None: off); loaded here so a bad key file fails the constructor."""
         self.deadlines = Deadlines(config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout)
         self.rooms: dict[int, _RoomActor] = {}
         self.peers: dict[str, Peer] = {}
@@ -164,11 +180,20 @@ class TransferEngine:
         self._stash: dict[int, list[tuple[float, RoomMail]]] = defaultdict(list)
         self.workers: list[TransferWorker] = []
         self.bootstrap: Bootstrap | None = None
+        self.ring: RingActor | None = None
+        self.scatter: ScatterActor | None = None
         self._tg: TaskGroup | None = None
         self._info = kv.info()
         self._compat = m.compat_hash(self._info)
         self._heartbeat_seq = 0
         self.counters: dict[str, int] = defaultdict(int)
+        self.started_at = time.monotonic()
+        self.ended_rooms: deque[RoomSnapshot] = deque(maxlen=ENDED_ROOMS_KEPT)
+        """Final snapshots of the latest rooms that ended, oldest first (for ``transfer-engine dump``)."""
+        self.introspect: Introspect | None = None
+        self.metrics = load_metrics(self) if config.metrics_port is not None else None
+        """Prometheus metrics (``metrics_port``); ConfigError above when prometheus-client is missing."""
+        self.metrics_server: MetricsServer | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -180,8 +205,14 @@ class TransferEngine:
             await self._start(tg)
         except BaseException as exc:
             tg.cancel_scope.cancel()
-            await tg.__aexit__(type(exc), exc, exc.__traceback__)
-            self._close_transport()
+            for worker in self.workers:
+                worker.inbox.close()
+            try:
+                await tg.__aexit__(type(exc), exc, exc.__traceback__)
+            except BaseException:
+                pass  # the task group re-raises ``exc`` wrapped in a group; the caller gets it bare
+            finally:
+                self._close_transport()
             raise
         return self
 
@@ -201,17 +232,38 @@ class TransferEngine:
             transport, self._on_notif, poll_interval=cfg.poll_interval, busy=lambda: bool(self.rooms)
         )
         await tg.start(self.poller.run)
-        self.control = Control(cfg.host, cfg.control_port, self._dispatch, name=f"{cfg.role}{cfg.tp_rank}")
+        self.control = Control(
+            cfg.host, cfg.control_port, self._dispatch, name=f"{cfg.role}{cfg.tp_rank}", curve=self.curve
+        )
         await tg.start(self.control.run)
+        self.introspect = Introspect(
+            cfg.host,
+            cfg.introspect_port,
+            lambda room: build_snapshot(self, room),
+            name=f"{cfg.role}{cfg.tp_rank}",
+            secure=None if self.curve is None else self.curve.server,
+        )
+        await tg.start(self.introspect.run)
+        if self.metrics is not None:
+            assert cfg.metrics_port is not None
+            self.metrics_server = MetricsServer(cfg.host, cfg.metrics_port, self.metrics)
+            await tg.start(self.metrics_server.run)
         if cfg.hosts_bootstrap:
-            self.bootstrap = Bootstrap(cfg.bootstrap_host, cfg.bootstrap_port)
+            self.bootstrap = Bootstrap(cfg.bootstrap_host, cfg.bootstrap_port, curve=self.curve)
             await tg.start(self.bootstrap.run)
         if cfg.role == "prefill":
+            # default: two chunks, so a worker gathers the next chunk while the last one's WRITE runs
+            staging_bytes = cfg.staging_bytes or 2 * chunk_region_bytes(self.pool, cfg.staging_chunk_pages)
             for i in range(cfg.num_workers):
-                worker = TransferWorker(i, self.pool, self.poller)
+                worker = TransferWorker(
+                    i, self.pool, self.poller, agent_name=self.agent_name, send=self.control.send,
+                    staging_bytes=staging_bytes,
+                )  # fmt: skip
                 self.workers.append(worker)
                 await tg.start(worker.run)
             await self._register()
+        elif cfg.path in ("auto", "staged", "host"):
+            await self._start_ring(tg)
         tg.start_soon(self._heartbeat_loop)
         log.info(
             "%s rank %d/%d up: control %s agent %s",
@@ -222,9 +274,39 @@ class TransferEngine:
             self.agent_name,
         )
 
+    async def _start_ring(self, tg: TaskGroup) -> None:
+        """Decode: allocate and register the staging ring, start the ring and scatter actors."""
+        cfg = self.config
+        size = cfg.ring_bytes
+        if size == 0:  # four chunks of `staging_chunk_pages`, but never more than the KV itself
+            chunk = chunk_region_bytes(self.pool, cfg.staging_chunk_pages)
+            size = max(chunk, min(4 * chunk, chunk_region_bytes(self.pool, self.pool.num_pages)))
+        memory = allocate_staging(self.pool, size, host=self.host_staging)
+        assert self._transport is not None
+        self._transport.register([memory.region()], memory.mem_type)
+        self.ring = RingActor(self, memory)
+        await tg.start(self.ring.run)
+        self.scatter = ScatterActor(self.pool, self.ring, memory)
+        await tg.start(self.scatter.run)
+        log.info("decode rank %d: %s staging ring of %d bytes", cfg.tp_rank, memory.mem_type, size)
+
+    @property
+    def host_staging(self) -> bool:
+        return self.config.path == "host" or self.config.staging_memory == "host"
+
     @property
     def endpoint(self) -> str:
         return self.control.endpoint
+
+    @property
+    def introspect_endpoint(self) -> str:
+        """Where ``transfer-engine dump --endpoint`` reaches this rank (``tcp://host:port``)."""
+        return self.introspect.endpoint if self.introspect is not None else ""
+
+    @property
+    def metrics_endpoint(self) -> str | None:
+        """``http://host:port/metrics`` when ``metrics_port`` is set, else None."""
+        return self.metrics_server.endpoint if self.metrics_server is not None else None
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -244,6 +326,10 @@ class TransferEngine:
             await self.poller.drain_posted(SHUTDOWN_DRAIN_S)
             for worker in self.workers:
                 worker.inbox.close()
+            if self.ring is not None:
+                self.ring.inbox.close()
+            if self.scatter is not None:
+                self.scatter.inbox.close()
             tg.cancel_scope.cancel()
         try:
             await tg.__aexit__(exc_type, exc, tb)
@@ -261,6 +347,9 @@ class TransferEngine:
             "stashed": sum(len(v) for v in self._stash.values()),
             "nixl_handles": self._transport.live_handles() if self._transport else 0,
             "writes_in_flight": self.poller.in_flight(),
+            "ring_allocations": self.ring.live() if self.ring else 0,
+            "staging_leases": sum(w.leases() for w in self.workers),
+            "parked_chunks": sum(w.parked + w.awaiting_grant for w in self.workers),
         }
 
     # --- prefill API ----------------------------------------------------------------------------
@@ -333,8 +422,9 @@ class TransferEngine:
         writers = heads.writers_of(layout.num_heads, instance.tp_size, D, d, layout.mla)
         aux_writer = writers[0].prefill_rank if aux_slot is not None else None
         actor = ReceiverRoomActor(
-            self, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers}
-        )
+            self, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers},
+            pages=arr, slices=list(writers), path=path,
+        )  # fmt: skip
         actor.everyone = list(instance.ranks)
         self._start_room(actor)
         by_rank = {w.prefill_rank: w for w in writers}
@@ -376,9 +466,11 @@ class TransferEngine:
         policy = self.config.path
         same_pages = all(p.layout.page_size == layout.page_size for p in instance.ranks)
         equal = instance.tp_size == self.config.tp_size or layout.mla
+        staged = "host" if self.host_staging else "staged"
         if policy == "auto":
-            path = "direct" if equal and same_pages else "slice"
-            return path
+            if equal and same_pages:
+                return "direct"
+            return staged if self.ring is not None else "slice"
         if policy == "direct":
             if not equal:
                 raise ConfigError(
@@ -389,7 +481,8 @@ class TransferEngine:
             return "direct"
         if policy == "slice":
             return "slice"
-        raise ConfigError(f"path={policy!r} is not available in this engine yet")
+        assert policy in STAGED_PATHS and self.ring is not None  # the ring exists for these policies
+        return staged
 
     async def _instance(self, bootstrap: str) -> PrefillInstance:
         """The prefill instance behind ``bootstrap``, connecting (once, shared by callers) if needed."""
@@ -438,7 +531,8 @@ class TransferEngine:
             mem_type=self.pool.mem_type,
             regions=self.pool.regions(),
             aux=self.pool.aux_region(),
-            ring=None,
+            ring=None if self.ring is None else self.ring.memory.region(),
+            ring_mem_type="" if self.ring is None else self.ring.memory.mem_type,
             layout=self._info,
             compat=self._compat,
         )
@@ -459,6 +553,8 @@ class TransferEngine:
             self.poller.add_peer(RemotePeer(peer.agent_name, "DRAM", []), ack.agent_metadata)
             self.peers[peer.agent_name] = peer
             peers.append(peer)
+            if self.ring is not None:
+                await self.ring.inbox.send(Subscribe(peer))
         log.info(
             "decode rank %d connected to prefill instance %s (tp %d)", cfg.tp_rank, bootstrap, topo.tp_size
         )
@@ -486,13 +582,14 @@ class TransferEngine:
                     hello.agent_name, hello.endpoint, hello.rank, hello.tp_size, hello.layout,
                     hello.mem_type, list(hello.regions), hello.aux, hello.ring, time.monotonic(),
                 )  # fmt: skip
-                remote_regions = (
-                    list(hello.regions)
-                    + ([hello.aux] if hello.aux else [])
-                    + ([hello.ring] if hello.ring else [])
-                )
+                remote_regions = list(hello.regions) + ([hello.aux] if hello.aux else [])
+                mem_types = [hello.mem_type] * len(remote_regions)
+                if hello.ring:
+                    remote_regions.append(hello.ring)
+                    mem_types.append(hello.ring_mem_type)
                 self.poller.add_peer(
-                    RemotePeer(hello.agent_name, hello.mem_type, remote_regions), hello.agent_metadata
+                    RemotePeer(hello.agent_name, hello.mem_type, remote_regions, mem_types),
+                    hello.agent_metadata,
                 )
                 old = self.peers.get(hello.agent_name)
                 if old is not None and old.endpoint != hello.endpoint:
@@ -532,6 +629,7 @@ class TransferEngine:
         failure = actor.core.failure
         if failure is not None:
             self.counters[f"failed_{failure.reason.name.lower()}"] += 1
+        record_ended(self, actor)
 
     async def _to_room(self, room: int, mail: RoomMail) -> bool:
         actor = self.rooms.get(room)
@@ -547,6 +645,11 @@ class TransferEngine:
         match message:
             case m.PeerHello() if self.config.role == "prefill":
                 await self.control.reply_to(ident, self._on_peer_hello(message))
+            case m.TransferRequest(agent=agent, room=room) if agent not in self.peers:
+                # every decode rank says PeerHello before it asks for rooms: this one is forged or stale
+                self.control.count_drop(
+                    "TransferRequest", ident, f"room {room} from {agent!r}, which never said PeerHello"
+                )
             case m.TransferRequest(room=room) if self.config.role == "prefill":
                 if not await self._to_room(room, message):
                     self._stash[room].append((time.monotonic(), message))
@@ -563,6 +666,12 @@ class TransferEngine:
                         self.control.count_drop(
                             "Abort", ident, f"abort of room {room} from unknown agent {agent} (rank {rank})"
                         )
+            case m.StagingRequest() if self.ring is not None:
+                await self.ring.inbox.send(message)
+            case m.StagingGrant(agent=agent) | m.StagingRefused(agent=agent) | m.Watermark(agent=agent) if (
+                self.config.role == "prefill"
+            ):
+                await self.worker_for(agent).inbox.send(message)
             case m.RoomFailed(room=room) | m.AbortAck(room=room):
                 if not await self._to_room(room, message):
                     self.counters["late_messages"] += 1
@@ -583,39 +692,66 @@ class TransferEngine:
     # --- liveness -----------------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
+        """Send a heartbeat every interval; check leases four times as often.
+
+        A peer silent for more than ``LEASE_SILENCE`` intervals is dead; checked every quarter interval,
+        that fails its rooms within 2 x heartbeat_interval of its last heartbeat (DESIGN §9).
+        """
         interval = self.config.heartbeat_interval
-        last_tick = time.monotonic()
+        tick = interval / 4
+        last_tick = last_beat = time.monotonic()
         while True:
-            await anyio.sleep(interval)
+            await anyio.sleep(tick)
             now = time.monotonic()
-            if now - last_tick > 1.5 * interval:
+            if now - last_tick > tick + 0.5 * interval:
                 # This loop itself was stalled (a blocking call in the application): the peers'
                 # heartbeats are queued unread, so their silence is ours. Extend their leases.
-                log.warning(
-                    "heartbeat loop stalled %.2f s; extending peer leases", now - last_tick - interval
-                )
+                log.warning("heartbeat loop stalled %.2f s; extending peer leases", now - last_tick - tick)
                 for peer in self.peers.values():
                     peer.last_seen = max(peer.last_seen, now - interval)
             last_tick = now
-            self._heartbeat_seq += 1
-            beat = m.Heartbeat(
-                agent=self.agent_name,
-                rank=self.config.tp_rank,
-                side=self.config.role,
-                seq=self._heartbeat_seq,
-            )
+            if now - last_beat >= interval - tick / 2:
+                last_beat = now
+                self._heartbeat_seq += 1
+                beat = m.Heartbeat(
+                    agent=self.agent_name,
+                    rank=self.config.tp_rank,
+                    side=self.config.role,
+                    seq=self._heartbeat_seq,
+                )
+                for peer in list(self.peers.values()):
+                    if peer.alive:
+                        self.control.send(peer.endpoint, beat)
             for peer in list(self.peers.values()):
-                if not peer.alive:
-                    continue
-                self.control.send(peer.endpoint, beat)
-                if now - peer.last_seen > 2 * interval:
+                if peer.alive and now - peer.last_seen > LEASE_SILENCE * interval:
                     await self._peer_dead(
                         peer, f"no heartbeat from {peer.agent_name} for {now - peer.last_seen:.2f} s"
                     )
             stale = now - self.config.bootstrap_timeout
             for room in [r for r, items in self._stash.items() if items and items[0][0] < stale]:
-                del self._stash[room]
-                self.counters["stash_expired"] += 1
+                self._expire_stash(room)
+
+    def _expire_stash(self, room: int) -> None:
+        """No sender opened ``room`` within bootstrap_timeout: tell each decode rank that asked for it."""
+        self.counters["stash_expired"] += 1
+        for _, mail in self._stash.pop(room):
+            if not isinstance(mail, m.TransferRequest):
+                continue
+            peer = self.peers.get(mail.agent)
+            if peer is None:
+                continue
+            detail = (
+                f"prefill rank {self.config.tp_rank} did not open room {room} within bootstrap_timeout="
+                f"{self.config.bootstrap_timeout} s of the request"
+            )
+            log.warning("%s", detail)
+            self.control.send(
+                peer.endpoint,
+                m.RoomFailed(
+                    room=room, agent=self.agent_name, rank=self.config.tp_rank,
+                    reason=int(FailureReason.BOOTSTRAP_TIMEOUT), detail=detail,
+                ),
+            )  # fmt: skip
 
     async def _peer_dead(self, peer: Peer, detail: str) -> None:
         log.warning("%s rank %d: peer %s (rank %d) declared dead: %s", self.config.role, self.config.tp_rank,

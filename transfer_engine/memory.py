@@ -63,5 +63,10 @@ async def stream_reached(stream: torch.cuda.Stream, poll_s: float = 0.0001) -> N
     """
     done = torch.cuda.Event()
     done.record(stream)
-    while not done.query():  # noqa: ASYNC110 - nothing can signal an anyio.Event from the GPU
+    await event_reached(done, poll_s)
+
+
+async def event_reached(event: torch.cuda.Event, poll_s: float = 0.0001) -> None:
+    """Return once ``event`` has completed, polling it without blocking the event loop."""
+    while not event.query():  # noqa: ASYNC110 - nothing can signal an anyio.Event from the GPU
         await anyio.sleep(poll_s)

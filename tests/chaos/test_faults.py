@@ -154,12 +154,6 @@ async def test_duplicate_notification_after_the_room_ended_is_ignored() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: a duplicated ChunkLanded of a live room fails the whole room with PROTOCOL "
-    "('chunk 0 from prefill rank 0 landed twice'): the room core detects the duplicate, but the room "
-    "actor turns every ProtocolError into a room failure instead of dropping and counting it",
-)
 async def test_duplicate_notification_of_a_live_room_is_dropped() -> None:
     rule = Rule(Fault.DUPLICATE, match=matching(m.ChunkLanded, room=73))
     async with engines(1, 1, decode_transport=faulty_factory([], notifs=[rule])) as c:

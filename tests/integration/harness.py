@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
 from collections.abc import AsyncIterator
@@ -16,6 +17,9 @@ from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
 from transfer_engine.layout import KVLayout, KVPool
+
+DEVICE = os.environ.get("TE_TEST_DEVICE", "cpu")
+"""Where the integration tests put their KV pools: ``cpu`` (CI), or ``cuda`` on a GPU machine."""
 
 
 def free_port() -> int:
@@ -54,7 +58,9 @@ async def cluster(
             cfg = EngineConfig(
                 role="prefill", tp_size=P, tp_rank=rank, bootstrap_port=port, num_workers=2, **config
             )  # type: ignore[arg-type]
-            pool = KVPool.allocate(layout, P, rank, num_pages, aux_slots=aux, aux_item_bytes=16 if aux else 0)
+            pool = KVPool.allocate(
+                layout, P, rank, num_pages, device=DEVICE, aux_slots=aux, aux_item_bytes=16 if aux else 0
+            )
             prefill.append(TransferEngine(cfg, pool))
         for engine in prefill:  # rank 0 first: it hosts the bootstrap the others register with
             await stack.enter_async_context(engine)
@@ -62,8 +68,9 @@ async def cluster(
         for rank in range(D):
             cfg = EngineConfig(role="decode", tp_size=D, tp_rank=rank, bootstrap_port=port, **config)  # type: ignore[arg-type]
             pool = KVPool.allocate(
-                decode_layout or layout, D, rank, num_pages, aux_slots=aux, aux_item_bytes=16 if aux else 0
-            )
+                decode_layout or layout, D, rank, num_pages, device=DEVICE, aux_slots=aux,
+                aux_item_bytes=16 if aux else 0,
+            )  # fmt: skip
             decode.append(await stack.enter_async_context(TransferEngine(cfg, pool)))
         yield Cluster(prefill, decode, f"tcp://127.0.0.1:{port}")
 

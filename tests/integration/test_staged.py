@@ -57,7 +57,12 @@ async def test_page_sizes_differ(P: int, D: int) -> None:
     """Prefill pages of 16 tokens, decode pages of 64: the staged path moves token slots."""
     rng = random.Random(7)
     async with cluster(
-        small_layout(page_size=16), P, D, path="staged", decode_layout=small_layout(page_size=64), num_pages=32
+        small_layout(page_size=16),
+        P,
+        D,
+        path="staged",
+        decode_layout=small_layout(page_size=64),
+        num_pages=32,
     ) as c:
         for room in range(3):
             n = rng.randint(1, 12)  # prefill pages; the decode needs ceil(n / 4) of its pages

@@ -36,9 +36,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class FreeRegion:
-    """Release ring allocation ``alloc_id`` (no WRITE into it can land any more)."""
+    """Release ring allocation ``alloc_id`` (no WRITE into it can land any more).
+
+    ``done`` is set once it is released, so the sender can report the room quiescent only after
+    the ring really is (a leak check right after ``wait()`` sees the true state).
+    """
 
     alloc_id: int
+    done: anyio.Event | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +107,10 @@ class RingActor:
                 match mail:
                     case m.StagingRequest():
                         await self._on_request(mail)
-                    case FreeRegion(alloc_id=alloc_id):
+                    case FreeRegion(alloc_id=alloc_id, done=done):
                         self._free(alloc_id)
+                        if done is not None:
+                            done.set()
                     case Subscribe(peer=peer):
                         self._send_watermark([peer])
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 import numpy as np
+import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from transfer_engine.errors import ConfigError, ProtocolError, TransferFailed, failure_error
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("transfer_engine.room")
 
 MAILBOX = 256
+RING_FREE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,8 @@ class QueueChunk:
     pages: np.ndarray
     last: bool
     aux_slot: int | None
+    ready: torch.cuda.Event | None = None
+    """Recorded on the caller's CUDA stream at ``send()``: the chunk's KV is written once it completes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +192,11 @@ class SenderRoomActor(_RoomActor):
         self.requests: dict[int, m.TransferRequest] = {}
         self.peers: dict[int, Peer] = {}
         self.pages: list[np.ndarray] = []
+        self.ready: list[torch.cuda.Event | None] = []
         self.jobs: list[WriteJob] = []
         self.ack_to: dict[str, Peer] = {}
-        self.remote_failure = False
+        self.failed_by: set[str] = set()
+        """Decode agents that aborted or failed this room themselves (they need no RoomFailed)."""
 
     def quiescent(self) -> bool:
         return self.core.in_flight == 0
@@ -200,9 +206,10 @@ class SenderRoomActor(_RoomActor):
         match mail:
             case m.TransferRequest():
                 await self._on_request(mail, now)
-            case QueueChunk(pages=pages, last=last, aux_slot=aux_slot):
+            case QueueChunk(pages=pages, last=last, aux_slot=aux_slot, ready=ready):
                 chunk = self.core.queue_chunk(len(pages), last, aux_slot, now)
                 self.pages.append(pages)
+                self.ready.append(ready)
                 for d in sorted(self.requests):
                     await self._schedule(chunk.chunk_id, d)
                 if last:
@@ -220,12 +227,12 @@ class SenderRoomActor(_RoomActor):
                 peer = self.engine.peers.get(agent)
                 if peer is not None:
                     self.ack_to[agent] = peer
-                self.remote_failure = True
+                self.failed_by.add(agent)
                 # A ring that cannot place a chunk is worth naming as such on this side too.
                 why = FailureReason.STAGING if reason == FailureReason.STAGING else FailureReason.ABORTED
                 self._fail(why, f"aborted by decode {agent}: {detail}")
             case m.RoomFailed(agent=agent, reason=reason, detail=detail):
-                self.remote_failure = True
+                self.failed_by.add(agent)
                 self._fail(
                     FailureReason.REMOTE,
                     f"decode {agent} failed the room: {FailureReason(reason).name}: {detail}",
@@ -291,6 +298,7 @@ class SenderRoomActor(_RoomActor):
                 self.core.chunks[chunk_id],
                 self.pages[chunk_id],
                 self._completion(chunk_id, decode_rank),
+                ready=self.ready[chunk_id],
             )
         )
 
@@ -331,11 +339,13 @@ class SenderRoomActor(_RoomActor):
             workers.add(self.engine.worker_for(job.peer.agent_name))
         for worker in workers:  # parked staged chunks end now instead of waiting for a grant
             await worker.inbox.send(CancelRoom(self.room))
-        if self.remote_failure:
-            return
         failure = self.core.failure
         assert failure is not None
+        # Every other decode rank of the room hears it too: when one decode rank aborts, the others
+        # must not wait for chunks this rank will never send.
         for peer in self.peers.values():
+            if peer.agent_name in self.failed_by:
+                continue
             self.engine.control.send(
                 peer.endpoint,
                 m.RoomFailed(
@@ -430,6 +440,16 @@ class ReceiverRoomActor(_RoomActor):
     async def handle(self, mail: RoomMail) -> None:
         now = time.monotonic()
         match mail:
+            case m.ChunkLanded(sender=sender, chunk_id=chunk_id) if chunk_id in self.core.landed.get(
+                sender, ()
+            ):
+                # a duplicated notification: the chunk is there already; count it, change nothing
+                self.engine.counters["notifs_duplicate"] += 1
+                log.warning(
+                    "decode room %d: chunk %d from rank %d notified twice", self.room, chunk_id, sender
+                )
+            case m.AuxLanded(sender=sender) if self.core.aux_landed and sender == self.core.wants_aux_from:
+                self.engine.counters["notifs_duplicate"] += 1
             case m.ChunkLanded(sender=sender, chunk_id=chunk_id, last=last, region=region):
                 if self.staged:
                     granted = self.regions.get(chunk_id)
@@ -462,8 +482,9 @@ class ReceiverRoomActor(_RoomActor):
             case m.RoomFailed(agent=agent, reason=reason, detail=detail):
                 self.remote_failure = True
                 why = FailureReason(reason)
+                passed_on = (FailureReason.ABORTED, FailureReason.STAGING, FailureReason.BOOTSTRAP_TIMEOUT)
                 self._fail(
-                    why if why in (FailureReason.ABORTED, FailureReason.STAGING) else FailureReason.REMOTE,
+                    why if why in passed_on else FailureReason.REMOTE,
                     f"prefill {agent} failed the room: {why.name}: {detail}",
                 )
             case LocalAbort(detail=detail):
@@ -532,12 +553,15 @@ class ReceiverRoomActor(_RoomActor):
         if not self.core.status.final:
             self._fail(FailureReason.SHUTDOWN, "room actor stopped")
         ring = self.engine.ring
-        if ring is not None:
-            for granted in self.regions.values():
-                try:
-                    ring.inbox.send_nowait(FreeRegion(granted.allocation.alloc_id))
-                except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
-                    log.error(
-                        "room %d: could not free ring region %d", self.room, granted.allocation.alloc_id
-                    )
+        if ring is not None and self.regions:
+            freed = [anyio.Event() for _ in self.regions]
+            try:
+                for granted, done in zip(self.regions.values(), freed, strict=True):
+                    ring.inbox.send_nowait(FreeRegion(granted.allocation.alloc_id, done))
+                with anyio.move_on_after(RING_FREE_WAIT_S):
+                    for done in freed:
+                        await done.wait()
+            except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                # only while the engine closes: the ring goes away with it
+                log.debug("room %d: ring closed before its regions were freed", self.room)
         self.regions.clear()

@@ -85,7 +85,9 @@ class ScatterActor:
                 except Exception as exc:  # a kernel error must fail the room, never the actor
                     log.exception("scatter of room %d chunk %d failed", job.room.room, job.chunk_id)
                     ok, detail = False, f"scatter of chunk {job.chunk_id} failed: {exc}"
-                await self.ring.inbox.send(FreeRegion(job.alloc_id))
+                freed = anyio.Event()
+                await self.ring.inbox.send(FreeRegion(job.alloc_id, freed))
+                await freed.wait()
                 await job.room.inbox.send(Scattered(job.chunk_id, ok, detail))
 
     async def _scatter(self, job: ScatterJob) -> None:

@@ -34,7 +34,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from transfer_engine.errors import StagingError, TransferError
 from transfer_engine.kernels import as_kv_table, gather_heads
 from transfer_engine.layout import KVPool
-from transfer_engine.memory import StagingMemory, allocate_staging, stream_reached
+from transfer_engine.memory import StagingMemory, allocate_staging, event_reached, stream_reached
 from transfer_engine.peers import Peer
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
@@ -70,6 +70,8 @@ class WriteJob:
     src_pages: np.ndarray
     on_done: JobDone
     aux_slot: int | None = None
+    ready: torch.cuda.Event | None = None
+    """CUDA event after which the chunk's KV is written (recorded at ``send()``); None on CPU."""
     cancelled: bool = field(default=False)
 
     @property
@@ -288,6 +290,8 @@ class TransferWorker:
     # --- direct and slice ----------------------------------------------------------------------
 
     async def _execute(self, job: WriteJob) -> None:
+        if job.ready is not None:
+            await event_reached(job.ready)  # NIXL reads the KV itself: it must be written first
         if job.cancelled:
             await job.on_done(False, "cancelled before posting", FailureReason.ABORTED)
             return
@@ -436,6 +440,8 @@ class TransferWorker:
             if self.stream is None:
                 await anyio.to_thread.run_sync(gather)
             else:
+                if job.ready is not None:
+                    self.stream.wait_event(job.ready)  # the gather reads KV the caller's stream wrote
                 gather()
                 await stream_reached(self.stream)
         except Exception as exc:  # a kernel error fails the room, never the worker

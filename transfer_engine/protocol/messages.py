@@ -9,6 +9,7 @@ the only way bytes from a peer become objects. Nothing here pickles.
 from __future__ import annotations
 
 import hashlib
+from typing import Annotated
 
 import msgspec
 
@@ -50,12 +51,17 @@ class LayoutInfo(_Base, frozen=True):
         return self.num_layers if self.mla else 2 * self.num_layers
 
 
+U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+"""An address or length: non-negative and below 2**63, so ``addr + length`` fits NIXL's uint64
+descriptors; anything else fails decoding."""
+
+
 class MemRegion(_Base, frozen=True):
     """One registered memory range: ``(addr, length, device)`` as NIXL describes memory."""
 
-    addr: int
-    length: int
-    device: int
+    addr: U63
+    length: U63
+    device: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
 
     @property
     def end(self) -> int:

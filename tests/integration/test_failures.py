@@ -1,0 +1,53 @@
+"""Failures reach every rank of a room promptly: no decode rank waits for a prefill that gave up."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from transfer_engine import patterns
+from transfer_engine.errors import TransferFailed
+from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.protocol.rooms import RoomStatus
+
+from .harness import cluster, run_room, small_layout
+
+
+@pytest.mark.anyio
+async def test_room_never_opened_by_prefill_fails_the_decode() -> None:
+    """The decode asks for a room the prefill never opens: it fails after bootstrap_timeout, not never."""
+    async with cluster(small_layout(), 2, 1, bootstrap_timeout=0.6, heartbeat_interval=0.2) as c:
+        receiver = await c.decode[0].receiver(5, c.bootstrap, np.arange(3))
+        with anyio.fail_after(5):
+            with pytest.raises(TransferFailed, match="did not open room 5") as info:
+                await receiver.wait()
+        assert info.value.reason is FailureReason.BOOTSTRAP_TIMEOUT
+        assert sum(e.counters["stash_expired"] for e in c.prefill) >= 1
+        await run_room(c, 6, np.arange(3), np.arange(3), [2, 1])  # the same pages serve the next room
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["slice", "staged"])
+async def test_one_decode_rank_aborting_fails_the_other(path: str) -> None:
+    """D=2: decode rank 0 aborts; decode rank 1 learns it from the prefill instead of waiting."""
+    async with cluster(small_layout(), 2, 2, path=path) as c:
+        pages = np.arange(4)
+        r0 = await c.decode[0].receiver(9, c.bootstrap, pages)
+        r1 = await c.decode[1].receiver(9, c.bootstrap, pages)
+        senders = [e.sender(9) for e in c.prefill]
+        await r0.abort()
+        with anyio.fail_after(5):
+            with pytest.raises(TransferFailed) as info:
+                await r1.wait()
+            assert info.value.reason is FailureReason.ABORTED
+            for s in senders:
+                with pytest.raises(TransferFailed):
+                    await s.wait()
+        assert r0.poll() is RoomStatus.FAILED
+        # after abort() returned, the same pages take another room and every byte verifies
+        for e in c.prefill:
+            patterns.fill(e.pool, 10, pages)
+        await run_room(c, 10, pages, pages, [1, 3], aux_slot=1)
+        c.assert_no_leaks()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# GPU end to end (issue 8), on a machine with 2+ GPUs and the wheels of ../shared/tools/fetch-device-wheels
+# in ./.whl. Usage, from the project root:
+#   tools/gpu_e2e.sh tests          # the whole suite with CUDA: gpu kernel tests + integration on CUDA pools
+#   tools/gpu_e2e.sh bench 1:1 2:1  # tools/bench_transfer.py sweeps for the listed P:D scenarios
+# Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+# the package maps kernels/ to transfer_engine.kernels at install time; without installing, link it
+[ -e transfer_engine/kernels ] || ln -s ../kernels transfer_engine/kernels
+nvidia-smi -L | tee -a "$OUT/gpu.txt"
+
+phase=${1:-tests}
+shift || true
+
+if [ "$phase" = onetest ]; then
+  TE_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | grep -v "NIXL INFO" | grep -E "Error|error|assert|FAILED|passed|failed" | head -30
+  exit 0
+fi
+if [ "$phase" = tests ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/unit tests/kernels 2>&1 | tail -5 | tee -a "$OUT/tests.txt"
+  TE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/integration/test_matrix.py \
+    tests/integration/test_staged.py tests/integration/test_failures.py 2>&1 | tail -8 | tee -a "$OUT/tests.txt"
+  exit 0
+fi
+
+# Qwen3-32B-shaped KV: 64 layers, 8 KV heads, head_dim 128, bf16; rooms of one 4096-token chunk.
+QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"
+run() {  # run NAME ARGS...: one benchmark, its JSON line appended to $OUT/bench.jsonl
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$OUT/bench.txt"
+  timeout 300 python3 tools/bench_transfer.py $QWEN --json "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  grep '^{' "$OUT/$name.log" >>"$OUT/bench.jsonl"
+  grep '^path=' "$OUT/$name.log" | tee -a "$OUT/bench.txt"
+  [ $rc -eq 0 ] || { echo "rc=$rc"; grep -v "NIXL INFO" "$OUT/$name.log" | tail -15; } | tee -a "$OUT/bench.txt"
+}
+for scenario in "$@"; do
+  P=${scenario%:*}; D=${scenario#*:}
+  tp="--prefill-tp $P --decode-tp $D"
+  paths="staged host"
+  [ "$P" = "$D" ] && paths="direct staged host"
+  for path in ${PATHS:-$paths}; do
+    for conc in ${CONCS:-1 8 32}; do
+      [ "$path" = host ] && [ "$conc" != 8 ] && continue
+      rooms=$((conc * 2 > 16 ? conc * 2 : 16))
+      run "p${P}d${D}-$path-c$conc" $tp --path "$path" --concurrency "$conc" --rooms "$rooms" --lat-rooms 20
+    done
+  done
+  # the slice baseline: ~6 us per descriptor makes each room seconds long; two rooms suffice
+  [ -n "${NOSLICE:-}" ] && continue
+  run "p${P}d${D}-slice-c1" $tp --path slice --concurrency 1 --rooms 2 --lat-rooms 5 --raw-reps 5 --warmup 0 \
+    --heartbeat-interval 30
+done
