@@ -6,9 +6,10 @@
 One process per prefill rank and per decode rank (spawned, as in production). In the SAME processes
 as prefill rank 0 and decode rank 0 a second, raw NIXL agent pair is set up, and
 
-1. raw ceiling: one WRITE of the same bytes as one room (what decode rank 0 receives), one
+1. raw ceiling: one WRITE of the same bytes as one room, prefill rank 0 -> decode rank 0, one
    descriptor, repeated;
-2. engine throughput: ``--rooms`` rooms of ``--tokens`` tokens, ``--concurrency`` in flight, each
+2. engine throughput (all of a room's bytes, over every decode rank, per second): ``--rooms`` rooms of
+   ``--tokens`` tokens, ``--concurrency`` in flight, each
    sent in ``--chunks`` chunks, every byte verified on the decode side after the clock stops; with
    p50/p99 room latency (decode ``receiver()`` to ``wait()``) under that load;
 3. small-room latency: ``--lat-rooms`` one-page rooms, one at a time (the prefill has already sent
@@ -42,6 +43,7 @@ import torch
 from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
+from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.layout import KVLayout, KVPool
 
 
@@ -105,8 +107,8 @@ def _raw_write(raw: RawPair, peer: str, dst: Any, nbytes: int, notif: bytes) -> 
 
 def _config(args: argparse.Namespace, role: str, rank: int, port: int) -> EngineConfig:
     tp = args.prefill_tp if role == "prefill" else args.decode_tp
-    return EngineConfig(
-        role=role,  # type: ignore[arg-type]
+    return EngineConfig.from_env(  # TE_* variables tune the rest (TE_POLL_SPIN=0, ...)
+        role=role,
         tp_size=tp,
         tp_rank=rank,
         bootstrap_port=port,
@@ -196,7 +198,8 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
         torch.cuda.set_device(device)
     pages_per_room = math.ceil(args.tokens / args.page_size)
     pool = KVPool.allocate(layout, args.decode_tp, rank, args.concurrency * pages_per_room + 4, device=device)
-    room_bytes = pool.page_bytes * pages_per_room * layout.num_kv_tensors
+    # The whole room: decode rank 0 receives 1/D of it (non-MLA), and every decode rank the same share.
+    room_bytes = pool.page_bytes * pages_per_room * layout.num_kv_tensors * args.decode_tp
     result: dict[str, Any] = {}
     if conn is not None:
         raw = RawPair(f"raw-decode-{os.getpid()}", room_bytes, device)
@@ -220,7 +223,14 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
     cfg = _config(args, "decode", rank, port)
     bootstrap = f"tcp://127.0.0.1:{port}"
     async with TransferEngine(cfg, pool) as engine:
-        await engine.connect(bootstrap)  # handshake before the clock starts
+        deadline = time.monotonic() + 120
+        while True:  # handshake before the clock starts; rank 0 of prefill may still be in its raw phase
+            try:
+                await engine.connect(bootstrap)
+                break
+            except PeerUnreachableError:
+                if time.monotonic() > deadline:
+                    raise
         sem = anyio.Semaphore(args.concurrency)
         slots = list(range(args.concurrency))
         room_lat: list[float] = []
@@ -257,9 +267,9 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
             room_bytes=room_bytes,
             engine_gbps=room_bytes * args.rooms / elapsed / 1e9,
             room_p50_ms=statistics.median(room_lat) * 1e3,
-            room_p99_ms=room_lat[int(0.99 * (len(room_lat) - 1))] * 1e3,
+            room_p99_ms=room_lat[math.ceil(0.99 * (len(room_lat) - 1))] * 1e3,
             engine_lat_p50_ms=statistics.median(lat) * 1e3,
-            engine_lat_p99_ms=sorted(lat)[int(0.99 * (len(lat) - 1))] * 1e3,
+            engine_lat_p99_ms=sorted(lat)[math.ceil(0.99 * (len(lat) - 1))] * 1e3,
             engine_path=",".join(sorted(paths)),
         )
         if conn is not None:
@@ -329,7 +339,7 @@ def main() -> int:
     layout = _layout(args)
     room_bytes = (
         math.ceil(args.tokens / args.page_size) * args.page_size * layout.heads_local(args.decode_tp)
-        * args.head_dim * 2 * layout.num_kv_tensors
+        * args.decode_tp * args.head_dim * 2 * layout.num_kv_tensors
     )  # fmt: skip
     peer_copy = _peer_copy_gbps(args, room_bytes)
     ctx = mp.get_context("spawn")

@@ -56,6 +56,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """How long a single control request (topology, handshake) may wait for its answer."""
     poll_interval: float = 0.0002
     """Sleep between NIXL polls while WRITEs or rooms are live; idle polling backs off to 20x this."""
+    poll_spin: float = 0.0
+    """After NIXL activity (a WRITE posted, a room started, a notification) poll without sleeping for
+    this long: a sleep costs at least 1 ms (epoll's resolution) and a small WRITE and its notification
+    need several progress calls on both sides. 0 turns spinning off (for machines short of cores)."""
     nixl_backend: str = "UCX"
     nixl_params: dict[str, str] = msgspec.field(default_factory=dict)
     nixl_progress_thread: bool = False
@@ -86,6 +90,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("bootstrap_timeout", "transfer_timeout", "heartbeat_interval", "connect_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.poll_spin < 0:
+            raise ConfigError(f"poll_spin={self.poll_spin} must be >= 0")
         if self.poll_interval <= 0:
             raise ConfigError(f"poll_interval={self.poll_interval} must be > 0")
         if self.waiting_timeout is not None and self.waiting_timeout <= 0:

@@ -229,7 +229,11 @@ class TransferEngine:
                 [aux], "VRAM" if self.pool.aux is not None and self.pool.aux.is_cuda else "DRAM"
             )
         self.poller = NixlPoller(
-            transport, self._on_notif, poll_interval=cfg.poll_interval, busy=lambda: bool(self.rooms)
+            transport,
+            self._on_notif,
+            poll_interval=cfg.poll_interval,
+            busy=lambda: bool(self.rooms),
+            spin=cfg.poll_spin,
         )
         await tg.start(self.poller.run)
         self.control = Control(

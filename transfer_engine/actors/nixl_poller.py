@@ -14,6 +14,7 @@ checked only after every notification that had arrived was applied.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -54,11 +55,14 @@ class NixlPoller:
         *,
         poll_interval: float = 0.0002,
         busy: Callable[[], bool] = lambda: False,
+        spin: float = 0.0,
     ) -> None:
         self.transport = transport
         self._on_notif = on_notif
         self._interval = poll_interval
         self._busy = busy
+        self._spin = spin
+        self._hot_until = 0.0
         self._posted: list[_Posted] = []
         self._cycle = anyio.Event()
         self._wake = anyio.Event()
@@ -111,11 +115,17 @@ class NixlPoller:
         self._posted.append(_Posted(handle, peer, int(length.sum()), on_done))
         self.counters["writes_posted"] += 1
         self.counters["descriptors_posted"] += len(src)
+        self._heat()
         self._wake.set()
 
     def wake(self) -> None:
         """Leave idle back-off now: a room started, so notifications may come any moment."""
+        self._heat()
         self._wake.set()
+
+    def _heat(self) -> None:
+        """Poll without sleeping for the next ``spin`` seconds (see :meth:`run`)."""
+        self._hot_until = time.monotonic() + self._spin
 
     async def drained(self) -> None:
         """Return after the next complete poll-and-drain cycle."""
@@ -123,6 +133,14 @@ class NixlPoller:
         await self._cycle.wait()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Poll and drain forever.
+
+        Right after activity (a WRITE posted, a room started, a notification or completion) the loop
+        spins for ``spin`` seconds, yielding to other tasks but never sleeping: a small WRITE and its
+        notification need several progress calls on both sides, and any sleep costs at least a
+        millisecond (epoll's resolution). Otherwise it sleeps ``poll_interval`` while WRITEs or
+        rooms are live, and backs off when idle.
+        """
         task_status.started()
         idle = 0
         while True:
@@ -131,6 +149,8 @@ class NixlPoller:
             cycle, self._cycle = self._cycle, anyio.Event()
             cycle.set()
             if worked:
+                self._heat()
+            if worked or time.monotonic() < self._hot_until:
                 idle = 0
                 await anyio.lowlevel.checkpoint()
                 continue

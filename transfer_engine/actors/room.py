@@ -277,6 +277,12 @@ class SenderRoomActor(_RoomActor):
         bad = [p for p in req.dst_pages if not 0 <= p < peer.layout.num_pages]
         if bad:
             raise ProtocolError(f"decode page {bad[0]} outside [0, {peer.layout.num_pages})")
+        if self.core.status is RoomStatus.FAILED:
+            # This decode rank asked after the room failed (an abort, a failed WRITE): the RoomFailed
+            # of that moment did not reach it, and no chunk ever will, so tell it now.
+            if peer.agent_name not in self.failed_by:
+                self._tell_failure(peer)
+            return
         self.core.on_request(req.decode_rank, req.decode_tp, got is not None, req.aux_slot is not None, now)
         self.requests[req.decode_rank] = req
         self.peers[req.decode_rank] = peer
@@ -339,23 +345,26 @@ class SenderRoomActor(_RoomActor):
             workers.add(self.engine.worker_for(job.peer.agent_name))
         for worker in workers:  # parked staged chunks end now instead of waiting for a grant
             await worker.inbox.send(CancelRoom(self.room))
-        failure = self.core.failure
-        assert failure is not None
         # Every other decode rank of the room hears it too: when one decode rank aborts, the others
         # must not wait for chunks this rank will never send.
         for peer in self.peers.values():
-            if peer.agent_name in self.failed_by:
-                continue
-            self.engine.control.send(
-                peer.endpoint,
-                m.RoomFailed(
-                    room=self.room,
-                    agent=self.engine.agent_name,
-                    rank=self.engine.config.tp_rank,
-                    reason=int(failure.reason),
-                    detail=failure.detail,
-                ),
-            )
+            if peer.agent_name not in self.failed_by:
+                self._tell_failure(peer)
+
+    def _tell_failure(self, peer: Peer) -> None:
+        """Send the room's failure to decode ``peer`` (the room is Failed)."""
+        failure = self.core.failure
+        assert failure is not None
+        self.engine.control.send(
+            peer.endpoint,
+            m.RoomFailed(
+                room=self.room,
+                agent=self.engine.agent_name,
+                rank=self.engine.config.tp_rank,
+                reason=int(failure.reason),
+                detail=failure.detail,
+            ),
+        )
 
     async def finish(self) -> None:
         if self.core.status is RoomStatus.SUCCESS:
