@@ -7,6 +7,7 @@ write directly. On a machine without CUDA the KV is in DRAM and both variants ar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -53,6 +54,20 @@ def allocate_staging(pool: KVPool, nbytes: int, *, host: bool) -> StagingMemory:
 def chunk_region_bytes(pool: KVPool, pages: int) -> int:
     """Bytes one staged chunk of ``pages`` of this pool's pages occupies with all its local heads."""
     return pages * pool.page_bytes * pool.layout.num_kv_tensors
+
+
+INLINE_COPY_BYTES = 1 << 20
+"""CPU copies up to this size run on the event-loop thread (tens of microseconds); larger ones in
+a worker thread, so the loop keeps polling NIXL meanwhile. A thread hop costs a GIL hand-over, up
+to the interpreter's 5 ms switch interval when the loop is busy: far more than a small copy."""
+
+
+async def run_cpu_copy(copy: Callable[[], None], nbytes: int) -> None:
+    """Run a CPU gather/scatter ``copy`` of ``nbytes``: inline when small, else in a worker thread."""
+    if nbytes <= INLINE_COPY_BYTES:
+        copy()
+    else:
+        await anyio.to_thread.run_sync(copy)
 
 
 async def stream_reached(stream: torch.cuda.Stream, poll_s: float = 0.0001) -> None:

@@ -23,7 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from transfer_engine.kernels import as_kv_table, scatter_heads
 from transfer_engine.layout import KVPool
-from transfer_engine.memory import StagingMemory, stream_reached
+from transfer_engine.memory import StagingMemory, run_cpu_copy, stream_reached
 
 from .ring import FreeRegion
 
@@ -95,7 +95,7 @@ class ScatterActor:
         slots = torch.from_numpy(job.slots)
         launch = functools.partial(scatter_heads, region, self._kv, slots, job.blocks, stream=self.stream)
         if self.stream is None:
-            await anyio.to_thread.run_sync(launch)
+            await run_cpu_copy(launch, job.length)
             return
         launch()
         await stream_reached(self.stream)

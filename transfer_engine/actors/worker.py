@@ -34,7 +34,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from transfer_engine.errors import StagingError, TransferError
 from transfer_engine.kernels import as_kv_table, gather_heads
 from transfer_engine.layout import KVPool
-from transfer_engine.memory import StagingMemory, allocate_staging, event_reached, stream_reached
+from transfer_engine.memory import (
+    StagingMemory,
+    allocate_staging,
+    event_reached,
+    run_cpu_copy,
+    stream_reached,
+)
 from transfer_engine.peers import Peer
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
@@ -438,7 +444,7 @@ class TransferWorker:
         leases = self._buffers[staged.host][1]
         try:
             if self.stream is None:
-                await anyio.to_thread.run_sync(gather)
+                await run_cpu_copy(gather, staged.nbytes)
             else:
                 if job.ready is not None:
                     self.stream.wait_event(job.ready)  # the gather reads KV the caller's stream wrote
