@@ -150,7 +150,13 @@ class Sender(_Handle):
         if self._pool.device.type == "cuda":  # the KV of this chunk is written by work queued so far
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self._pool.device))
-        await self._actor.inbox.send(QueueChunk(arr, last, aux_slot, ready))
+        try:
+            await self._actor.inbox.send(QueueChunk(arr, last, aux_slot, ready))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            # the room ended while send() waited for its turn (an abort came in): nothing was queued
+            raise LocalProtocolError(
+                f"room {self.room} is {self._actor.status.name}; send() is not allowed"
+            ) from None
 
 
 class Receiver(_Handle):
@@ -659,9 +665,9 @@ class TransferEngine:
                     self._stash[room].append((time.monotonic(), message))
             case m.Abort(room=room, agent=agent, rank=rank) if self.config.role == "prefill":
                 if not await self._to_room(room, message):
-                    self._stash.pop(room, None)
                     peer = self.peers.get(agent)
                     if peer is not None:
+                        self._drop_stash(room, message)
                         self.control.send(
                             peer.endpoint,
                             m.AbortAck(room=room, agent=self.agent_name, rank=self.config.tp_rank),
@@ -734,6 +740,28 @@ class TransferEngine:
             stale = now - self.config.bootstrap_timeout
             for room in [r for r, items in self._stash.items() if items and items[0][0] < stale]:
                 self._expire_stash(room)
+
+    def _drop_stash(self, room: int, abort: m.Abort) -> None:
+        """``room`` is not open here and a decode rank aborted it: drop the requests stashed for it.
+
+        The other decode ranks that asked for it are told: the room can no longer complete (its
+        aborting rank's request is gone), and they would otherwise wait for chunks that never come.
+        """
+        why = FailureReason.STAGING if abort.reason == FailureReason.STAGING else FailureReason.ABORTED
+        for _, mail in self._stash.pop(room, []):
+            if not isinstance(mail, m.TransferRequest) or mail.agent == abort.agent:
+                continue
+            peer = self.peers.get(mail.agent)
+            if peer is None:
+                continue
+            self.control.send(
+                peer.endpoint,
+                m.RoomFailed(
+                    room=room, agent=self.agent_name, rank=self.config.tp_rank, reason=int(why),
+                    detail=f"aborted by decode {abort.agent} before prefill rank {self.config.tp_rank} "
+                    f"opened the room: {abort.detail}",
+                ),
+            )  # fmt: skip
 
     def _expire_stash(self, room: int) -> None:
         """No sender opened ``room`` within bootstrap_timeout: tell each decode rank that asked for it."""

@@ -2,6 +2,7 @@
 
     python -m tests.chaos.rank --role prefill --bootstrap-port 8998 [--heartbeat 0.5]
     python -m tests.chaos.rank --role decode --bootstrap-port 8998
+    [--host 10.0.0.2 --bootstrap-host 10.0.0.1]   (default 127.0.0.1 for both)
 
 Real NIXL and real ZMQ, as in a deployment; the test that starts the process decides the rooms.
 
@@ -64,13 +65,15 @@ async def prefill_room(sender: Sender, pages: np.ndarray, chunks: list[int], hol
 async def serve(args: argparse.Namespace) -> int:
     cfg = EngineConfig(
         role=args.role,
+        host=args.host,
+        bootstrap_host=args.bootstrap_host,
         bootstrap_port=args.bootstrap_port,
         heartbeat_interval=args.heartbeat,
         connect_timeout=2.0,
         num_workers=1,
     )
     pool = KVPool.allocate(small_layout(), 1, 0, NUM_PAGES, aux_slots=0, aux_item_bytes=0)
-    bootstrap = f"tcp://127.0.0.1:{args.bootstrap_port}"
+    bootstrap = f"tcp://{args.bootstrap_host}:{args.bootstrap_port}"
     async with TransferEngine(cfg, pool) as engine, anyio.create_task_group() as rooms:
         emit("up", endpoint=engine.endpoint, agent=engine.agent_name)
 
@@ -121,6 +124,8 @@ def main() -> int:
     parser.add_argument("--role", choices=["prefill", "decode"], required=True)
     parser.add_argument("--bootstrap-port", type=int, required=True)
     parser.add_argument("--heartbeat", type=float, default=0.5)
+    parser.add_argument("--host", default="127.0.0.1", help="address this rank binds and is reached at")
+    parser.add_argument("--bootstrap-host", default="127.0.0.1", help="address of the prefill's bootstrap")
     return anyio.run(serve, parser.parse_args())
 
 

@@ -145,6 +145,15 @@ class _RoomActor:
                         await self._apply(await self._rx.receive())
                         continue
                     await self._check_deadline()
+                # Mail sent from now on finds the room gone, and the engine answers it (an Abort gets
+                # its AbortAck there); mail already queued is still applied, so no Abort is lost.
+                self.inbox.close()
+                while True:
+                    try:
+                        mail = self._rx.receive_nowait()
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                    await self._apply(mail)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.finish()
@@ -367,9 +376,6 @@ class SenderRoomActor(_RoomActor):
         )
 
     async def finish(self) -> None:
-        if self.core.status is RoomStatus.SUCCESS:
-            self.jobs.clear()
-            return
         if not self.core.status.final:
             self._fail(FailureReason.SHUTDOWN, "room actor stopped")
         self.jobs.clear()
