@@ -200,6 +200,23 @@ class NixlPoller:
                 await self._on_notif(agent, notif)
         return worked
 
+    async def abandon(self, peer: str, detail: str) -> None:
+        """End every WRITE to ``peer`` now (it was declared dead): their rooms may end.
+
+        A WRITE to a dead process may never leave PROC (nothing acknowledges it), which would keep
+        its room from ever being quiescent. Its bytes can only land in the dead peer's memory, so it
+        is released and reported failed at once.
+        """
+        gone = [p for p in self._posted if p.peer == peer]
+        if not gone:
+            return
+        self._posted = [p for p in self._posted if p.peer != peer]
+        for posted in gone:
+            self.transport.release(posted.handle)
+            self.counters["writes_abandoned"] += 1
+        for posted in gone:
+            await posted.on_done(False, f"WRITE to {peer} abandoned: {detail}")
+
     async def drain_posted(self, limit_s: float) -> None:
         """Wait (bounded) until no WRITE is in flight; used when the engine shuts down."""
         with anyio.move_on_after(limit_s):
