@@ -75,17 +75,6 @@ class StagingFailed:
 RingMail = m.StagingRequest | FreeRegion | Subscribe
 
 
-@dataclass(slots=True)
-class _Granted:
-    room: int
-    chunk_id: int
-    allocation: Allocation
-    layout: RegionLayout
-    page_start: int
-    num_pages: int
-    tokens: int
-
-
 class RingActor:
     """See the module docstring. ``memory`` is the registered ring; ``allocator`` its sole state."""
 
@@ -96,9 +85,10 @@ class RingActor:
         self.inbox: MemoryObjectSendStream[RingMail]
         self._rx: MemoryObjectReceiveStream[RingMail]
         self.inbox, self._rx = anyio.create_memory_object_stream[RingMail](mailbox)
-        self._by_chunk: dict[tuple[int, int], _Granted] = {}
-        self._by_id: dict[int, _Granted] = {}
-        self.refused = 0
+        self._by_chunk: dict[tuple[int, int], RegionGranted] = {}
+        """(room, chunk id) -> its region, as the room was told."""
+        self._chunk_of: dict[int, tuple[int, int]] = {}
+        """Allocation id -> (room, chunk id)."""
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -125,7 +115,6 @@ class RingActor:
             return
         granted, index, detail = await self._place(req)
         if granted is None:
-            self.refused += 1
             log.info("ring: refused room %d chunk %d of %s: %s", req.room, req.chunk_id, req.agent, detail)
             self.engine.control.send(
                 peer.endpoint,
@@ -149,7 +138,7 @@ class RingActor:
             ),
         )
 
-    async def _place(self, req: m.StagingRequest) -> tuple[_Granted | None, int, str]:
+    async def _place(self, req: m.StagingRequest) -> tuple[RegionGranted | None, int, str]:
         """The chunk's region (placed on the first request) and the writer's block index, or why not."""
         from transfer_engine.actors.room import ReceiverRoomActor
 
@@ -201,25 +190,23 @@ class RingActor:
         except StagingError as exc:
             await _tell(actor, StagingFailed(str(exc)))
             return None, -1, str(exc)
-        granted = _Granted(req.room, req.chunk_id, allocation, layout, req.page_start, req.num_pages, tokens)
-        if not await _tell(
-            actor, RegionGranted(req.chunk_id, allocation, layout, req.page_start, req.num_pages, tokens)
-        ):
+        granted = RegionGranted(req.chunk_id, allocation, layout, req.page_start, req.num_pages, tokens)
+        if not await _tell(actor, granted):
             if self.allocator.free(allocation.alloc_id) is not None:
                 self._send_watermark(list(self.engine.peers.values()))
             return None, -1, f"room {req.room} ended"
         self._by_chunk[key] = granted
-        self._by_id[allocation.alloc_id] = granted
+        self._chunk_of[allocation.alloc_id] = key
         return granted, index, ""
 
     # --- frees and the watermark ------------------------------------------------------------------
 
     def _free(self, alloc_id: int) -> None:
-        granted = self._by_id.pop(alloc_id, None)
-        if granted is None:
+        key = self._chunk_of.pop(alloc_id, None)
+        if key is None:
             log.error("ring: free of unknown allocation %d", alloc_id)
             return
-        del self._by_chunk[(granted.room, granted.chunk_id)]
+        del self._by_chunk[key]
         if self.allocator.free(alloc_id) is not None:
             self._send_watermark(list(self.engine.peers.values()))
 

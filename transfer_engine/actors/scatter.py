@@ -70,8 +70,6 @@ class ScatterActor:
         self.inbox: MemoryObjectSendStream[ScatterJob]
         self._rx: MemoryObjectReceiveStream[ScatterJob]
         self.inbox, self._rx = anyio.create_memory_object_stream[ScatterJob](mailbox)
-        self.scattered = 0
-        self.bytes = 0
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -80,8 +78,6 @@ class ScatterActor:
                 ok, detail = True, ""
                 try:
                     await self._scatter(job)
-                    self.scattered += 1
-                    self.bytes += job.length
                 except Exception as exc:  # a kernel error must fail the room, never the actor
                     log.exception("scatter of room %d chunk %d failed", job.room.room, job.chunk_id)
                     ok, detail = False, f"scatter of chunk {job.chunk_id} failed: {exc}"

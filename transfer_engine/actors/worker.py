@@ -127,6 +127,23 @@ def staged_slots(job: WriteJob, pool: KVPool) -> np.ndarray:
     return descriptors.slots_of(job.src_pages, src_ps, 0, tokens)
 
 
+def chunk_notification(job: WriteJob, region: int) -> bytes:
+    """The encoded ``ChunkLanded`` riding on a chunk's WRITE (``region`` -1 off the staged paths)."""
+    chunk = job.chunk
+    assert chunk is not None
+    return m.encode(
+        m.ChunkLanded(
+            room=job.room,
+            chunk_id=chunk.chunk_id,
+            last=chunk.last,
+            sender=job.sender,
+            page_start=chunk.page_start,
+            num_pages=chunk.num_pages,
+            region=region,
+        )
+    )
+
+
 def plan_write(
     job: WriteJob, pool: KVPool, bases: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bytes]:
@@ -153,17 +170,7 @@ def plan_write(
             m.encode(m.AuxLanded(room=job.room, sender=job.sender)),
         )
     dst_pages_all = np.asarray(req.dst_pages, dtype=np.int64)
-    notif = m.encode(
-        m.ChunkLanded(
-            room=job.room,
-            chunk_id=chunk.chunk_id,
-            last=chunk.last,
-            sender=job.sender,
-            page_start=chunk.page_start,
-            num_pages=chunk.num_pages,
-            region=-1,
-        )
-    )
+    notif = chunk_notification(job, region=-1)
     spec = req.slices[0]
     if req.path == "direct":
         dst_pages = dst_pages_all[chunk.page_start : chunk.page_start + chunk.num_pages]
@@ -255,10 +262,6 @@ class TransferWorker:
     def leases(self) -> int:
         """Staging-buffer leases held (0 when idle: the leak check)."""
         return sum(leases.live for _, leases in self._buffers.values())
-
-    def watermark(self, agent: str) -> tuple[int, int]:
-        wm = self._watermarks[agent].current
-        return wm.round, wm.tail
 
     # --- mailbox -------------------------------------------------------------------------------
 
@@ -355,13 +358,7 @@ class TransferWorker:
                 layout.num_kv_tensors, src_slots.size, spec.num_heads, layout.head_dim, self.pool.itemsize
             )
             host = req.path == "host"
-            memory, _ = self._buffer(host)
-            if nbytes > memory.nbytes:
-                raise StagingError(
-                    f"a staged chunk needs {nbytes} bytes of staging buffer but it holds {memory.nbytes} bytes; "
-                    f"raise the config option `staging_bytes` (or `staging_chunk_pages`) to fit it, "
-                    f"or send smaller chunks"
-                )
+            self._buffer(host)[1].check_fits(nbytes)
         except StagingError as exc:
             await job.on_done(False, str(exc), FailureReason.STAGING)
             return
@@ -459,17 +456,7 @@ class TransferWorker:
             leases.release(offset)
             await job.on_done(False, "cancelled before posting", FailureReason.ABORTED)
             return
-        notif = m.encode(
-            m.ChunkLanded(
-                room=job.room,
-                chunk_id=chunk.chunk_id,
-                last=chunk.last,
-                sender=job.sender,
-                page_start=chunk.page_start,
-                num_pages=chunk.num_pages,
-                region=staged.allocation.alloc_id,
-            )
-        )
+        notif = chunk_notification(job, staged.allocation.alloc_id)
 
         async def written(ok: bool, detail: str) -> None:
             await self.inbox.send(_Written(staged, offset, ok, detail))

@@ -314,13 +314,7 @@ class BufferLeases:
 
     def lease(self, length: int) -> int | None:
         """Offset of a new lease of ``length`` bytes, or None while no gap fits it."""
-        if length < 1:
-            raise ConfigError(f"staging lease length={length} must be >= 1")
-        if length > self.size:
-            raise StagingError(
-                f"a staged chunk needs {length} bytes of staging buffer but it holds {self.size} bytes; "
-                f"raise the config option `staging_bytes` to at least {length} (or send smaller chunks)"
-            )
+        self.check_fits(length)
         for start in (self._head, 0):
             end = start + length
             if end <= self.size and not any(s < end and start < e for s, e in self._live.items()):
@@ -328,6 +322,16 @@ class BufferLeases:
                 self._head = _align_up(end, self.align) if end < self.size else 0
                 return start
         return None
+
+    def check_fits(self, length: int) -> None:
+        """:class:`StagingError` naming ``staging_bytes`` when ``length`` can never be leased here."""
+        if length < 1:
+            raise ConfigError(f"staging lease length={length} must be >= 1")
+        if length > self.size:
+            raise StagingError(
+                f"a staged chunk needs {length} bytes of staging buffer but it holds {self.size} bytes; "
+                f"raise the config option `staging_bytes` to at least {length} (or send smaller chunks)"
+            )
 
     def release(self, offset: int) -> None:
         """End the lease at ``offset``; :class:`ConfigError` naming it when none is live there."""
