@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.integration.harness import Cluster, run_room, shuffled_pages
-from transfer_engine.actors.control import MAX_FRAME_BYTES
+from transfer_engine.actors.router import MAX_FRAME_BYTES
 from transfer_engine.protocol import messages as m
 
 from .helpers import engines

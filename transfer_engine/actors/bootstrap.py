@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from transfer_engine.actors.control import MAX_FRAME_BYTES
+from transfer_engine.actors.router import MAX_FRAME_BYTES
 from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransportError
 from transfer_engine.protocol import messages as m
 

@@ -2,9 +2,10 @@
 
 One ROUTER bound at the rank's control endpoint receives every message peers send; each is decoded
 with the one typed decoder and handed to ``dispatch``. Malformed, oversized and unknown frames are
-logged with their source, counted in ``dropped`` and dropped; the actor keeps serving. A message
-whose dispatch raises is dropped too (counted as ``dispatch_error``, logged with its traceback):
-that is a bug of the engine, but one message must never take a rank down.
+logged with their source, counted in ``dropped`` and dropped (the guard every ROUTER endpoint
+shares, :mod:`transfer_engine.actors.router`); the actor keeps serving. A message whose dispatch
+raises is dropped too (counted as ``dispatch_error``, logged with its traceback): that is a bug of
+the engine, but one message must never take a rank down.
 
 Outgoing one-way messages go through one cached DEALER per peer endpoint (:meth:`send`, never
 blocks: a full queue drops and counts). Request/response exchanges (topology, handshake,
@@ -28,7 +29,8 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransportError
+from transfer_engine.actors.router import Inbox, bind_router, source_of
+from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.protocol import messages as m
 
 if TYPE_CHECKING:
@@ -41,19 +43,6 @@ Dispatch = Callable[[m.AnyMessage, bytes], Awaitable[None]]
 """Called with each decoded message and the ROUTER identity it came from (for :meth:`reply_to`)."""
 
 _SEND_HWM = 10_000
-
-MAX_FRAME_BYTES = 4 * m.MAX_MESSAGE_BYTES
-"""ROUTERs never read a frame larger than this: libzmq drops the connection that sends one, so a peer
-cannot make a rank allocate without bound. Frames between the message limit and this are read,
-counted as malformed and dropped."""
-
-
-def _configure(sock: zmq.asyncio.Socket) -> None:
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
-    sock.setsockopt(zmq.RCVHWM, _SEND_HWM)
-    if sock.type == zmq.ROUTER:
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
 
 
 class Control:
@@ -81,64 +70,47 @@ class Control:
         self._router: zmq.asyncio.Socket | None = None
         self._dealers: dict[str, zmq.asyncio.Socket] = {}
         self._held = anyio.Event()
-        self.dropped: Counter[str] = Counter()
+        self._inbox = Inbox(name, log)
+        self.dropped: Counter[str] = self._inbox.dropped
+        """Messages dropped, by kind: ``bad_frames``, ``malformed``, ``dispatch_error``,
+        ``send_queue_full``, and the kinds dispatchers give :meth:`count_drop`."""
         self.endpoint = ""
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        router = self._ctx.socket(zmq.ROUTER)
+        secure = None if self.curve is None else self.curve.server
         try:
-            _configure(router)
-            if self.curve is not None:
-                self.curve.server(router)
-            if self.port:
-                router.bind(f"tcp://{self.host}:{self.port}")
-            else:
-                self.port = router.bind_to_random_port(f"tcp://{self.host}")
-        except (zmq.ZMQError, TransportError) as exc:
-            router.close()
+            router, self.port = bind_router(self._ctx, self.host, self.port, hwm=_SEND_HWM, secure=secure)
+        except PeerUnreachableError:
             self._ctx.term()
-            raise PeerUnreachableError(f"tcp://{self.host}:{self.port}", f"cannot bind: {exc}") from exc
+            raise
         self._router = router
         self.endpoint = f"tcp://{self.host}:{self.port}"
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._release_held)
                 task_status.started()
-                while True:
-                    frames = await router.recv_multipart(copy=True)
-                    await self._handle(frames)
+                await self._inbox.serve(router, self.endpoint, self._handle)
         finally:
             self.close()
 
-    async def _handle(self, frames: list[bytes]) -> None:
-        source = f"{self.endpoint}<-{frames[0].hex() if frames else '?'}"
-        if len(frames) != 2:
-            self._drop("bad_frames", source, f"{len(frames)} frames")
-            return
+    async def _handle(self, message: m.AnyMessage, ident: bytes, source: str) -> None:
         try:
-            message = m.decode(frames[1])
-        except RemoteProtocolError as exc:
-            self._drop("malformed", source, str(exc))
-            return
-        try:
-            await self._dispatch(message, frames[0])
+            await self._dispatch(message, ident)
         except Exception:  # no message may take the rank down (DESIGN §9); the bug is in the log
             self.dropped["dispatch_error"] += 1
             log.exception(
                 "%s: %s from %s could not be handled; dropped", self.name, type(message).__name__, source
             )
 
-    def _drop(self, kind: str, source: str, detail: str) -> None:
-        self.dropped[kind] += 1
-        log.warning("%s: dropped %s message from %s: %s", self.name, kind, source, detail)
-
     def count_drop(self, kind: str, ident: bytes, detail: str) -> None:
         """For dispatchers: record a decoded message that is not acceptable now."""
-        self._drop(kind, f"{self.endpoint}<-{ident.hex()}", detail)
+        self._inbox.drop(kind, source_of(self.endpoint, ident), detail)
 
     def _dealer(self) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(zmq.DEALER)
-        _configure(sock)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        sock.setsockopt(zmq.RCVHWM, _SEND_HWM)
         if self.curve is not None:
             self.curve.client(sock)
         return sock
@@ -164,7 +136,7 @@ class Control:
         try:
             sock.send(payload, flags=zmq.NOBLOCK)
         except zmq.Again:
-            self._drop("send_queue_full", endpoint, what)
+            self._inbox.drop("send_queue_full", endpoint, what)
             return False
         return True
 

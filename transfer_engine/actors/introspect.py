@@ -2,8 +2,9 @@
 
 One ROUTER bound at ``tcp://{host}:{port}`` (loopback unless the engine's ``host`` says otherwise;
 port 0 picks a free one) answers each ``DumpRequest`` with a ``DumpReply`` carrying the msgpack
-bytes of a :class:`~transfer_engine.introspect.Snapshot`. Frames are decoded with the one typed
-decoder of :mod:`transfer_engine.protocol.messages` (its size limit applies); malformed frames and
+bytes of a :class:`~transfer_engine.introspect.Snapshot`. Frames are read, decoded and refused as
+on every ROUTER endpoint of the rank (:mod:`transfer_engine.actors.router`: frames over
+``MAX_FRAME_BYTES`` are never read, the decoder's size limit applies); malformed frames and
 messages other than ``DumpRequest`` are logged with their source, counted in ``dropped`` and
 dropped. Building a snapshot only reads engine state on the event-loop thread, so a dump never
 races the actors it describes; a snapshot that cannot be built is logged and counted, and never
@@ -21,7 +22,8 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError
+from transfer_engine.actors.router import Inbox, Secure, bind_router
+from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.introspect import Snapshot, encode_snapshot
 from transfer_engine.protocol import messages as m
 
@@ -29,9 +31,6 @@ log = logging.getLogger(__name__)
 
 SnapshotSource = Callable[[int | None], Snapshot]
 """Builds a snapshot, of one room when given its id (``build_snapshot`` bound to the engine)."""
-
-Secure = Callable[[zmq.asyncio.Socket], None]
-"""Configures a socket before it binds (ZMQ CURVE server options, see ``transfer_engine.security``)."""
 
 _HWM = 100
 
@@ -55,7 +54,8 @@ class Introspect:
         self._secure = secure
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None
-        self.dropped: Counter[str] = Counter()
+        self._inbox = Inbox(name, log)
+        self.dropped: Counter[str] = self._inbox.dropped
         """Frames dropped, by kind: ``bad_frames``, ``malformed``, ``unexpected``, ``snapshot_failed``."""
         self.served = 0
         self.endpoint = ""
@@ -63,43 +63,22 @@ class Introspect:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Bind, report ready, then answer dumps until cancelled; the socket closes on the way out."""
         self._ctx = zmq.asyncio.Context()
-        router = self._ctx.socket(zmq.ROUTER)
         try:
-            router.setsockopt(zmq.LINGER, 0)
-            router.setsockopt(zmq.SNDHWM, _HWM)
-            router.setsockopt(zmq.RCVHWM, _HWM)
-            if self._secure is not None:
-                self._secure(router)
-            if self.port:
-                router.bind(f"tcp://{self.host}:{self.port}")
-            else:
-                self.port = router.bind_to_random_port(f"tcp://{self.host}")
-        except zmq.ZMQError as exc:
-            router.close(linger=0)
+            router, self.port = bind_router(self._ctx, self.host, self.port, hwm=_HWM, secure=self._secure)
+        except PeerUnreachableError:
             self.close()
-            raise PeerUnreachableError(f"tcp://{self.host}:{self.port}", f"cannot bind: {exc}") from exc
+            raise
         self._router = router
         self.endpoint = f"tcp://{self.host}:{self.port}"
         task_status.started()
         try:
-            while True:
-                frames = await router.recv_multipart(copy=True)
-                await self._handle(frames)
+            await self._inbox.serve(router, self.endpoint, self._answer)
         finally:
             self.close()
 
-    async def _handle(self, frames: list[bytes]) -> None:
-        source = f"{self.endpoint}<-{frames[0].hex() if frames else '?'}"
-        if len(frames) != 2:
-            self._drop("bad_frames", source, f"{len(frames)} frames")
-            return
-        try:
-            message = m.decode(frames[1])
-        except RemoteProtocolError as exc:
-            self._drop("malformed", source, str(exc))
-            return
+    async def _answer(self, message: m.AnyMessage, ident: bytes, source: str) -> None:
         if not isinstance(message, m.DumpRequest):
-            self._drop("unexpected", source, f"{type(message).__name__} is not a DumpRequest")
+            self._inbox.drop("unexpected", source, f"{type(message).__name__} is not a DumpRequest")
             return
         try:
             payload = encode_snapshot(self._snapshot(message.room))
@@ -108,12 +87,8 @@ class Introspect:
             log.exception("%s: building a snapshot for %s failed", self.name, source)
             return
         assert self._router is not None
-        await self._router.send_multipart([frames[0], m.encode(m.DumpReply(snapshot=payload))])
+        await self._router.send_multipart([ident, m.encode(m.DumpReply(snapshot=payload))])
         self.served += 1
-
-    def _drop(self, kind: str, source: str, detail: str) -> None:
-        self.dropped[kind] += 1
-        log.warning("%s: dropped %s frame from %s: %s", self.name, kind, source, detail)
 
     def close(self) -> None:
         if self._router is not None:
