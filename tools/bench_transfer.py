@@ -6,14 +6,18 @@
 One process per prefill rank and per decode rank (spawned, as in production). In the SAME processes
 as prefill rank 0 and decode rank 0 a second, raw NIXL agent pair is set up, and
 
-1. raw ceiling: one WRITE of the same bytes as one room, prefill rank 0 -> decode rank 0, one
-   descriptor, repeated;
-2. engine throughput (all of a room's bytes, over every decode rank, per second): ``--rooms`` rooms of
-   ``--tokens`` tokens, ``--concurrency`` in flight, each
-   sent in ``--chunks`` chunks, every byte verified on the decode side after the clock stops; with
-   p50/p99 room latency (decode ``receiver()`` to ``wait()``) under that load;
-3. small-room latency: ``--lat-rooms`` one-page rooms, one at a time (the prefill has already sent
-   when the decode asks), against a raw one-page WRITE plus its notification.
+1. throughput, in ``--rounds`` rounds: each round first measures the raw ceiling (``--raw-reps``
+   WRITEs of one room's bytes, prefill rank 0 -> decode rank 0, one descriptor each), then the
+   engine (all of a room's bytes, over every decode rank, per second) on its share of ``--rooms``
+   rooms of ``--tokens`` tokens, ``--concurrency`` in flight, each sent in ``--chunks`` chunks. The
+   ratio printed is the median of the rounds' ratios: on a small, shared machine the ceiling itself
+   moves by 2x between minutes, so each engine figure is held against the ceiling of its own round.
+   p50/p99 room latency (decode ``receiver()`` to ``wait()``) is taken under that load; every byte
+   is verified on the decode side after the clock stops;
+2. small-room latency: ``--lat-rooms`` samples, each a raw one-page WRITE plus its notification
+   (the decode asks over a pipe, the prefill writes) directly followed by a one-page engine room
+   (the prefill has already sent when the decode asks). The added latency is the median of the
+   per-sample differences.
 
 It prints the engine's figure, the raw ceiling and their ratio, and descriptors posted per room.
 With ``--device cuda`` prefill rank r uses GPU ``r % n`` and decode rank r GPU ``(P + r) % n`` (ranks
@@ -83,7 +87,7 @@ class RawPair:
     def __init__(self, name: str, nbytes: int, device: torch.device) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
         self.mem = "VRAM" if device.type == "cuda" else "DRAM"
         self.dev = (device.index or 0) if device.type == "cuda" else 0
@@ -105,6 +109,20 @@ def _raw_write(raw: RawPair, peer: str, dst: Any, nbytes: int, notif: bytes) -> 
     raw.agent.release_xfer_handle(handle)
 
 
+def _raw_wait_notifs(raw: RawPair, count: int) -> None:
+    """Poll the raw agent until ``count`` notifications came, yielding the CPU between polls.
+
+    A bare spin here can starve the writer: with few cores the woken writer may be queued behind this
+    loop until the scheduler's next tick (4-16 ms seen on the 2-core box), which measures the kernel,
+    not NIXL.
+    """
+    got = 0
+    while got < count:
+        got += sum(len(v) for v in raw.agent.get_new_notifs().values())
+        if got < count:
+            os.sched_yield()
+
+
 def _config(args: argparse.Namespace, role: str, rank: int, port: int) -> EngineConfig:
     tp = args.prefill_tp if role == "prefill" else args.decode_tp
     return EngineConfig.from_env(  # TE_* variables tune the rest (TE_POLL_SPIN=0, ...)
@@ -119,7 +137,27 @@ def _config(args: argparse.Namespace, role: str, rank: int, port: int) -> Engine
     )
 
 
+def _round_rooms(args: argparse.Namespace, rnd: int) -> range:
+    per = math.ceil(args.rooms / args.rounds)
+    return range(rnd * per, min(args.rooms, (rnd + 1) * per))
+
+
+def _pin(args: argparse.Namespace, side: str) -> None:
+    """Keep the prefill and decode processes on disjoint CPU halves (``--pin``).
+
+    In production they run on different hosts. Left to the scheduler on a 2-core box, a woken process
+    is often queued on the CPU of the one that woke it and waits for the next tick: the raw
+    WRITE-plus-notification latency then reads 0.3, 4, 12 or 20 ms from one run to the next.
+    """
+    if not args.pin:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    half = len(cpus) // 2
+    os.sched_setaffinity(0, cpus[:half] if side == "prefill" else cpus[half:])
+
+
 def prefill_main(args: argparse.Namespace, rank: int, port: int, conn: Connection | None) -> None:
+    _pin(args, "prefill")
     anyio.run(_prefill, args, rank, port, conn)
 
 
@@ -133,8 +171,11 @@ async def _prefill(args: argparse.Namespace, rank: int, port: int, conn: Connect
         layout, args.prefill_tp, rank, args.concurrency * pages_per_room + 4, device=device
     )
     cfg = _config(args, "prefill", rank, port)
-    raw = None
-    if conn is not None:
+    raw: RawPair | None = None
+    peer = ""
+    dst = dst_small = None
+    small = 0
+    if conn is not None:  # the raw pair is made first: its agent creation must not stall the engine
         md, addr, dev, mem, room_bytes = conn.recv()
         raw = RawPair(f"raw-prefill-{os.getpid()}", room_bytes, device)
         peer = raw.agent.add_remote_agent(md)
@@ -144,19 +185,9 @@ async def _prefill(args: argparse.Namespace, rank: int, port: int, conn: Connect
         conn.send(raw.agent.get_agent_metadata())
         conn.recv()  # the decode loaded our metadata
         _raw_write(raw, peer, dst, room_bytes, b"warm")
-        t0 = time.perf_counter()
-        for i in range(args.raw_reps):
-            _raw_write(raw, peer, dst, room_bytes, f"raw{i}".encode())
-        conn.send(("raw_gbps", room_bytes * args.raw_reps / (time.perf_counter() - t0) / 1e9))
-        conn.recv()  # decode drained them
-        for i in range(args.lat_rooms):  # latency: decode times post-to-notification
-            conn.recv()
-            _raw_write(raw, peer, dst_small, small, f"lat{i}".encode())
     for slot in range(args.concurrency):
         patterns.fill(pool, 0, _room_pages(args, slot))
     async with TransferEngine(cfg, pool) as engine:
-        if conn is not None:
-            conn.send("engine_up")
         sem = anyio.Semaphore(args.concurrency)
         slots = list(range(args.concurrency))
 
@@ -171,16 +202,31 @@ async def _prefill(args: argparse.Namespace, rank: int, port: int, conn: Connect
                 await sender.wait()
                 slots.append(slot)
 
-        async with anyio.create_task_group() as tg:  # warm-up: JIT, staging buffers, peer mappings
-            for room in range(args.warmup):
-                tg.start_soon(one, WARMUP_ROOM + room, args.chunks)
-        async with anyio.create_task_group() as tg:
-            for room in range(args.rooms):
-                tg.start_soon(one, room, args.chunks)
+        async def rooms(ids: Any) -> None:
+            async with anyio.create_task_group() as tg:
+                for room in ids:
+                    tg.start_soon(one, room, args.chunks)
+
+        await rooms(range(WARMUP_ROOM, WARMUP_ROOM + args.warmup))  # JIT, staging buffers, mappings
+        for rnd in range(args.rounds):
+            # Each round: the raw ceiling, then the engine's rooms, so both see the same machine.
+            if raw is not None and conn is not None:
+                await anyio.to_thread.run_sync(conn.recv)  # the decode finished the previous round
+                t0 = time.perf_counter()
+                for i in range(args.raw_reps):
+                    _raw_write(raw, peer, dst, room_bytes, f"raw{rnd}.{i}".encode())
+                conn.send(room_bytes * args.raw_reps / (time.perf_counter() - t0) / 1e9)
+            await rooms(_round_rooms(args, rnd))
         lat_page = _room_pages(args, 0)[:1]
         for i in range(args.lat_rooms):
+            # One raw sample, then one engine sample, alternating; the decode times both.
+            if raw is not None and conn is not None:
+                conn.recv()  # "go": blocking, as a raw user's writer would wait
+                _raw_write(raw, peer, dst_small, small, f"lat{i}".encode())
             sender = engine.sender(1_000_000 + i)
-            await sender.send(lat_page, last=True)
+            await sender.send(lat_page, last=True)  # the prefill has sent before the decode asks
+            if conn is not None:
+                conn.send("ready")
             await sender.wait()
         if conn is not None:
             conn.send(("descriptors", engine.poller.counters["descriptors_posted"]))
@@ -188,7 +234,13 @@ async def _prefill(args: argparse.Namespace, rank: int, port: int, conn: Connect
 
 
 def decode_main(args: argparse.Namespace, rank: int, port: int, conn: Connection | None, out: Any) -> None:
+    _pin(args, "decode")
     anyio.run(_decode, args, rank, port, conn, out)
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[math.ceil(q * (len(ordered) - 1))]
 
 
 async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connection | None, out: Any) -> None:
@@ -201,30 +253,18 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
     # The whole room: decode rank 0 receives 1/D of it (non-MLA), and every decode rank the same share.
     room_bytes = pool.page_bytes * pages_per_room * layout.num_kv_tensors * args.decode_tp
     result: dict[str, Any] = {}
+    raw = None
     if conn is not None:
         raw = RawPair(f"raw-decode-{os.getpid()}", room_bytes, device)
         conn.send((raw.agent.get_agent_metadata(), raw.buf.data_ptr(), raw.dev, raw.mem, room_bytes))
         raw.agent.add_remote_agent(conn.recv())
         conn.send("loaded")
-        result["raw_gbps"] = conn.recv()[1]
-        got = 0
-        while got < args.raw_reps + 1:
-            got += sum(len(v) for v in raw.agent.get_new_notifs().values())
-        conn.send("drained")
-        lat = []
-        for _ in range(args.lat_rooms):
-            t0 = time.perf_counter()
-            conn.send("go")
-            while not raw.agent.get_new_notifs():
-                pass
-            lat.append(time.perf_counter() - t0)
-        result["raw_lat_p50_ms"] = statistics.median(lat) * 1e3
-        assert conn.recv() == "engine_up"  # before this process's engine exists: blocking is fine
+        _raw_wait_notifs(raw, 1)  # the warm-up WRITE
     cfg = _config(args, "decode", rank, port)
     bootstrap = f"tcp://127.0.0.1:{port}"
     async with TransferEngine(cfg, pool) as engine:
         deadline = time.monotonic() + 120
-        while True:  # handshake before the clock starts; rank 0 of prefill may still be in its raw phase
+        while True:  # handshake before the clock starts; the prefill engines may still be starting
             try:
                 await engine.connect(bootstrap)
                 break
@@ -235,10 +275,12 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
         slots = list(range(args.concurrency))
         room_lat: list[float] = []
         paths: set[str] = set()
+        used: set[int] = {0}  # slot 0 also takes the small rooms
 
         async def one(room: int) -> None:
             async with sem:
                 slot = slots.pop()
+                used.add(slot)
                 pages = _room_pages(args, slot)
                 t1 = time.perf_counter()
                 receiver = await engine.receiver(room, bootstrap, pages)
@@ -247,39 +289,67 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
                 room_lat.append(time.perf_counter() - t1)
                 slots.append(slot)
 
-        async with anyio.create_task_group() as tg:  # warm-up, off the clock
-            for room in range(args.warmup):
-                tg.start_soon(one, WARMUP_ROOM + room)
+        async def rooms(ids: Any) -> float:
+            t0 = time.perf_counter()
+            async with anyio.create_task_group() as tg:
+                for room in ids:
+                    tg.start_soon(one, room)
+            return time.perf_counter() - t0
+
+        await rooms(range(WARMUP_ROOM, WARMUP_ROOM + args.warmup))  # off the clock
         room_lat.clear()
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for room in range(args.rooms):
-                tg.start_soon(one, room)
-        elapsed = time.perf_counter() - t0
-        lat = []
+        engine_s = 0.0
+        raw_rounds: list[float] = []
+        ratios: list[float] = []
+        for rnd in range(args.rounds):
+            ids = _round_rooms(args, rnd)
+            if raw is not None and conn is not None:
+                conn.send("round")
+                _raw_wait_notifs(raw, args.raw_reps)  # progress here: UCX may need the target's calls
+                raw_gbps = conn.recv()
+                raw_rounds.append(raw_gbps)
+            elapsed = await rooms(ids)
+            engine_s += elapsed
+            if raw_rounds:
+                ratios.append(room_bytes * len(ids) / elapsed / 1e9 / raw_rounds[-1])
+        lat: list[float] = []
+        raw_lat: list[float] = []
         for i in range(args.lat_rooms):
+            if raw is not None and conn is not None:
+                t1 = time.perf_counter()
+                conn.send("go")
+                _raw_wait_notifs(raw, 1)
+                raw_lat.append(time.perf_counter() - t1)
+                conn.recv()  # "ready": the prefill has sent this sample's room
             t1 = time.perf_counter()
             receiver = await engine.receiver(1_000_000 + i, bootstrap, _room_pages(args, 0)[:1])
             await receiver.wait()
             lat.append(time.perf_counter() - t1)
-        room_lat.sort()
         result.update(
             room_bytes=room_bytes,
-            engine_gbps=room_bytes * args.rooms / elapsed / 1e9,
+            engine_gbps=room_bytes * args.rooms / engine_s / 1e9,
             room_p50_ms=statistics.median(room_lat) * 1e3,
-            room_p99_ms=room_lat[math.ceil(0.99 * (len(room_lat) - 1))] * 1e3,
+            room_p99_ms=_p(room_lat, 0.99) * 1e3,
             engine_lat_p50_ms=statistics.median(lat) * 1e3,
-            engine_lat_p99_ms=sorted(lat)[math.ceil(0.99 * (len(lat) - 1))] * 1e3,
+            engine_lat_p99_ms=_p(lat, 0.99) * 1e3,
             engine_path=",".join(sorted(paths)),
         )
         if conn is not None:
+            result.update(
+                raw_gbps=statistics.median(raw_rounds),
+                round_ratios=[round(r, 3) for r in ratios],
+                throughput_ratio=statistics.median(ratios),
+                raw_lat_p50_ms=statistics.median(raw_lat) * 1e3,
+                added_latency_p50_ms=statistics.median([e - r for e, r in zip(lat, raw_lat, strict=True)])
+                * 1e3,
+            )
             posted = (await anyio.to_thread.run_sync(conn.recv))[1]
             # descriptors posted by prefill rank 0 per room, times the writers of decode rank 0
             result["descriptors_per_room"] = posted / (args.warmup + args.rooms + args.lat_rooms)
             conn.send("bye")
     # verified after the engine is closed: a long check would stall its heartbeats
     bad = 0
-    for slot in range(args.concurrency):  # every room wrote the same pattern into its slot's pages
+    for slot in sorted(used):  # every room wrote the same pattern into its slot's pages
         bad += patterns.mismatches(pool, 0, _room_pages(args, slot), pages_per_room * args.page_size)
     result["mismatches"] = bad
     if conn is not None:
@@ -323,7 +393,10 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument("--rooms", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--raw-reps", type=int, default=10)
+    parser.add_argument("--raw-reps", type=int, default=4, help="raw WRITEs of one room's bytes per round")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of (raw ceiling, then rooms): the ratio is their median"
+    )
     parser.add_argument(
         "--warmup", type=int, default=-1, help="untimed rooms first (default -1: as many as --concurrency)"
     )
@@ -331,10 +404,18 @@ def main() -> int:
         "--heartbeat-interval", type=float, default=1.0, help="engine lease (slice posts can stall the loop)"
     )
     parser.add_argument("--lat-rooms", type=int, default=50)
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill and decode processes on disjoint CPU halves (default: on for --device cpu)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.warmup < 0:
         args.warmup = args.concurrency
+    if args.pin is None:
+        args.pin = args.device == "cpu" and len(os.sched_getaffinity(0)) >= 2
     port = _free_port()
     layout = _layout(args)
     room_bytes = (
@@ -374,11 +455,13 @@ def main() -> int:
         dgpus = [str(_device(args, "decode", i).index) for i in range(args.decode_tp)]
         shared = len(set(gpus) | set(dgpus)) < len(gpus) + len(dgpus)
         placement = f" gpus prefill={','.join(gpus)} decode={','.join(dgpus)}{' (shared)' if shared else ''}"
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        half = len(cpus) // 2
+        placement += f" cpus prefill={cpus[0]}-{cpus[half - 1]} decode={cpus[half]}-{cpus[-1]}"
     r.update(path=args.path, P=args.prefill_tp, D=args.decode_tp, tokens=args.tokens, rooms=args.rooms,
              concurrency=args.concurrency, chunks=args.chunks, device=args.device, peer_copy_gbps=peer_copy,
              placement=placement.strip())  # fmt: skip
-    r["throughput_ratio"] = r["engine_gbps"] / r["raw_gbps"]
-    r["added_latency_p50_ms"] = r["engine_lat_p50_ms"] - r["raw_lat_p50_ms"]
     if args.json:
         print(json.dumps(r))
     copy = (
@@ -390,9 +473,9 @@ def main() -> int:
         f"path={args.path}({r['engine_path']}) P={args.prefill_tp} D={args.decode_tp} {args.device}{placement} "
         f"room={r['room_bytes'] / 1e6:.1f} MB x{args.rooms} conc={args.concurrency} chunks={args.chunks}: "
         f"engine {r['engine_gbps']:.2f} GB/s, raw NIXL {r['raw_gbps']:.2f} GB/s, ratio "
-        f"{r['throughput_ratio']:.2f}{copy}; room p50 {r['room_p50_ms']:.2f} ms p99 {r['room_p99_ms']:.2f} ms; "
+        f"{r['throughput_ratio']:.2f} (rounds {r['round_ratios']}){copy}; room p50 {r['room_p50_ms']:.2f} ms p99 {r['room_p99_ms']:.2f} ms; "
         f"descriptors/room {r['descriptors_per_room']:.0f}; small room p50 {r['engine_lat_p50_ms']:.3f} ms "
-        f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added "
+        f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added (median of pairs) "
         f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}"
     )
     ok = r["mismatches"] == 0 and all(p.exitcode == 0 for p in procs)

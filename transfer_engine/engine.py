@@ -240,7 +240,7 @@ class TransferEngine:
             transport,
             self._on_notif,
             poll_interval=cfg.poll_interval,
-            busy=lambda: bool(self.rooms),
+            busy=(lambda: bool(self.rooms)) if cfg.role == "decode" else (lambda: False),
             spin=cfg.poll_spin,
         )
         await tg.start(self.poller.run)

@@ -27,6 +27,7 @@ from anyio.abc import TaskStatus
 from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransportError
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.messages import MemRegion
+from transfer_engine.ticker import Ticker, open_ticker
 from transfer_engine.transport.nixl import RemotePeer, Transport, XferState
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,13 @@ Completion = Callable[[bool, str], Awaitable[None]]
 """Called once per WRITE when it ends: ``(ok, detail)``."""
 
 NotifHandler = Callable[[str, m.ChunkLanded | m.AuxLanded], Awaitable[None]]
+
+
+QUICK_S = 0.002
+"""After activity (a WRITE posted, a room started, a notification or completion) the poller sleeps
+only ``poll_interval / QUICK_DIVISOR`` for this long: the answer to a WRITE or a request usually comes
+within a millisecond or two, and each poll it is late by is added to the room's latency."""
+QUICK_DIVISOR = 4
 
 
 @dataclass(slots=True)
@@ -63,6 +71,7 @@ class NixlPoller:
         self._busy = busy
         self._spin = spin
         self._hot_until = 0.0
+        self._quick_until = 0.0
         self._posted: list[_Posted] = []
         self._cycle = anyio.Event()
         self._wake = anyio.Event()
@@ -124,8 +133,10 @@ class NixlPoller:
         self._wake.set()
 
     def _heat(self) -> None:
-        """Poll without sleeping for the next ``spin`` seconds (see :meth:`run`)."""
-        self._hot_until = time.monotonic() + self._spin
+        """Poll without sleeping for the next ``spin`` seconds, then quickly until QUICK_S is over."""
+        now = time.monotonic()
+        self._hot_until = now + self._spin
+        self._quick_until = now + QUICK_S
 
     async def drained(self) -> None:
         """Return after the next complete poll-and-drain cycle."""
@@ -141,7 +152,15 @@ class NixlPoller:
         millisecond (epoll's resolution). Otherwise it sleeps ``poll_interval`` while WRITEs or
         rooms are live, and backs off when idle.
         """
+        ticker = open_ticker(lambda: self._wake.set())
         task_status.started()
+        try:
+            await self._loop(ticker)
+        finally:
+            if ticker is not None:
+                ticker.close()
+
+    async def _loop(self, ticker: Ticker | None) -> None:
         idle = 0
         while True:
             self._wake = anyio.Event()
@@ -155,12 +174,18 @@ class NixlPoller:
                 await anyio.lowlevel.checkpoint()
                 continue
             idle += 1
-            if self._posted or self._busy():
+            if time.monotonic() < self._quick_until:
+                delay = self._interval / QUICK_DIVISOR
+            elif self._posted or self._busy():
                 delay = self._interval if idle < 20 else self._interval * 2.5
             else:
                 delay = self._interval * 50
-            with anyio.move_on_after(delay):
-                await self._wake.wait()  # a new WRITE or room cuts the wait short
+            if ticker is not None:  # wakes on time; epoll's own timeout would round up to 1 ms
+                ticker.arm(delay)
+                await self._wake.wait()  # the ticker, a new WRITE or a new room ends the wait
+            else:
+                with anyio.move_on_after(delay):
+                    await self._wake.wait()
 
     async def _poll_once(self) -> bool:
         worked = False
