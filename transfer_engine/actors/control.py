@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import zmq
@@ -43,6 +43,8 @@ Dispatch = Callable[[m.AnyMessage, bytes], Awaitable[None]]
 """Called with each decoded message and the ROUTER identity it came from (for :meth:`reply_to`)."""
 
 _SEND_HWM = 10_000
+
+_S = TypeVar("_S", bound=zmq.Socket)
 
 
 class Control:
@@ -67,8 +69,12 @@ class Control:
         messages it still holds)."""
         self._dispatch = dispatch
         self._ctx = zmq.asyncio.Context()
+        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
+        """The same context without asyncio wrapping, for the one-way DEALERs: an asyncio socket's
+        ``send(NOBLOCK)`` does not raise ``Again`` on a full queue but hands it to a Future nobody
+        awaits (the drop would go uncounted), and costs twice as much per message."""
         self._router: zmq.asyncio.Socket | None = None
-        self._dealers: dict[str, zmq.asyncio.Socket] = {}
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._held = anyio.Event()
         self._inbox = Inbox(name, log)
         self.dropped: Counter[str] = self._inbox.dropped
@@ -107,7 +113,9 @@ class Control:
         self._inbox.drop(kind, source_of(self.endpoint, ident), detail)
 
     def _dealer(self) -> zmq.asyncio.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
+        return self._setup_dealer(self._ctx.socket(zmq.DEALER))
+
+    def _setup_dealer(self, sock: _S) -> _S:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
         sock.setsockopt(zmq.RCVHWM, _SEND_HWM)
@@ -130,7 +138,7 @@ class Control:
             return False
         sock = self._dealers.get(endpoint)
         if sock is None:
-            sock = self._dealer()
+            sock = self._setup_dealer(self._sync_ctx.socket(zmq.DEALER))
             sock.connect(endpoint)
             self._dealers[endpoint] = sock
         try:

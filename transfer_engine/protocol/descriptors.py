@@ -42,12 +42,16 @@ def _index_array(values: npt.ArrayLike, name: str) -> I64Array:
         raise ConfigError(f"{name} must be 1-D, got shape {array.shape}")
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(array.dtype, np.integer):
-        raise ConfigError(f"{name} must hold integers, got dtype {array.dtype}")
-    if np.issubdtype(array.dtype, np.signedinteger) and int(array.min()) < 0:
-        raise ConfigError(f"{name} must be >= 0, got {int(array.min())}")
-    if int(array.max()) > np.iinfo(np.int64).max:
-        raise ConfigError(f"{name} value {int(array.max())} does not fit in int64")
+    if array.dtype != np.int64:  # int64 (every caller in the engine) skips to the one check it needs
+        if not np.issubdtype(array.dtype, np.integer):
+            raise ConfigError(f"{name} must hold integers, got dtype {array.dtype}")
+        if int(array.max()) > np.iinfo(np.int64).max:
+            raise ConfigError(f"{name} value {int(array.max())} does not fit in int64")
+        if np.issubdtype(array.dtype, np.unsignedinteger):
+            return array.astype(np.int64)
+    low = int(array.min())
+    if low < 0:
+        raise ConfigError(f"{name} must be >= 0, got {low}")
     return array.astype(np.int64, copy=False)
 
 

@@ -51,6 +51,7 @@ class RemotePeer:
     _ends: np.ndarray = field(init=False, repr=False)
     _devices: np.ndarray = field(init=False, repr=False)
     _kinds: list[str] = field(init=False, repr=False)
+    _only_kind: str | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         kinds = self.mem_types or [self.mem_type] * len(self.regions)
@@ -63,6 +64,7 @@ class RemotePeer:
         self._ends = np.array([self.regions[i].end for i in order], dtype=np.uint64)
         self._devices = np.array([self.regions[i].device for i in order], dtype=np.uint64)
         self._kinds = [kinds[i] for i in order]
+        self._only_kind = kinds[0] if len(set(kinds)) == 1 else None
 
     def check(self, addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, str]:
         """``(device id of each range, memory type)``; AddressRangeError naming the first bad range.
@@ -81,6 +83,8 @@ class RemotePeer:
                 f"WRITE of {int(length[bad])} bytes at {int(addr[bad]):#x} lies outside every region "
                 f"registered by peer {self.agent_name}"
             )
+        if self._only_kind is not None:  # the usual case: every region is VRAM (or every one DRAM)
+            return self._devices[safe], self._only_kind
         kinds = {self._kinds[i] for i in np.unique(safe).tolist()}
         if len(kinds) != 1:
             raise AddressRangeError(
