@@ -46,12 +46,13 @@ for scenario in "$@"; do
   for path in ${PATHS:-$paths}; do
     for conc in ${CONCS:-1 8 32}; do
       [ "$path" = host ] && [ "$conc" != 8 ] && continue
-      rooms=$((conc * 2 > 16 ? conc * 2 : 16))
-      run "p${P}d${D}-$path-c$conc" $tp --path "$path" --concurrency "$conc" --rooms "$rooms" --lat-rooms 20
+      rooms=$(( (conc * 2 > 16 ? conc * 2 : 16) * 3 ))  # 3 rounds, each with its own raw ceiling
+      run "p${P}d${D}-$path-c$conc" $tp --path "$path" --concurrency "$conc" --rooms "$rooms" --rounds 3 \
+        --lat-rooms 20
     done
   done
   # the slice baseline: ~6 us per descriptor makes each room seconds long; two rooms suffice
   [ -n "${NOSLICE:-}" ] && continue
-  run "p${P}d${D}-slice-c1" $tp --path slice --concurrency 1 --rooms 2 --lat-rooms 5 --raw-reps 5 --warmup 0 \
+  run "p${P}d${D}-slice-c1" $tp --path slice --concurrency 1 --rooms 2 --rounds 1 --lat-rooms 5 --raw-reps 5 --warmup 0 \
     --heartbeat-interval 30
 done
