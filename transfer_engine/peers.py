@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -25,9 +26,10 @@ class Peer:
     last_seen: float = 0.0
     alive: bool = True
 
-    @property
+    @cached_property
     def bases(self) -> np.ndarray:
-        """Base addresses of the peer's KV tensors, in tensor order (uint64)."""
+        """Base addresses of the peer's KV tensors, in tensor order (uint64; made once: every WRITE
+        plan reads it, and ``regions`` is fixed by the handshake)."""
         return np.array([r.addr for r in self.regions], dtype=np.uint64)
 
     @property

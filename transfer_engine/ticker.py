@@ -1,14 +1,17 @@
-"""Sub-millisecond wake-ups for the event loop, from a Linux ``timerfd``.
+"""Sub-millisecond timers for the event loop, from one Linux ``timerfd`` per loop.
 
 asyncio sleeps through ``epoll_wait``, whose timeout is whole milliseconds (CPython rounds up), so
-``anyio.sleep(0.0002)`` sleeps a millisecond or more. The NIXL poller must look for notifications
-every few hundred microseconds while rooms are live, or every small room pays a millisecond per
-side. A ``timerfd`` armed with a nanosecond deadline and watched by the loop like any other file
-descriptor wakes it on time (hrtimer resolution, within the kernel's timer slack).
+``anyio.sleep(0.0002)`` sleeps a millisecond or more. Two loops of the engine must wake sooner than
+that: the NIXL poller, which looks for notifications every few hundred microseconds while rooms are
+live (or every small room pays a millisecond per side), and the waits on CUDA events (a gather or a
+scatter that takes 50 us must not cost 1 ms). A ``timerfd`` armed with a nanosecond deadline and
+watched by the loop like any other file descriptor wakes it on time (hrtimer resolution, within the
+kernel's timer slack, 50 us by default).
 
-:class:`Ticker` owns one timerfd. :meth:`Ticker.arm` sets its one-shot deadline; when it expires the
-loop calls ``on_fire`` (from the loop thread). Where there is no timerfd (not Linux) :func:`open_ticker`
-returns None and the poller sleeps with the loop's own (millisecond) timers, which it logs once.
+:func:`fine_timers` gives the running loop's :class:`FineTimers` (made on first use): a heap of
+deadlines on one timerfd, armed for the earliest. Where there is no timerfd (not Linux) or no asyncio
+loop it returns None, and :func:`sleep` falls back to the loop's own millisecond timers, which it logs
+once.
 """
 
 from __future__ import annotations
@@ -16,16 +19,23 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import heapq
+import itertools
 import logging
 import os
 import sys
+import time
+import weakref
 from collections.abc import Callable
+
+import anyio
 
 log = logging.getLogger(__name__)
 
-_CLOCK_MONOTONIC = 1
-_TFD_NONBLOCK = os.O_NONBLOCK
-_TFD_CLOEXEC = os.O_CLOEXEC
+_CLOCK_MONOTONIC = 1  # the clock of time.monotonic()
+_TFD_TIMER_ABSTIME = 1
+_SLACK_S = 20e-6
+"""Deadlines this close are run in the same wake-up (the timer would fire again at once)."""
 
 
 class _Timespec(ctypes.Structure):
@@ -36,59 +46,109 @@ class _Itimerspec(ctypes.Structure):
     _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
 
 
-def _libc() -> ctypes.CDLL | None:
+def _load_libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     return lib if hasattr(lib, "timerfd_create") else None
 
 
-class Ticker:
-    """One timerfd registered with the running asyncio loop; see the module docstring."""
+_LIBC = _load_libc()
+_BY_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, FineTimers] = weakref.WeakKeyDictionary()
+_warned = False
 
-    def __init__(self, libc: ctypes.CDLL, on_fire: Callable[[], None]) -> None:
-        fd = libc.timerfd_create(_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+
+def _oserror(call: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{call}: {os.strerror(err)}")
+
+
+class FineTimers:
+    """Callbacks at sub-millisecond deadlines on one asyncio loop; see the module docstring."""
+
+    def __init__(self, libc: ctypes.CDLL, loop: asyncio.AbstractEventLoop) -> None:
+        fd = libc.timerfd_create(_CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"timerfd_create: {os.strerror(err)}")
+            raise _oserror("timerfd_create")
         self._libc = libc
         self._fd = fd
-        self._on_fire = on_fire
+        self._loop = loop
+        self._heap: list[tuple[float, int, Callable[[], object]]] = []
+        self._seq = itertools.count()
         self._spec = _Itimerspec()
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(fd, self._fired)
+        self._armed = float("inf")
+        loop.add_reader(fd, self._fired)
+        self._finalizer = weakref.finalize(self, os.close, fd)
 
-    def arm(self, seconds: float) -> None:
-        """Fire once, ``seconds`` from now (replacing any earlier deadline)."""
-        ns = max(int(seconds * 1e9), 1000)
-        self._spec.it_value.tv_sec, self._spec.it_value.tv_nsec = divmod(ns, 1_000_000_000)
-        if self._libc.timerfd_settime(self._fd, 0, ctypes.byref(self._spec), None) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"timerfd_settime: {os.strerror(err)}")
+    def call_later(self, seconds: float, callback: Callable[[], object]) -> None:
+        """Run ``callback()`` on the loop ``seconds`` from now. It is not cancellable: callbacks
+        must be harmless when late (setting an Event nobody waits on any more)."""
+        deadline = time.monotonic() + max(seconds, 0.0)
+        heapq.heappush(self._heap, (deadline, next(self._seq), callback))
+        if deadline < self._armed:
+            self._arm(deadline)
+
+    async def sleep(self, seconds: float) -> None:
+        done = anyio.Event()
+        self.call_later(seconds, done.set)
+        await done.wait()
+
+    def _arm(self, deadline: float) -> None:
+        self._armed = deadline
+        sec, frac = divmod(max(deadline, 1e-6), 1.0)
+        self._spec.it_value.tv_sec = int(sec)
+        self._spec.it_value.tv_nsec = int(frac * 1e9)
+        if self._libc.timerfd_settime(self._fd, _TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) != 0:
+            raise _oserror("timerfd_settime")
 
     def _fired(self) -> None:
         try:
             os.read(self._fd, 8)
-        except BlockingIOError:  # disarmed or re-armed after it became readable
+        except BlockingIOError:  # re-armed after it became readable
             return
-        self._on_fire()
+        self._armed = float("inf")
+        now = time.monotonic()
+        due: list[Callable[[], object]] = []
+        while self._heap and self._heap[0][0] <= now + _SLACK_S:
+            due.append(heapq.heappop(self._heap)[2])
+        if self._heap:
+            self._arm(self._heap[0][0])
+        for callback in due:
+            callback()
+
+    @property
+    def open(self) -> bool:
+        return self._finalizer.alive
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if self._finalizer.alive:
             self._loop.remove_reader(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            self._finalizer()
+        self._heap.clear()
 
 
-def open_ticker(on_fire: Callable[[], None]) -> Ticker | None:
-    """A :class:`Ticker` on the running loop, or None where timerfd or an asyncio loop is missing."""
-    libc = _libc()
-    if libc is None:
-        log.info("no timerfd on %s: NIXL polling sleeps with millisecond loop timers", sys.platform)
-        return None
+def fine_timers() -> FineTimers | None:
+    """The running asyncio loop's :class:`FineTimers`, or None without timerfd or an asyncio loop."""
+    global _warned
     try:
-        asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
     except RuntimeError:
-        log.info("not on an asyncio loop: NIXL polling sleeps with the loop's own timers")
+        loop = None
+    if _LIBC is None or loop is None:
+        if not _warned:
+            _warned = True
+            log.info("no timerfd or no asyncio loop: sub-millisecond sleeps last a millisecond or more")
         return None
-    return Ticker(libc, on_fire)
+    timers = _BY_LOOP.get(loop)
+    if timers is None or not timers.open:
+        timers = _BY_LOOP[loop] = FineTimers(_LIBC, loop)
+    return timers
+
+
+async def sleep(seconds: float) -> None:
+    """Like ``anyio.sleep`` but on time below a millisecond (see the module docstring)."""
+    timers = fine_timers()
+    if timers is None:
+        await anyio.sleep(seconds)
+    else:
+        await timers.sleep(seconds)

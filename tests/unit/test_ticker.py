@@ -1,4 +1,4 @@
-"""The timerfd ticker that lets the NIXL poller sleep less than epoll's millisecond."""
+"""The loop's fine timers (one timerfd) that let the engine sleep less than epoll's millisecond."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import sys
 import anyio
 import pytest
 
-from transfer_engine.ticker import Ticker, open_ticker
+from transfer_engine import ticker
+from transfer_engine.ticker import FineTimers, fine_timers
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux-only")
 
@@ -18,52 +19,55 @@ def anyio_backend() -> str:
 
 
 @pytest.mark.anyio
-async def test_fires_once_per_arm() -> None:
-    fired = anyio.Event()
-    count = 0
-
-    def on_fire() -> None:
-        nonlocal count
-        count += 1
-        fired.set()
-
-    ticker = open_ticker(on_fire)
-    assert isinstance(ticker, Ticker)
-    try:
-        ticker.arm(0.0002)
-        with anyio.fail_after(5):
-            await fired.wait()
-        await anyio.sleep(0.05)  # a one-shot timer: nothing more comes
-        assert count == 1
-    finally:
-        ticker.close()
+async def test_callbacks_run_in_deadline_order_once() -> None:
+    timers = fine_timers()
+    assert isinstance(timers, FineTimers)
+    assert fine_timers() is timers  # one per loop
+    order: list[str] = []
+    done = anyio.Event()
+    timers.call_later(0.003, lambda: order.append("late"))
+    timers.call_later(0.0002, lambda: order.append("early"))  # re-arms for the earlier deadline
+    timers.call_later(0.004, done.set)
+    with anyio.fail_after(5):
+        await done.wait()
+    await anyio.sleep(0.02)  # one-shot: nothing runs twice
+    assert order == ["early", "late"]
 
 
 @pytest.mark.anyio
-async def test_rearm_replaces_the_deadline() -> None:
-    fired = anyio.Event()
-    ticker = open_ticker(fired.set)
-    assert ticker is not None
-    try:
-        ticker.arm(3600)
-        ticker.arm(0.0005)  # the hour-long deadline is gone
-        with anyio.fail_after(5):
-            await fired.wait()
-    finally:
-        ticker.close()
+async def test_sleep_returns_and_many_sleepers_share_the_timer() -> None:
+    woke: list[int] = []
+
+    async def sleeper(i: int) -> None:
+        await ticker.sleep(0.0001 * (i % 5))
+        woke.append(i)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for i in range(50):
+                tg.start_soon(sleeper, i)
+    assert sorted(woke) == list(range(50))
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_sleep_leaves_nothing_behind_that_matters() -> None:
+    with anyio.move_on_after(0.001):
+        await ticker.sleep(3600)  # its heap entry stays, harmless: it only sets an orphan Event
+    with anyio.fail_after(5):
+        await ticker.sleep(0.0002)  # the timer still serves the next sleeper
 
 
 @pytest.mark.anyio
 async def test_close_stops_it() -> None:
+    timers = fine_timers()
+    assert timers is not None
     calls: list[int] = []
-    ticker = open_ticker(lambda: calls.append(1))
-    assert ticker is not None
-    ticker.arm(0.001)
-    ticker.close()
-    ticker.close()  # idempotent
-    await anyio.sleep(0.05)
+    timers.call_later(0.001, lambda: calls.append(1))
+    timers.close()
+    timers.close()  # idempotent
+    await anyio.sleep(0.02)
     assert calls == []
 
 
-def test_no_ticker_without_an_asyncio_loop() -> None:
-    assert open_ticker(lambda: None) is None
+def test_none_without_an_asyncio_loop() -> None:
+    assert fine_timers() is None

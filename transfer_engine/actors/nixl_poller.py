@@ -27,7 +27,7 @@ from anyio.abc import TaskStatus
 from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransportError
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.messages import MemRegion
-from transfer_engine.ticker import Ticker, open_ticker
+from transfer_engine.ticker import fine_timers
 from transfer_engine.transport.nixl import RemotePeer, Transport, XferState
 
 log = logging.getLogger(__name__)
@@ -152,15 +152,8 @@ class NixlPoller:
         millisecond (epoll's resolution). Otherwise it sleeps ``poll_interval`` while WRITEs or
         rooms are live, and backs off when idle.
         """
-        ticker = open_ticker(lambda: self._wake.set())
+        timers = fine_timers()
         task_status.started()
-        try:
-            await self._loop(ticker)
-        finally:
-            if ticker is not None:
-                ticker.close()
-
-    async def _loop(self, ticker: Ticker | None) -> None:
         idle = 0
         while True:
             self._wake = anyio.Event()
@@ -174,15 +167,15 @@ class NixlPoller:
                 await anyio.lowlevel.checkpoint()
                 continue
             idle += 1
-            if time.monotonic() < self._quick_until:
-                delay = self._interval / QUICK_DIVISOR
-            elif self._posted or self._busy():
-                delay = self._interval if idle < 20 else self._interval * 2.5
-            else:
+            if not (self._posted or self._busy()):  # nothing can come: idle back-off
                 delay = self._interval * 50
-            if ticker is not None:  # wakes on time; epoll's own timeout would round up to 1 ms
-                ticker.arm(delay)
-                await self._wake.wait()  # the ticker, a new WRITE or a new room ends the wait
+            elif time.monotonic() < self._quick_until:
+                delay = self._interval / QUICK_DIVISOR
+            else:
+                delay = self._interval if idle < 20 else self._interval * 2.5
+            if timers is not None:  # on time: epoll's own timeout would round up to 1 ms
+                timers.call_later(delay, self._wake.set)
+                await self._wake.wait()  # the timer, a new WRITE or a new room ends the wait
             else:
                 with anyio.move_on_after(delay):
                     await self._wake.wait()

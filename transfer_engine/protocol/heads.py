@@ -14,6 +14,7 @@ Everything here is pure and cheap; callers compute the assignment once per peer 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from transfer_engine.errors import ConfigError, HeadSplitError
@@ -104,6 +105,7 @@ def owned_heads(num_heads: int, tp: int, rank: int) -> tuple[int, int]:
     return head, head + 1
 
 
+@functools.lru_cache(maxsize=1024)  # pure and immutable; asked for on every room (errors not cached)
 def writers_of(
     num_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int, mla: bool = False
 ) -> tuple[HeadSlice, ...]:
@@ -147,6 +149,7 @@ def writers_of(
     return tuple(slices)
 
 
+@functools.lru_cache(maxsize=1024)  # pure and immutable; every TransferRequest needs it
 def head_assignment(
     num_heads: int, prefill_tp: int, decode_tp: int, mla: bool = False
 ) -> tuple[tuple[HeadSlice, ...], ...]:
