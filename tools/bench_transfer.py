@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Barrier
 from typing import Any
 
 import anyio
@@ -138,8 +139,10 @@ def _config(args: argparse.Namespace, role: str, rank: int, port: int) -> Engine
 
 
 def _round_rooms(args: argparse.Namespace, rnd: int) -> range:
-    per = math.ceil(args.rooms / args.rounds)
-    return range(rnd * per, min(args.rooms, (rnd + 1) * per))
+    """Round ``rnd``'s share of the rooms (``main`` keeps ``rounds <= rooms``: none is empty)."""
+    per, extra = divmod(args.rooms, args.rounds)
+    start = rnd * per + min(rnd, extra)
+    return range(start, start + per + (rnd < extra))
 
 
 def _pin(args: argparse.Namespace, side: str) -> None:
@@ -156,12 +159,16 @@ def _pin(args: argparse.Namespace, side: str) -> None:
     os.sched_setaffinity(0, cpus[:half] if side == "prefill" else cpus[half:])
 
 
-def prefill_main(args: argparse.Namespace, rank: int, port: int, conn: Connection | None) -> None:
+def prefill_main(
+    args: argparse.Namespace, rank: int, port: int, conn: Connection | None, barrier: Barrier
+) -> None:
     _pin(args, "prefill")
-    anyio.run(_prefill, args, rank, port, conn)
+    anyio.run(_prefill, args, rank, port, conn, barrier)
 
 
-async def _prefill(args: argparse.Namespace, rank: int, port: int, conn: Connection | None) -> None:
+async def _prefill(
+    args: argparse.Namespace, rank: int, port: int, conn: Connection | None, barrier: Barrier
+) -> None:
     layout = _layout(args)
     device = _device(args, "prefill", rank)
     if device.type == "cuda":
@@ -210,12 +217,14 @@ async def _prefill(args: argparse.Namespace, rank: int, port: int, conn: Connect
         await rooms(range(WARMUP_ROOM, WARMUP_ROOM + args.warmup))  # JIT, staging buffers, mappings
         for rnd in range(args.rounds):
             # Each round: the raw ceiling, then the engine's rooms, so both see the same machine.
+            # Every rank waits at both barriers: no rank's rooms run while the ceiling is taken.
+            await anyio.to_thread.run_sync(barrier.wait)
             if raw is not None and conn is not None:
-                await anyio.to_thread.run_sync(conn.recv)  # the decode finished the previous round
                 t0 = time.perf_counter()
                 for i in range(args.raw_reps):
                     _raw_write(raw, peer, dst, room_bytes, f"raw{rnd}.{i}".encode())
                 conn.send(room_bytes * args.raw_reps / (time.perf_counter() - t0) / 1e9)
+            await anyio.to_thread.run_sync(barrier.wait)
             await rooms(_round_rooms(args, rnd))
         lat_page = _room_pages(args, 0)[:1]
         for i in range(args.lat_rooms):
@@ -233,9 +242,11 @@ async def _prefill(args: argparse.Namespace, rank: int, port: int, conn: Connect
             await anyio.to_thread.run_sync(conn.recv)
 
 
-def decode_main(args: argparse.Namespace, rank: int, port: int, conn: Connection | None, out: Any) -> None:
+def decode_main(
+    args: argparse.Namespace, rank: int, port: int, conn: Connection | None, barrier: Barrier, out: Any
+) -> None:
     _pin(args, "decode")
-    anyio.run(_decode, args, rank, port, conn, out)
+    anyio.run(_decode, args, rank, port, conn, barrier, out)
 
 
 def _p(values: list[float], q: float) -> float:
@@ -243,7 +254,9 @@ def _p(values: list[float], q: float) -> float:
     return ordered[math.ceil(q * (len(ordered) - 1))]
 
 
-async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connection | None, out: Any) -> None:
+async def _decode(
+    args: argparse.Namespace, rank: int, port: int, conn: Connection | None, barrier: Barrier, out: Any
+) -> None:
     layout = _layout(args)
     device = _device(args, "decode", rank)
     if device.type == "cuda":
@@ -303,11 +316,12 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
         ratios: list[float] = []
         for rnd in range(args.rounds):
             ids = _round_rooms(args, rnd)
+            await anyio.to_thread.run_sync(barrier.wait)
             if raw is not None and conn is not None:
-                conn.send("round")
                 _raw_wait_notifs(raw, args.raw_reps)  # progress here: UCX may need the target's calls
                 raw_gbps = conn.recv()
                 raw_rounds.append(raw_gbps)
+            await anyio.to_thread.run_sync(barrier.wait)
             elapsed = await rooms(ids)
             engine_s += elapsed
             if raw_rounds:
@@ -320,7 +334,9 @@ async def _decode(args: argparse.Namespace, rank: int, port: int, conn: Connecti
                 conn.send("go")
                 _raw_wait_notifs(raw, 1)
                 raw_lat.append(time.perf_counter() - t1)
-                conn.recv()  # "ready": the prefill has sent this sample's room
+                while not conn.poll():  # "ready": the prefill has sent this sample's room
+                    raw.agent.get_new_notifs()  # keep the raw agent progressing meanwhile
+                conn.recv()
             t1 = time.perf_counter()
             receiver = await engine.receiver(1_000_000 + i, bootstrap, _room_pages(args, 0)[:1])
             await receiver.wait()
@@ -414,6 +430,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.warmup < 0:
         args.warmup = args.concurrency
+    args.rounds = max(1, min(args.rounds, args.rooms))
     if args.pin is None:
         args.pin = args.device == "cpu" and len(os.sched_getaffinity(0)) >= 2
     port = _free_port()
@@ -426,12 +443,17 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     procs = []
     p_conn, d_conn = ctx.Pipe()  # rank 0 of each side coordinate the raw phases through it
+    barrier = ctx.Barrier(args.prefill_tp + args.decode_tp)  # every rank, at each round's start
     out = ctx.Queue()
     for rank in range(args.prefill_tp):
-        procs.append(ctx.Process(target=prefill_main, args=(args, rank, port, p_conn if rank == 0 else None)))
+        procs.append(
+            ctx.Process(target=prefill_main, args=(args, rank, port, p_conn if rank == 0 else None, barrier))
+        )
     for rank in range(args.decode_tp):
         procs.append(
-            ctx.Process(target=decode_main, args=(args, rank, port, d_conn if rank == 0 else None, out))
+            ctx.Process(
+                target=decode_main, args=(args, rank, port, d_conn if rank == 0 else None, barrier, out)
+            )
         )
     for p in procs:
         p.start()

@@ -438,6 +438,7 @@ class TransferEngine:
             pages=arr, slices=list(writers), path=path,
         )  # fmt: skip
         actor.everyone = list(instance.ranks)
+        self._start_room(actor)  # before any request leaves: a prefill must never write for no room
         by_rank = {w.prefill_rank: w for w in writers}
         pages_list = arr.tolist()
         for peer in instance.ranks:
@@ -460,9 +461,6 @@ class TransferEngine:
                     slices=slices,
                 ),
             )
-        # Started after the requests left (nothing yields in between, so no notification can come
-        # first): the request is on the wire while the room's task is set up.
-        self._start_room(actor)
         actor.core.bootstrapped(by_rank, aux_writer, time.monotonic())
         log.info(
             "decode room %d: requested from %s (%d writers, path %s)", room, bootstrap, len(writers), path

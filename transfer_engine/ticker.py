@@ -72,7 +72,7 @@ class FineTimers:
             raise _oserror("timerfd_create")
         self._libc = libc
         self._fd = fd
-        self._loop = loop
+        self._loop = weakref.ref(loop)  # not the loop itself: _BY_LOOP must not keep it alive
         self._heap: list[tuple[float, int, Callable[[], object]]] = []
         self._seq = itertools.count()
         self._spec = _Itimerspec()
@@ -81,8 +81,13 @@ class FineTimers:
         self._finalizer = weakref.finalize(self, os.close, fd)
 
     def call_later(self, seconds: float, callback: Callable[[], object]) -> None:
-        """Run ``callback()`` on the loop ``seconds`` from now. It is not cancellable: callbacks
-        must be harmless when late (setting an Event nobody waits on any more)."""
+        """Run ``callback()`` on the loop ``seconds`` from now. Only from the loop's own thread.
+
+        Not cancellable: callbacks must be harmless when late (setting an Event nobody waits on any
+        more). One that raises is logged and does not keep the others from running.
+        """
+        if not self.open:
+            raise RuntimeError("FineTimers used after close()")
         deadline = time.monotonic() + max(seconds, 0.0)
         heapq.heappush(self._heap, (deadline, next(self._seq), callback))
         if deadline < self._armed:
@@ -114,7 +119,10 @@ class FineTimers:
         if self._heap:
             self._arm(self._heap[0][0])
         for callback in due:
-            callback()
+            try:
+                callback()
+            except Exception:
+                log.exception("fine timer callback %r raised", callback)
 
     @property
     def open(self) -> bool:
@@ -122,7 +130,9 @@ class FineTimers:
 
     def close(self) -> None:
         if self._finalizer.alive:
-            self._loop.remove_reader(self._fd)
+            loop = self._loop()
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(self._fd)
             self._finalizer()
         self._heap.clear()
 

@@ -79,7 +79,7 @@ class Control:
         self._inbox = Inbox(name, log)
         self.dropped: Counter[str] = self._inbox.dropped
         """Messages dropped, by kind: ``bad_frames``, ``malformed``, ``dispatch_error``,
-        ``send_queue_full``, and the kinds dispatchers give :meth:`count_drop`."""
+        ``send_queue_full``, ``send_failed``, and the kinds dispatchers give :meth:`count_drop`."""
         self.endpoint = ""
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -138,8 +138,17 @@ class Control:
             return False
         sock = self._dealers.get(endpoint)
         if sock is None:
-            sock = self._setup_dealer(self._sync_ctx.socket(zmq.DEALER))
-            sock.connect(endpoint)
+            try:
+                sock = self._setup_dealer(self._sync_ctx.socket(zmq.DEALER))
+            except zmq.ZMQError as exc:  # out of sockets or file descriptors
+                self._inbox.drop("send_failed", endpoint, f"{what}: {exc}")
+                return False
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:  # a malformed endpoint (peers announce their own)
+                sock.close(linger=0)
+                self._inbox.drop("send_failed", endpoint, f"{what}: {exc}")
+                return False
             self._dealers[endpoint] = sock
         try:
             sock.send(payload, flags=zmq.NOBLOCK)

@@ -72,6 +72,7 @@ class NixlPoller:
         self._spin = spin
         self._hot_until = 0.0
         self._quick_until = 0.0
+        self._idle = 0
         self._posted: list[_Posted] = []
         self._cycle = anyio.Event()
         self._wake = anyio.Event()
@@ -137,6 +138,7 @@ class NixlPoller:
         now = time.monotonic()
         self._hot_until = now + self._spin
         self._quick_until = now + QUICK_S
+        self._idle = 0  # the back-off starts over once the quick window ends
 
     async def drained(self) -> None:
         """Return after the next complete poll-and-drain cycle."""
@@ -146,15 +148,15 @@ class NixlPoller:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Poll and drain forever.
 
-        Right after activity (a WRITE posted, a room started, a notification or completion) the loop
-        spins for ``spin`` seconds, yielding to other tasks but never sleeping: a small WRITE and its
-        notification need several progress calls on both sides, and any sleep costs at least a
-        millisecond (epoll's resolution). Otherwise it sleeps ``poll_interval`` while WRITEs or
-        rooms are live, and backs off when idle.
+        While WRITEs are in flight or (``busy``) rooms wait for notifications, it polls every
+        ``poll_interval / QUICK_DIVISOR`` for QUICK_S after activity (a WRITE posted, a room
+        started, a notification or a completion), then every ``poll_interval`` for 20 polls, then
+        2.5x slower; with nothing that can come, every 50 ``poll_interval``. Sleeps are on the
+        loop's fine timers (:mod:`transfer_engine.ticker`): epoll's own would last a millisecond.
+        With ``spin`` > 0 it first spins that long after activity, yielding to other tasks but
+        never sleeping (for machines with cores to spare).
         """
-        timers = fine_timers()
         task_status.started()
-        idle = 0
         while True:
             self._wake = anyio.Event()
             worked = await self._poll_once()
@@ -163,16 +165,17 @@ class NixlPoller:
             if worked:
                 self._heat()
             if worked or time.monotonic() < self._hot_until:
-                idle = 0
+                self._idle = 0
                 await anyio.lowlevel.checkpoint()
                 continue
-            idle += 1
             if not (self._posted or self._busy()):  # nothing can come: idle back-off
                 delay = self._interval * 50
             elif time.monotonic() < self._quick_until:
                 delay = self._interval / QUICK_DIVISOR
-            else:
-                delay = self._interval if idle < 20 else self._interval * 2.5
+            else:  # 20 polls at poll_interval after the quick window, then 2.5x slower
+                self._idle += 1
+                delay = self._interval if self._idle <= 20 else self._interval * 2.5
+            timers = fine_timers()
             if timers is not None:  # on time: epoll's own timeout would round up to 1 ms
                 timers.call_later(delay, self._wake.set)
                 await self._wake.wait()  # the timer, a new WRITE or a new room ends the wait

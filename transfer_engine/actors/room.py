@@ -260,6 +260,11 @@ class SenderRoomActor(_RoomActor):
         peer = self.engine.peers.get(req.agent)
         if peer is None:
             raise ProtocolError(f"TransferRequest from unknown decode agent {req.agent!r}")
+        if (req.decode_tp, req.decode_rank) != (peer.tp_size, peer.rank):
+            raise ProtocolError(
+                f"TransferRequest says decode rank {req.decode_rank} of {req.decode_tp}, but agent "
+                f"{req.agent} said rank {peer.rank} of {peer.tp_size} in its PeerHello"
+            )
         layout = self.engine.pool.layout
         my_rank = self.engine.config.tp_rank
         expected = heads.targets_of(
