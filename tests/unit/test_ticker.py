@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import os
 import sys
 
 import anyio
@@ -71,3 +74,31 @@ async def test_close_stops_it() -> None:
 
 def test_none_without_an_asyncio_loop() -> None:
     assert fine_timers() is None
+
+
+def test_a_finished_loop_releases_its_timerfd() -> None:
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    asyncio.run(ticker.sleep(0.0001))
+    gc.collect()
+    before = fds()
+    for _ in range(50):
+        asyncio.run(ticker.sleep(0.0001))
+    gc.collect()
+    assert fds() <= before + 2  # not one timerfd per loop that ever ran
+
+
+@pytest.mark.anyio
+async def test_a_raising_callback_does_not_stop_the_others() -> None:
+    timers = fine_timers()
+    assert timers is not None
+    done = anyio.Event()
+
+    def bad() -> None:
+        raise ValueError("boom")
+
+    timers.call_later(0.0005, bad)
+    timers.call_later(0.0005, done.set)  # due in the same wake-up
+    with anyio.fail_after(5):
+        await done.wait()
