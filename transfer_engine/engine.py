@@ -61,7 +61,7 @@ from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.failures import FailureReason
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
 from transfer_engine.security import Curve
-from transfer_engine.transport.nixl import NixlTransport, PageGrid, RemotePeer, Transport
+from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
 
 log = logging.getLogger(__name__)
 
@@ -231,9 +231,6 @@ class TransferEngine:
         )
         self._transport = transport
         transport.register(self.pool.regions(), self.pool.mem_type)
-        if cfg.role == "prefill":  # the side that WRITEs: its direct-path pages as a prepared list
-            transport.set_local_grid(self._page_grid(self.pool.regions(), self.pool.page_bytes,
-                                                     self.pool.num_pages), self.pool.mem_type)  # fmt: skip
         aux = self.pool.aux_region()
         if aux is not None:
             transport.register(
@@ -602,12 +599,8 @@ class TransferEngine:
                 if hello.ring:
                     remote_regions.append(hello.ring)
                     mem_types.append(hello.ring_mem_type)
-                grid = self._page_grid(
-                    list(hello.regions), hello.layout.page_size * peer.slot_bytes(self.pool.itemsize),
-                    hello.layout.num_pages,
-                )  # fmt: skip
                 self.poller.add_peer(
-                    RemotePeer(hello.agent_name, hello.mem_type, remote_regions, mem_types, grid),
+                    RemotePeer(hello.agent_name, hello.mem_type, remote_regions, mem_types),
                     hello.agent_metadata,
                 )
                 old = self.peers.get(hello.agent_name)
@@ -639,12 +632,6 @@ class TransferEngine:
         self.counters["rooms_opened"] += 1
         self._tg.start_soon(actor.run, name=f"{actor.side}-room-{actor.room}")
         self.poller.wake()
-
-    @staticmethod
-    def _page_grid(regions: list[m.MemRegion], page_bytes: int, num_pages: int) -> PageGrid:
-        """Every page of the KV tensors ``regions`` (tensor order), for prepared WRITEs."""
-        device = regions[0].device if regions else 0
-        return PageGrid(np.array([r.addr for r in regions], dtype=np.uint64), page_bytes, num_pages, device)
 
     def forget_room(self, actor: _RoomActor) -> None:
         """Called by a room actor as it ends (final and quiescent)."""

@@ -37,7 +37,7 @@ import numpy as np
 from transfer_engine.errors import RemoteProtocolError, TransportError
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.messages import MemRegion
-from transfer_engine.transport.nixl import PageGrid, RemotePeer, Transport, XferState
+from transfer_engine.transport.nixl import RemotePeer, Transport, XferState
 
 __all__ = [
     "ControlFaults",
@@ -315,9 +315,6 @@ class FaultyTransport:
 
     def deregister(self, reg: int) -> None:
         self.inner.deregister(reg)
-
-    def set_local_grid(self, grid: PageGrid, mem_type: str) -> None:
-        self.inner.set_local_grid(grid, mem_type)
 
     def add_peer(self, peer: RemotePeer, metadata: bytes) -> None:
         self.inner.add_peer(peer, metadata)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -26,62 +25,6 @@ from transfer_engine.errors import AddressRangeError, TransportError
 from transfer_engine.protocol.messages import MemRegion
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, eq=False)
-class PageGrid:
-    """Every page of every KV tensor of one rank, as one prepared NIXL descriptor list.
-
-    Entry ``t * num_pages + p`` is page ``p`` of tensor ``t`` (``bases`` in tensor order). A WRITE
-    whose ranges are whole pages on the grids of both sides is posted from the prepared lists
-    (``make_prepped_xfer`` with index arrays): NIXL then skips the per-descriptor work a one-shot
-    transfer does inside ``transfer()``, 2-6 us per descriptor on H200s (docs/PERF.md).
-    """
-
-    bases: np.ndarray
-    page_bytes: int
-    num_pages: int
-    device: int
-    _order: np.ndarray = field(init=False, repr=False)
-    _sorted: np.ndarray = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        bases = np.asarray(self.bases, dtype=np.uint64)
-        object.__setattr__(self, "bases", bases)
-        object.__setattr__(self, "_order", np.argsort(bases))
-        object.__setattr__(self, "_sorted", bases[self._order])
-
-    def descs(self) -> np.ndarray:
-        """The ``(tensors * num_pages, 3)`` uint64 table ``(addr, length, device)``, tensor-major."""
-        pages = np.arange(self.num_pages, dtype=np.uint64) * np.uint64(self.page_bytes)
-        addr = (self.bases[:, None] + pages[None, :]).ravel()
-        return _descs(addr, np.full(addr.size, self.page_bytes, dtype=np.uint64), self.device)
-
-    def indices(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray | None:
-        """Grid entries covering the ranges ``(addr, length)`` in order (a run of k pages gives k
-        entries), or None when some range is not whole pages of one tensor of this grid."""
-        if addr.size == 0 or self.bases.size == 0:
-            return None
-        step = np.uint64(self.page_bytes)
-        if (length % step).any() or not length.all():
-            return None
-        pos = np.searchsorted(self._sorted, addr, side="right").astype(np.int64) - 1
-        if (pos < 0).any():
-            return None
-        tensor = self._order[pos]
-        offset = addr - self.bases[tensor]
-        if (offset % step).any():
-            return None
-        first = (offset // step).astype(np.int64)
-        count = (length // step).astype(np.int64)
-        if (first + count > self.num_pages).any():
-            return None
-        start = tensor.astype(np.int64) * self.num_pages + first
-        if (count == 1).all():
-            return start
-        run_of = np.repeat(np.arange(count.size), count)
-        within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-        return start[run_of] + within
 
 
 class XferState(enum.Enum):
@@ -104,8 +47,6 @@ class RemotePeer:
     mem_type: str
     regions: list[MemRegion]
     mem_types: list[str] = field(default_factory=list)
-    grid: PageGrid | None = None
-    """The peer's KV pages, to post WRITEs to them from prepared lists (None: one-shot only)."""
     _starts: np.ndarray = field(init=False, repr=False)
     _ends: np.ndarray = field(init=False, repr=False)
     _devices: np.ndarray = field(init=False, repr=False)
@@ -160,7 +101,6 @@ class Transport(Protocol):
     def metadata(self) -> bytes: ...
     def register(self, regions: Sequence[MemRegion], mem_type: str) -> int: ...
     def deregister(self, reg: int) -> None: ...
-    def set_local_grid(self, grid: PageGrid, mem_type: str) -> None: ...
     def add_peer(self, peer: RemotePeer, metadata: bytes) -> None: ...
     def remove_peer(self, agent_name: str) -> None: ...
     def post_write(
@@ -217,10 +157,6 @@ class NixlTransport:
         self._peers: dict[str, RemotePeer] = {}
         self._handles: dict[int, Any] = {}
         self._ids = itertools.count(1)
-        self._local_grid: tuple[PageGrid, Any] | None = None
-        self._remote_grids: dict[str, tuple[PageGrid, Any]] = {}
-        self.stats: Counter[str] = Counter()
-        """WRITEs posted ``prepared`` (from the page grids) and ``one_shot``."""
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -241,24 +177,6 @@ class NixlTransport:
     def deregister(self, reg: int) -> None:
         self._agent.deregister_memory(self._regs.pop(reg))
 
-    def set_local_grid(self, grid: PageGrid, mem_type: str) -> None:
-        """Prepare the local KV pages (registered already) as one descriptor list."""
-        try:
-            handle = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", self._agent.get_xfer_descs(grid.descs(), mem_type)
-            )
-        except Exception as exc:
-            raise TransportError(
-                f"cannot prepare the local page list ({grid.num_pages} pages): {exc}"
-            ) from exc
-        self._release_local_grid()
-        self._local_grid = (grid, handle)
-
-    def _release_local_grid(self) -> None:
-        if self._local_grid is not None:
-            self._agent.release_dlist_handle(self._local_grid[1])
-            self._local_grid = None
-
     def add_peer(self, peer: RemotePeer, metadata: bytes) -> None:
         """Load a peer's agent metadata (replacing an older one of the same name)."""
         if peer.agent_name in self._peers:
@@ -272,25 +190,8 @@ class NixlTransport:
             self._agent.remove_remote_agent(name)
             raise TransportError(f"peer metadata names agent {name!r}, expected {peer.agent_name!r}")
         self._peers[peer.agent_name] = peer
-        grid = peer.grid
-        local = self._local_grid
-        if grid is not None and local is not None and grid.page_bytes == local[0].page_bytes:
-            table = grid.descs()
-            try:
-                peer.check(table[:, 0], table[:, 1])  # the grid lies in memory the peer registered
-                handle = self._agent.prep_xfer_dlist(name, self._agent.get_xfer_descs(table, peer.mem_type))
-            except Exception as exc:
-                self.remove_peer(peer.agent_name)
-                raise TransportError(f"cannot prepare the page list of peer {name}: {exc}") from exc
-            self._remote_grids[name] = (grid, handle)
 
     def remove_peer(self, agent_name: str) -> None:
-        grid = self._remote_grids.pop(agent_name, None)
-        if grid is not None:
-            try:
-                self._agent.release_dlist_handle(grid[1])
-            except Exception as exc:
-                log.warning("release_dlist_handle(%s) failed: %s", agent_name, exc)
         if self._peers.pop(agent_name, None) is not None:
             try:
                 self._agent.remove_remote_agent(agent_name)
@@ -319,20 +220,12 @@ class NixlTransport:
         if remote is None:
             raise TransportError(f"no NIXL peer named {peer!r}")
         remote_devices, remote_mem = remote.check(dst, length)
-        prepared = self._on_grids(peer, src, dst, length)
         try:
-            if prepared is not None:
-                local_h, local_idx, remote_h, remote_idx = prepared
-                handle = self._agent.make_prepped_xfer(
-                    "WRITE", local_h, local_idx, remote_h, remote_idx, notif
-                )
-            else:
-                local = self._agent.get_xfer_descs(_descs(src, length, local_devices), local_mem)
-                far = self._agent.get_xfer_descs(_descs(dst, length, remote_devices), remote_mem)
-                handle = self._agent.initialize_xfer("WRITE", local, far, peer, notif)
+            local = self._agent.get_xfer_descs(_descs(src, length, local_devices), local_mem)
+            far = self._agent.get_xfer_descs(_descs(dst, length, remote_devices), remote_mem)
+            handle = self._agent.initialize_xfer("WRITE", local, far, peer, notif)
         except Exception as exc:
             raise TransportError(f"cannot create WRITE to {peer} ({len(src)} descriptors): {exc}") from exc
-        self.stats["prepared" if prepared is not None else "one_shot"] += 1
         hid = next(self._ids)
         self._handles[hid] = handle
         try:
@@ -344,22 +237,6 @@ class NixlTransport:
             self.release(hid)
             raise TransportError(f"WRITE to {peer} failed to start")
         return hid
-
-    def _on_grids(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray
-    ) -> tuple[Any, np.ndarray, Any, np.ndarray] | None:
-        """``(local list, indices, remote list, indices)`` when both sides' ranges are whole pages
-        of the prepared grids (the direct path), else None (staging buffers, token slices, aux)."""
-        local, remote = self._local_grid, self._remote_grids.get(peer)
-        if local is None or remote is None:
-            return None
-        local_idx = local[0].indices(src, length)
-        if local_idx is None:
-            return None
-        remote_idx = remote[0].indices(dst, length)
-        if remote_idx is None:
-            return None
-        return local[1], local_idx, remote[1], remote_idx
 
     def state(self, handle: int) -> XferState:
         try:
@@ -387,6 +264,5 @@ class NixlTransport:
             self.release(hid)
         for name in list(self._peers):
             self.remove_peer(name)
-        self._release_local_grid()
         for rid in list(self._regs):
             self.deregister(rid)
