@@ -5,7 +5,7 @@
 Two processes (GPU 0 -> GPU 1 with ``--device cuda``, so UCX takes cuda_ipc). The initiator WRITEs
 ``--mib`` MiB as 1 descriptor, then as ``--pieces`` descriptors built per transfer
 (``initialize_xfer``), then as the same pieces from prepared lists (``make_prepped_xfer``), and
-prints for each the median time to create the transfer, to post it, and to see it DONE, and the
+then from lists prepared for each transfer (``per-transfer``), and prints for each the median time to create the transfer, to post it, and to see it DONE, and the
 rate. Not an engine benchmark: it tells how much of a multi-descriptor WRITE's extra cost is NIXL's
 per-transfer validation (which prepared lists skip) and how much is moving many pieces.
 """
@@ -119,6 +119,18 @@ def main() -> None:
     results[f"prepared x{args.pieces}"] = run(
         lambda: agent.make_prepped_xfer("WRITE", local_h, idx, remote_h, idx, b"n")
     )
+    prepared_now: list[Any] = []
+
+    def prepare_and_make() -> Any:  # lists prepared for this one transfer, as a per-chunk list would be
+        for h in prepared_now:
+            agent.release_dlist_handle(h)
+        prepared_now[:] = [
+            agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(loc, mem)),
+            agent.prep_xfer_dlist(peer, agent.get_xfer_descs(rem, rmem)),
+        ]
+        return agent.make_prepped_xfer("WRITE", prepared_now[0], idx, prepared_now[1], idx, b"n")
+
+    results[f"per-transfer x{args.pieces}"] = run(prepare_and_make)
     mine.send("stop")
     proc.join()
     for name, (make, post, done) in results.items():
