@@ -73,6 +73,7 @@ class NixlPoller:
         self._hot_until = 0.0
         self._quick_until = 0.0
         self._idle = 0
+        self._polling = False
         self._posted: list[_Posted] = []
         self._cycle = anyio.Event()
         self._wake = anyio.Event()
@@ -141,9 +142,14 @@ class NixlPoller:
         self._idle = 0  # the back-off starts over once the quick window ends
 
     async def drained(self) -> None:
-        """Return after the next complete poll-and-drain cycle."""
-        self._wake.set()
-        await self._cycle.wait()
+        """Return after a complete poll-and-drain cycle that started after this call.
+
+        Called while a cycle is under way (its notifications are being handed out), that cycle
+        drained NIXL before the call, so the next one is waited for as well.
+        """
+        for _ in range(2 if self._polling else 1):
+            self._wake.set()
+            await self._cycle.wait()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Poll and drain forever.
@@ -159,7 +165,11 @@ class NixlPoller:
         task_status.started()
         while True:
             self._wake = anyio.Event()
-            worked = await self._poll_once()
+            self._polling = True
+            try:
+                worked = await self._poll_once()
+            finally:
+                self._polling = False
             cycle, self._cycle = self._cycle, anyio.Event()
             cycle.set()
             if worked:

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("transfer_engine.room")
 
 MAILBOX = 256
+DRAINED_WAIT_S = 0.5
+"""How long a deadline check waits for the poller's next full cycle before it reads its own mailbox
+(which is what a poller blocked on this room's full mailbox needs)."""
 RING_FREE_WAIT_S = 5.0
 
 
@@ -176,7 +179,9 @@ class _RoomActor:
         """Hook for side effects of a status change (telling peers about a failure, ...)."""
 
     async def _check_deadline(self) -> None:
-        await self.engine.poller.drained()
+        # Bounded: the poller may itself be waiting to put mail into this room's full mailbox.
+        with anyio.move_on_after(DRAINED_WAIT_S):
+            await self.engine.poller.drained()
         while True:
             try:
                 mail = self._rx.receive_nowait()
