@@ -19,8 +19,8 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from transfer_engine.actors.router import MAX_FRAME_BYTES
-from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransportError
+from transfer_engine.actors.router import Inbox, bind_router
+from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.protocol import messages as m
 
 if TYPE_CHECKING:
@@ -28,9 +28,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_HWM = 1000
+"""libzmq's default high-water mark: the registry kept it before it shared :func:`bind_router`."""
+
 
 class Bootstrap:
-    """See the module docstring. ``ranks`` maps rank -> its control endpoint."""
+    """See the module docstring. ``ranks`` maps rank -> its control endpoint.
+
+    Frames are read and refused as on every ROUTER of the rank (:mod:`transfer_engine.actors.router`);
+    ``dropped`` counts ``bad_frames``, ``malformed`` and, by type name, messages it does not serve.
+    """
 
     def __init__(self, host: str, port: int, *, curve: Curve | None = None) -> None:
         self.host = host
@@ -39,48 +46,32 @@ class Bootstrap:
         self.tp_size: int | None = None
         self.compat: int | None = None
         self.ranks: dict[int, str] = {}
-        self.dropped: Counter[str] = Counter()
+        self._inbox = Inbox("bootstrap", log)
+        self.dropped: Counter[str] = self._inbox.dropped
         self._ctx = zmq.asyncio.Context()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        """Bind, report ready, then answer until cancelled; the socket and context close on the way out."""
+        secure = None if self.curve is None else self.curve.server
         try:
-            if self.curve is not None:
-                self.curve.server(sock)
-            sock.bind(f"tcp://{self.host}:{self.port}")
-        except (zmq.ZMQError, TransportError) as exc:
-            sock.close()
+            sock, self.port = bind_router(self._ctx, self.host, self.port, hwm=_HWM, secure=secure)
+        except PeerUnreachableError:
             self._ctx.term()
-            raise PeerUnreachableError(
-                f"tcp://{self.host}:{self.port}", f"bootstrap cannot bind: {exc}"
-            ) from exc
+            raise
+
+        async def answer(message: m.AnyMessage, ident: bytes, source: str) -> None:
+            reply = self.handle(message)
+            if reply is None:
+                self._inbox.drop(type(message).__name__, source, "not a bootstrap message")
+                return
+            await sock.send_multipart([ident, m.encode(reply)])
+
         task_status.started()
         try:
-            while True:
-                frames = await sock.recv_multipart()
-                if len(frames) != 2:
-                    self._drop("bad_frames", frames[0], f"{len(frames)} frames")
-                    continue
-                ident, payload = frames
-                try:
-                    message = m.decode(payload)
-                except RemoteProtocolError as exc:
-                    self._drop("malformed", ident, str(exc))
-                    continue
-                answer = self.handle(message)
-                if answer is None:
-                    self._drop(type(message).__name__, ident, "not a bootstrap message")
-                    continue
-                await sock.send_multipart([ident, m.encode(answer)])
+            await self._inbox.serve(sock, f"tcp://{self.host}:{self.port}", answer)
         finally:
             sock.close(linger=0)
             self._ctx.term()
-
-    def _drop(self, kind: str, ident: bytes, detail: str) -> None:
-        self.dropped[kind] += 1
-        log.warning("bootstrap %s:%d dropped %s from %s: %s", self.host, self.port, kind, ident.hex(), detail)
 
     def handle(self, message: m.AnyMessage) -> m.Message | None:
         """The answer to one message (pure: no I/O), or None for messages it does not serve."""
