@@ -13,24 +13,19 @@ namespaces (and with them the veth pair) are deleted whatever happens.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.chaos.rank_process import RankProcess, open_rooms
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
-ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT = 0.5
 BOUND = 2 * HEARTBEAT + 1.0
 """DESIGN §9's 2 heartbeat intervals after the cut, plus slack for two processes on 2 cores."""
@@ -93,118 +88,21 @@ def link() -> Iterator[None]:
         ip("link", "del", PREFILL_DEV, check=False)  # only if it never moved into its namespace
 
 
-class NetnsRank:
-    """One ``rank.py`` process inside a namespace: send commands, wait for events (JSON lines)."""
-
-    def __init__(self, role: str, ns: str, dev: str, host: str) -> None:
-        self.role = role
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "UCX_TLS": "tcp",
-            "UCX_NET_DEVICES": dev,
-        }
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.chaos.rank", "--role", role,
-             "--bootstrap-port", str(PORT), "--heartbeat", str(HEARTBEAT), "--host", host,
-             "--bootstrap-host", PREFILL_IP],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )  # fmt: skip
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.backlog: list[dict[str, Any]] = []
-        """Events read while waiting for another one (a room can end while the next one opens)."""
-        self.stderr: list[str] = []
-        self._readers = [
-            threading.Thread(target=self._read, daemon=True),
-            threading.Thread(target=self._read_stderr, daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
-
-    def _read_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            if "NIXL INFO" not in line:
-                self.stderr.append(line)
-
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def expect(self, event: str, timeout: float = 30.0, **match: Any) -> dict[str, Any]:
-        """The first event (in order) of this kind that matches; others stay for later calls."""
-
-        def matches(got: dict[str, Any]) -> bool:
-            return got["event"] == event and all(got.get(k) == v for k, v in match.items())
-
-        for got in self.backlog:
-            if matches(got):
-                self.backlog.remove(got)
-                return got
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or self.proc.poll() is not None and self.events.empty():
-                tail = "".join(self.stderr[-20:])
-                pytest.fail(f"{self.role}: no {event} {match} (exit {self.proc.poll()}):\n{tail}")
-            try:
-                got = self.events.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            if got["event"] == "error":
-                pytest.fail(f"{self.role}: {got}")
-            if matches(got):
-                return got
-            self.backlog.append(got)
-
-    def quit(self) -> dict[str, int]:
-        """Graceful exit; returns the engine's leaks once every room ended."""
-        self.send(cmd="quit")
-        leaks = self.expect("leaks")["leaks"]
-        assert self.proc.wait(30) == 0, "".join(self.stderr[-20:])
-        return dict(leaks)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        for reader in self._readers:
-            reader.join(5)
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-
-
-def open_rooms(prefill: NetnsRank, decode: NetnsRank, rooms: dict[int, int], *, hold: bool) -> None:
-    """Open each room (id -> first page) of 4 pages on both sides, in 2 chunks; held ones never finish."""
-    for room, first in rooms.items():
-        pages = list(range(first, first + 4))
-        decode.send(cmd="recv", room=room, pages=pages)
-        decode.expect("opened", room=room)
-        prefill.send(cmd="send", room=room, pages=pages, chunks=[2, 2], hold=hold)
-        prefill.expect("opened", room=room)
+def netns_rank(role: str, ns: str, dev: str, host: str) -> RankProcess:
+    """One rank process inside namespace ``ns``; UCX confined to TCP over its veth end ``dev``."""
+    argv = ["ip", "netns", "exec", ns, sys.executable, "-m", "tests.chaos.rank", "--role", role,
+            "--bootstrap-port", str(PORT), "--heartbeat", str(HEARTBEAT), "--host", host,
+            "--bootstrap-host", PREFILL_IP]  # fmt: skip
+    return RankProcess(role, argv, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev})
 
 
 def test_two_hosts_transfer_then_a_cut_link_fails_both_sides(link: None) -> None:
-    prefill = NetnsRank("prefill", PREFILL_NS, PREFILL_DEV, PREFILL_IP)
+    prefill = netns_rank("prefill", PREFILL_NS, PREFILL_DEV, PREFILL_IP)
     ranks = [prefill]
     try:
         up = prefill.expect("up")
         assert PREFILL_IP in up["endpoint"], up
-        decode = NetnsRank("decode", DECODE_NS, DECODE_DEV, DECODE_IP)
+        decode = netns_rank("decode", DECODE_NS, DECODE_DEV, DECODE_IP)
         ranks.append(decode)
         assert DECODE_IP in decode.expect("up")["endpoint"]
         received_before = rx_bytes(DECODE_NS, DECODE_DEV)

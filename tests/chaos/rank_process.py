@@ -1,0 +1,126 @@
+"""Drive one ``tests/chaos/rank.py`` process: JSON-line commands on stdin, events on stdout.
+
+Shared by the tests that need an engine in a process of its own (``test_kill``: SIGKILL it;
+``test_netns``: run it inside a network namespace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class RankProcess:
+    """One ``rank.py`` process started with ``argv`` (its own session, so a kill takes it whole)."""
+
+    def __init__(self, role: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.role = role
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+            start_new_session=True,
+        )
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.backlog: list[dict[str, Any]] = []
+        """Events read while waiting for another one (a room can end while the next one opens)."""
+        self.stderr: list[str] = []
+        self._readers = [
+            threading.Thread(target=self._read, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.events.put(json.loads(line))
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if "NIXL INFO" not in line:
+                self.stderr.append(line)
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, event: str, timeout: float = 30.0, **match: Any) -> dict[str, Any]:
+        """The first event (in order) of this kind that matches; others stay for later calls."""
+
+        def matches(got: dict[str, Any]) -> bool:
+            return got["event"] == event and all(got.get(k) == v for k, v in match.items())
+
+        for got in self.backlog:
+            if matches(got):
+                self.backlog.remove(got)
+                return got
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None and self.events.empty():
+                tail = "".join(self.stderr[-20:])
+                pytest.fail(f"{self.role}: no {event} {match} (exit {self.proc.poll()}):\n{tail}")
+            try:
+                got = self.events.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if got["event"] == "error":
+                pytest.fail(f"{self.role}: {got}")
+            if matches(got):
+                return got
+            self.backlog.append(got)
+
+    def kill(self) -> float:
+        """SIGKILL now; returns the monotonic time of the kill."""
+        at = time.monotonic()
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        return at
+
+    def quit(self) -> dict[str, int]:
+        """Graceful exit; returns the engine's leaks once every room ended."""
+        self.send(cmd="quit")
+        leaks = self.expect("leaks")["leaks"]
+        assert self.proc.wait(30) == 0, "".join(self.stderr[-20:])
+        return dict(leaks)
+
+    def close(self) -> None:
+        """Kill the process if it still runs, and close its pipes."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for reader in self._readers:
+            reader.join(5)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def open_rooms(prefill: RankProcess, decode: RankProcess, rooms: dict[int, int], *, hold: bool) -> None:
+    """Open each room (id -> first page) of 4 pages on both sides, in 2 chunks; held ones never finish."""
+    for room, first in rooms.items():
+        pages = list(range(first, first + 4))
+        decode.send(cmd="recv", room=room, pages=pages)
+        decode.expect("opened", room=room)
+        prefill.send(cmd="send", room=room, pages=pages, chunks=[2, 2], hold=hold)
+        prefill.expect("opened", room=room)
