@@ -145,6 +145,13 @@ def _round_rooms(args: argparse.Namespace, rnd: int) -> range:
     return range(start, start + per + (rnd < extra))
 
 
+def _cpu_halves() -> tuple[list[int], list[int]]:
+    """The CPUs this process may use, split in two: the prefill's and the decode's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half:]
+
+
 def _pin(args: argparse.Namespace, side: str) -> None:
     """Keep the prefill and decode processes on disjoint CPU halves (``--pin``).
 
@@ -154,9 +161,7 @@ def _pin(args: argparse.Namespace, side: str) -> None:
     """
     if not args.pin:
         return
-    cpus = sorted(os.sched_getaffinity(0))
-    half = len(cpus) // 2
-    os.sched_setaffinity(0, cpus[:half] if side == "prefill" else cpus[half:])
+    os.sched_setaffinity(0, _cpu_halves()[0 if side == "prefill" else 1])
 
 
 def prefill_main(
@@ -478,9 +483,8 @@ def main() -> int:
         shared = len(set(gpus) | set(dgpus)) < len(gpus) + len(dgpus)
         placement = f" gpus prefill={','.join(gpus)} decode={','.join(dgpus)}{' (shared)' if shared else ''}"
     if args.pin:
-        cpus = sorted(os.sched_getaffinity(0))
-        half = len(cpus) // 2
-        placement += f" cpus prefill={cpus[0]}-{cpus[half - 1]} decode={cpus[half]}-{cpus[-1]}"
+        pre, dec = _cpu_halves()
+        placement += f" cpus prefill={pre[0]}-{pre[-1]} decode={dec[0]}-{dec[-1]}"
     r.update(path=args.path, P=args.prefill_tp, D=args.decode_tp, tokens=args.tokens, rooms=args.rooms,
              concurrency=args.concurrency, chunks=args.chunks, device=args.device, peer_copy_gbps=peer_copy,
              placement=placement.strip())  # fmt: skip

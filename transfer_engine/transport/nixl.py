@@ -156,9 +156,8 @@ class NixlTransport:
             raise TransportError(f"cannot create NIXL agent {name!r} with backend {backend}: {exc}") from exc
         self._regs: dict[int, Any] = {}
         self._peers: dict[str, RemotePeer] = {}
-        self._handles: dict[int, Any] = {}
-        self._lists: dict[int, list[Any]] = {}
-        """The two descriptor lists prepared for each posted WRITE, released with it."""
+        self._handles: dict[int, tuple[Any, list[Any]]] = {}
+        """Each posted WRITE: its NIXL handle and the two descriptor lists prepared for it."""
         self._ids = itertools.count(1)
 
     def metadata(self) -> bytes:
@@ -240,8 +239,7 @@ class NixlTransport:
             self._release_lists(lists)
             raise TransportError(f"cannot create WRITE to {peer} ({len(src)} descriptors): {exc}") from exc
         hid = next(self._ids)
-        self._handles[hid] = handle
-        self._lists[hid] = lists
+        self._handles[hid] = (handle, lists)
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:
@@ -254,18 +252,18 @@ class NixlTransport:
 
     def state(self, handle: int) -> XferState:
         try:
-            return XferState(self._agent.check_xfer_state(self._handles[handle]))
+            return XferState(self._agent.check_xfer_state(self._handles[handle][0]))
         except Exception as exc:
             log.warning("check_xfer_state failed: %s", exc)
             return XferState.ERR
 
     def release(self, handle: int) -> None:
-        h = self._handles.pop(handle)
+        h, lists = self._handles.pop(handle)
         try:
             self._agent.release_xfer_handle(h)
         except Exception as exc:
             log.warning("release_xfer_handle failed: %s", exc)
-        self._release_lists(self._lists.pop(handle, []))
+        self._release_lists(lists)
 
     def _release_lists(self, lists: list[Any]) -> None:
         for dlist in lists:
