@@ -26,6 +26,7 @@ from transfer_engine.errors import (
 from transfer_engine.layout import KVLayout, KVPool
 from transfer_engine.protocol.failures import FailureReason
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.room_ids import room_id
 
 __all__ = [
     "ConfigError",
@@ -47,4 +48,5 @@ __all__ = [
     "TransferError",
     "TransferFailed",
     "TransferTimeout",
+    "room_id",
 ]

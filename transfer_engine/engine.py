@@ -59,6 +59,7 @@ from transfer_engine.peers import Peer, PrefillInstance
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.protocol.polling import polled
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
 from transfer_engine.security import Curve
 from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
@@ -86,6 +87,25 @@ def _pages_array(pages: Sequence[int] | np.ndarray | Any, pool: KVPool, what: st
     return arr
 
 
+def _check_request(
+    pool: KVPool, pages: Sequence[int] | np.ndarray | Any, aux_slot: int | None, decode_prefix_len: int
+) -> np.ndarray:
+    """A decode room's pages as an int64 array; ConfigError/LayoutError naming a bad argument."""
+    arr = _pages_array(pages, pool, "pages")
+    pool.check_aux_slot(aux_slot)
+    page_size = pool.layout.page_size
+    if (
+        not isinstance(decode_prefix_len, int)
+        or isinstance(decode_prefix_len, bool)
+        or decode_prefix_len < 0
+        or decode_prefix_len % page_size
+    ):
+        raise ConfigError(
+            f"decode_prefix_len={decode_prefix_len!r} must be a non-negative multiple of page_size={page_size}"
+        )
+    return arr
+
+
 def _check_room(room: int) -> None:
     if not isinstance(room, int) or not 0 <= room <= MAX_ROOM_ID:
         raise ConfigError(f"room={room!r} must be an integer in [0, 2**63)")
@@ -94,17 +114,29 @@ def _check_room(room: int) -> None:
 class _Handle:
     def __init__(self, actor: _RoomActor) -> None:
         self._actor = actor
+        self._live = RoomStatus.BOOTSTRAPPING if actor.status.final else actor.status
 
     @property
     def room(self) -> int:
         return self._actor.room
 
     def poll(self) -> RoomStatus:
-        """The room's status now; never blocks (for scheduler loops)."""
-        return self._actor.status
+        """The room's status now; never blocks, and may be called from any thread (it only reads).
+
+        Success and Failed are reported only once the room has ended (final AND quiescent): from
+        then on no WRITE of it can land, so a caller that acts on poll() alone may free or reuse
+        the room's pages at once. A room that failed but still waits for WRITEs or AbortAcks
+        keeps reporting the last status this handle saw before (``failure`` already says why).
+        """
+        status = self._actor.status
+        if not status.final:
+            self._live = status
+            return status
+        return polled(status, self._actor.done.is_set(), self._live)
 
     @property
     def failure(self) -> tuple[FailureReason, str] | None:
+        """``(reason, detail)`` as soon as the room failed (before poll() reports it), else None."""
         f = self._actor.core.failure
         return None if f is None else (f.reason, f.detail)
 
@@ -126,34 +158,106 @@ class _Handle:
 
 
 class Sender(_Handle):
-    """Prefill side of one room. Created by :meth:`TransferEngine.sender`."""
+    """Prefill side of one room. Created by :meth:`TransferEngine.sender`.
+
+    Chunks go out in ``send()`` order. The last one is marked by ``last=True``, or, once
+    :meth:`expect` gave the room's page count, by the page count reaching it.
+    """
 
     def __init__(self, actor: SenderRoomActor, pool: KVPool) -> None:
         super().__init__(actor)
+        self._room_actor = actor
         self._pool = pool
         self._sealed = False
+        self._total: int | None = None
+        self._aux_slot: int | None = None
+        self._sent = 0
 
-    async def send(
-        self, pages: Sequence[int] | np.ndarray | Any, last: bool = False, aux_slot: int | None = None
-    ) -> None:
-        """Queue the next chunk: the prefill's KV page indices of it, in request order. Returns at once.
+    @property
+    def decode_prefix_len(self) -> int:
+        """Tokens the decode side already holds (0 until its requests arrived): send only the rest.
 
-        Raises LayoutError/ConfigError for pages or an aux slot outside the pool, and
-        LocalProtocolError after the last chunk or once the room is final. Nothing is queued then.
+        Pages given to ``send()`` are those of tokens ``decode_prefix_len`` onwards, in order.
         """
+        return self._room_actor.decode_prefix_len
+
+    def expect(self, total_pages: int, aux_slot: int | None = None) -> None:
+        """Declare the room's page count (and the aux slot of its last chunk) before its last chunk.
+
+        From then on ``send(pages)`` marks the chunk that reaches ``total_pages`` as the last and
+        refuses pages beyond it. ConfigError for a count below the pages already sent, LayoutError
+        for an aux slot outside the pool, LocalProtocolError after the last chunk or a second call.
+        """
+        if not isinstance(total_pages, int) or isinstance(total_pages, bool) or total_pages < 1:
+            raise ConfigError(f"total_pages={total_pages!r} must be a positive integer")
+        self._pool.check_aux_slot(aux_slot)
+        if self._sealed:
+            raise LocalProtocolError(f"room {self.room} already sent its last chunk")
+        if self._total is not None:
+            raise LocalProtocolError(f"room {self.room} already expects {self._total} pages")
+        if total_pages <= self._sent:
+            raise ConfigError(
+                f"total_pages={total_pages} but room {self.room} already sent {self._sent} pages"
+            )
+        self._total = total_pages
+        self._aux_slot = aux_slot
+
+    def _prepare(
+        self,
+        pages: Sequence[int] | np.ndarray | Any,
+        last: bool | None,
+        aux_slot: int | None,
+        ready: torch.cuda.Event | None,
+    ) -> QueueChunk:
+        """Validate one send() and return its mail; changes this handle's counts only when valid."""
         arr = _pages_array(pages, self._pool, "pages")
         self._pool.check_aux_slot(aux_slot)
         if self._sealed:
             raise LocalProtocolError(f"room {self.room} already sent its last chunk")
         if self._actor.done.is_set() or self._actor.status.final:
             raise LocalProtocolError(f"room {self.room} is {self._actor.status.name}; send() is not allowed")
-        self._sealed = last
-        ready = None
-        if self._pool.device.type == "cuda":  # the KV of this chunk is written by work queued so far
+        sent = self._sent + arr.size
+        if self._total is not None:
+            if sent > self._total:
+                raise ConfigError(
+                    f"{arr.size} pages would make {sent}, over the room's total_pages={self._total}"
+                )
+            if last is not None and last != (sent == self._total):
+                raise ConfigError(
+                    f"last={last} but the room has sent {sent} of total_pages={self._total} pages"
+                )
+            last = sent == self._total
+            if aux_slot is None:
+                aux_slot = self._aux_slot
+        last = bool(last)
+        if ready is None and self._pool.device.type == "cuda":
+            # the KV of this chunk is written by work queued so far on the caller's stream
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self._pool.device))
+        self._sealed = last
+        self._sent = sent
+        return QueueChunk(arr, last, aux_slot, ready)
+
+    async def send(
+        self,
+        pages: Sequence[int] | np.ndarray | Any,
+        last: bool | None = None,
+        aux_slot: int | None = None,
+        *,
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
+        """Queue the next chunk: the prefill's KV page indices of it, in request order. Returns at once.
+
+        ``last`` None means False, or, after :meth:`expect`, whether this chunk reaches the total.
+        ``ready``: a CUDA event after which the chunk's KV is written (for a caller on another
+        thread or stream); without it, an event is recorded on the caller's current stream.
+        Raises LayoutError/ConfigError for pages or an aux slot outside the pool or past the
+        expected total, and LocalProtocolError after the last chunk or once the room is final.
+        Nothing is queued then.
+        """
+        chunk = self._prepare(pages, last, aux_slot, ready)
         try:
-            await self._actor.inbox.send(QueueChunk(arr, last, aux_slot, ready))
+            await self._actor.inbox.send(chunk)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             # the room ended while send() waited for its turn (an abort came in): nothing was queued
             raise LocalProtocolError(
@@ -162,7 +266,37 @@ class Sender(_Handle):
 
 
 class Receiver(_Handle):
-    """Decode side of one room. Created by :meth:`TransferEngine.receiver`."""
+    """Decode side of one room. Created by :meth:`TransferEngine.receiver`.
+
+    Opened without pages, the room handshakes and waits in WaitingForInput until :meth:`request`
+    gives them (SGLang's order: pages are allocated only once the handshake is done).
+    """
+
+    def __init__(self, actor: ReceiverRoomActor, engine: TransferEngine) -> None:
+        super().__init__(actor)
+        self._room_actor = actor
+        self._engine = engine
+
+    @property
+    def requested(self) -> bool:
+        """Whether the room's pages were given (and its TransferRequests went out)."""
+        return self._room_actor.requested
+
+    def request(
+        self,
+        pages: Sequence[int] | np.ndarray | Any,
+        aux_slot: int | None = None,
+        decode_prefix_len: int = 0,
+    ) -> None:
+        """Give the room its pages and ask every prefill rank for the KV; returns at once.
+
+        ``pages``: this rank's page indices for the request's tokens from ``decode_prefix_len`` on
+        (the decode already holds the first ``decode_prefix_len`` tokens, a multiple of the page
+        size; the prefill sends only the rest). Call once, on the event loop, while the room is in
+        WaitingForInput. Bad arguments raise ConfigError/LayoutError naming the value, a second
+        call or a final room LocalProtocolError; nothing is sent then.
+        """
+        self._engine._request(self._room_actor, pages, aux_slot, decode_prefix_len)
 
 
 class TransferEngine:
@@ -408,21 +542,23 @@ class TransferEngine:
         self,
         room: int,
         bootstrap: str,
-        pages: Sequence[int] | np.ndarray | Any,
+        pages: Sequence[int] | np.ndarray | Any | None = None,
         aux_slot: int | None = None,
+        decode_prefix_len: int = 0,
     ) -> Receiver:
-        """Open ``room`` on this decode rank: its KV goes into ``pages`` (this rank's page indices).
+        """Open ``room`` on this decode rank; its KV goes into ``pages`` (this rank's page indices).
 
         Connects to the prefill instance behind ``bootstrap`` the first time (raising
-        PeerUnreachableError, or LayoutError for an incompatible layout), then sends the room's
-        TransferRequests and returns with the room in WaitingForInput. Bad arguments raise before
-        anything is registered.
+        PeerUnreachableError, or LayoutError for an incompatible layout) and returns with the room
+        in WaitingForInput. With ``pages`` the room's TransferRequests go out before it returns;
+        without, they go out at :meth:`Receiver.request`. Bad arguments raise before anything is
+        registered.
         """
         if self.config.role != "decode":
             raise ConfigError("receiver() is for decode engines; this one is prefill")
         _check_room(room)
-        arr = _pages_array(pages, self.pool, "pages")
-        self.pool.check_aux_slot(aux_slot)
+        if pages is not None:
+            _check_request(self.pool, pages, aux_slot, decode_prefix_len)
         if room in self.rooms:
             raise RoomInUseError(room)
         instance = await self._instance(bootstrap)
@@ -432,16 +568,40 @@ class TransferEngine:
         layout = self.pool.layout
         D, d = self.config.tp_size, self.config.tp_rank
         writers = heads.writers_of(layout.num_heads, instance.tp_size, D, d, layout.mla)
-        aux_writer = writers[0].prefill_rank if aux_slot is not None else None
         actor = ReceiverRoomActor(
             self, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers},
-            pages=arr, slices=list(writers), path=path,
+            pages=np.empty(0, dtype=np.int64), slices=list(writers), path=path,
         )  # fmt: skip
         actor.everyone = list(instance.ranks)
         self._start_room(actor)  # before any request leaves: a prefill must never write for no room
-        by_rank = {w.prefill_rank: w for w in writers}
+        actor.core.bootstrapped([w.prefill_rank for w in writers], None, time.monotonic())
+        log.info("decode room %d: connected to %s (%d writers, path %s)", room, bootstrap, len(writers), path)
+        if pages is not None:
+            self._request(actor, pages, aux_slot, decode_prefix_len)
+        return Receiver(actor, self)
+
+    def _request(
+        self,
+        actor: ReceiverRoomActor,
+        pages: Sequence[int] | np.ndarray | Any,
+        aux_slot: int | None,
+        decode_prefix_len: int,
+    ) -> None:
+        """Send ``actor``'s TransferRequests for ``pages`` (see :meth:`Receiver.request`)."""
+        arr = _check_request(self.pool, pages, aux_slot, decode_prefix_len)
+        if actor.requested:
+            raise LocalProtocolError(f"room {actor.room} already requested its pages")
+        if actor.done.is_set() or actor.status is not RoomStatus.WAITING_FOR_INPUT:
+            raise LocalProtocolError(
+                f"room {actor.room} is {actor.status.name}; request() needs WAITING_FOR_INPUT"
+            )
+        actor.requested = True
+        actor.pages = arr
+        aux_writer = actor.slices[0].prefill_rank if aux_slot is not None else None
+        actor.core.wants_aux_from = aux_writer
+        by_rank = {w.prefill_rank: w for w in actor.slices}
         pages_list = arr.tolist()
-        for peer in instance.ranks:
+        for peer in actor.everyone:
             w = by_rank.get(peer.rank)
             slices = (
                 []
@@ -451,21 +611,17 @@ class TransferEngine:
             self.control.send(
                 peer.endpoint,
                 m.TransferRequest(
-                    room=room,
+                    room=actor.room,
                     agent=self.agent_name,
-                    decode_rank=d,
-                    decode_tp=D,
-                    path=path,
+                    decode_rank=self.config.tp_rank,
+                    decode_tp=self.config.tp_size,
+                    path=actor.path,
                     dst_pages=pages_list,
                     aux_slot=aux_slot if peer.rank == aux_writer else None,
                     slices=slices,
+                    decode_prefix_len=decode_prefix_len,
                 ),
             )
-        actor.core.bootstrapped(by_rank, aux_writer, time.monotonic())
-        log.info(
-            "decode room %d: requested from %s (%d writers, path %s)", room, bootstrap, len(writers), path
-        )
-        return Receiver(actor)
 
     async def connect(self, bootstrap: str) -> None:
         """Handshake with the prefill instance behind ``bootstrap`` now, ahead of its first room."""

@@ -211,6 +211,8 @@ class SenderRoomActor(_RoomActor):
         self.ack_to: dict[str, Peer] = {}
         self.failed_by: set[str] = set()
         """Decode agents that aborted or failed this room themselves (they need no RoomFailed)."""
+        self.decode_prefix_len = 0
+        """Tokens the decode side already holds, from its TransferRequests (the same on every one)."""
 
     def quiescent(self) -> bool:
         return self.core.in_flight == 0
@@ -302,7 +304,13 @@ class SenderRoomActor(_RoomActor):
             if peer.agent_name not in self.failed_by:
                 self._tell_failure(peer)
             return
+        if self.requests and req.decode_prefix_len != self.decode_prefix_len:
+            raise ProtocolError(
+                f"decode rank {req.decode_rank} says decode_prefix_len={req.decode_prefix_len}, "
+                f"earlier requests said {self.decode_prefix_len}"
+            )
         self.core.on_request(req.decode_rank, req.decode_tp, got is not None, req.aux_slot is not None, now)
+        self.decode_prefix_len = req.decode_prefix_len
         self.requests[req.decode_rank] = req
         self.peers[req.decode_rank] = peer
         for chunk in self.core.chunks:
@@ -437,6 +445,8 @@ class ReceiverRoomActor(_RoomActor):
         self.scattering = 0
         self.aborting = False
         self.remote_failure = False
+        self.requested = False
+        """Whether the room's pages were given and its TransferRequests sent."""
 
     def quiescent(self) -> bool:
         if self.scattering:

@@ -179,6 +179,9 @@ class TransferRequest(Message, frozen=True):
     dst_pages: list[int]
     aux_slot: int | None
     slices: list[SliceSpec]
+    decode_prefix_len: int = 0
+    """Tokens of the request the decode rank already holds: ``dst_pages`` start after them, and the
+    prefill application sends only the rest (``Sender.decode_prefix_len`` tells it)."""
 
 
 class StagingRequest(Message, frozen=True):
