@@ -1,0 +1,437 @@
+"""A blocking facade over :class:`TransferEngine` for threaded callers (SGLang's and vLLM's schedulers).
+
+:class:`BlockingEngine` runs the engine and its event loop on a thread of its own (an anyio
+blocking portal). The caller's threads never run asyncio code. Every method says how long it may
+block:
+
+- never blocks: ``poll()``, ``failure``, ``failure_error()``, ``send()``, ``request()``,
+  ``abort()`` and ``receiver()``. They validate their arguments on the caller's thread (bad input
+  raises the engine's typed errors there, and nothing is queued) and hand the rest to the loop
+  without waiting for it;
+- waits for the loop to run one synchronous step (no I/O): ``sender()``, ``leaks()``;
+- waits, bounded by an argument or by the configuration: ``BlockingEngine(...)`` (engine start),
+  ``connect()`` (``bootstrap_timeout``), ``wait(timeout)``, ``close()`` (every live room is failed
+  with SHUTDOWN; at most twice the engine's 10 s drain bound, in practice milliseconds).
+
+Every method may be called from any thread. Calls on one handle are serialised by its lock, so two
+threads sending chunks of one room do not interleave a chunk's bookkeeping; chunks and aborts of a
+handle reach the room in the order their calls returned. After :meth:`BlockingEngine.close`, every
+call raises :class:`LocalProtocolError`.
+
+``poll()`` follows the engine's rule (docs/DECISIONS.md, "Failed means safe"): Success and Failed
+are reported only once the room has ended, so no WRITE can land in its pages afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import numpy as np
+import torch
+from anyio.abc import TaskGroup, TaskStatus
+
+from transfer_engine.actors.room import LocalAbort, RoomMail
+from transfer_engine.config import EngineConfig
+from transfer_engine.engine import Receiver, Sender, TransferEngine, _check_request, _check_room
+from transfer_engine.errors import (
+    ConfigError,
+    LocalProtocolError,
+    RoomInUseError,
+    TransferError,
+    TransferFailed,
+    TransportError,
+    failure_error,
+)
+from transfer_engine.layout import KVPool
+from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.room_ids import room_id
+from transfer_engine.transport.nixl import Transport
+
+__all__ = ["BlockingEngine", "BlockingReceiver", "BlockingSender"]
+
+log = logging.getLogger(__name__)
+
+Pages = Sequence[int] | np.ndarray | Any
+
+
+def _room(room: int | str) -> int:
+    """A room id from an int or a string request id (:func:`transfer_engine.room_ids.room_id`)."""
+    rid = room_id(room) if isinstance(room, str) else room
+    _check_room(rid)
+    return rid
+
+
+class _Mailer:
+    """Loop side of a handle: delivers its mail to the room actor in the order it was posted.
+
+    Runs on the event loop only. Mail goes straight into the room's mailbox when there is room and
+    nothing is queued ahead of it; otherwise it waits in a backlog that one task drains in order.
+    Mail for a room that has ended is dropped: the room's final status already tells the caller.
+    """
+
+    def __init__(self, tg: TaskGroup) -> None:
+        self._tg = tg
+        self._backlog: deque[tuple[Sender | Receiver, RoomMail]] = deque()
+        self._draining = False
+
+    def post(self, handle: Sender | Receiver, mail: RoomMail) -> None:
+        if not self._backlog:
+            try:
+                handle._actor.inbox.send_nowait(mail)
+                return
+            except anyio.WouldBlock:
+                pass
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return
+        self._backlog.append((handle, mail))
+        if not self._draining:
+            self._draining = True
+            self._tg.start_soon(self._drain)
+
+    async def _drain(self) -> None:
+        try:
+            while self._backlog:
+                handle, mail = self._backlog[0]
+                try:
+                    await handle._actor.inbox.send(mail)
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    pass
+                self._backlog.popleft()
+        finally:
+            self._draining = False
+
+
+class _BlockingHandle:
+    def __init__(self, engine: BlockingEngine, room: int) -> None:
+        self._engine = engine
+        self.room = room
+        self._lock = threading.Lock()
+
+    def _handle(self) -> Sender | Receiver | None:
+        raise NotImplementedError
+
+    def poll(self) -> RoomStatus:
+        """The room's status; never blocks. Success/Failed only once no WRITE of it can land."""
+        handle = self._handle()
+        return RoomStatus.BOOTSTRAPPING if handle is None else handle.poll()
+
+    @property
+    def failure(self) -> tuple[FailureReason, str] | None:
+        """``(reason, detail)`` once the room failed (possibly before poll() says Failed), else None."""
+        handle = self._handle()
+        return None if handle is None else handle.failure
+
+    def failure_error(self) -> TransferFailed | None:
+        """The typed error of a failed room (TransferAborted, TransferTimeout...), else None."""
+        failure = self.failure
+        return None if failure is None else failure_error(self.room, *failure)
+
+    def abort(self, detail: str = "aborted by the application") -> None:
+        """Stop the room; returns at once. poll() says Failed once no WRITE of it can land."""
+        with self._lock:
+            handle = self._handle()
+            if handle is not None:
+                self._engine._post(handle, LocalAbort(detail))
+
+    def wait(self, timeout: float) -> None:
+        """Block until the room ended, at most ``timeout`` s (TimeoutError after that).
+
+        Returns on Success; raises the room's TransferFailed (or the error that kept a receiver
+        from opening) otherwise.
+        """
+        self._engine._call(self._wait, timeout)
+
+    async def _wait(self, limit_s: float) -> None:
+        with anyio.fail_after(limit_s):
+            await self._opened()
+            handle = self._handle()
+            assert handle is not None
+            await handle._actor.done.wait()
+        error = handle._actor.error()
+        if error is not None:
+            raise error
+
+    async def _opened(self) -> None:
+        """Return once the room exists on the engine (a receiver may still be handshaking)."""
+
+
+class BlockingSender(_BlockingHandle):
+    """Prefill side of one room, for threaded callers; see the module docstring for blocking rules."""
+
+    def __init__(self, engine: BlockingEngine, sender: Sender) -> None:
+        super().__init__(engine, sender.room)
+        self._sender = sender
+
+    def _handle(self) -> Sender:
+        return self._sender
+
+    @property
+    def decode_prefix_len(self) -> int:
+        """Tokens the decode side already holds (known once poll() passed Bootstrapping)."""
+        return self._sender.decode_prefix_len
+
+    def expect(self, total_pages: int, aux_slot: int | None = None) -> None:
+        """See :meth:`Sender.expect`; never blocks."""
+        with self._lock:
+            self._engine._check_open()
+            self._sender.expect(total_pages, aux_slot)
+
+    def send(
+        self,
+        pages: Pages,
+        last: bool | None = None,
+        aux_slot: int | None = None,
+        *,
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
+        """Queue the next chunk (see :meth:`Sender.send`); never blocks.
+
+        On CUDA, without ``ready`` an event is recorded on this thread's current stream.
+        """
+        with self._lock:
+            self._engine._check_open()
+            chunk = self._sender._prepare(pages, last, aux_slot, ready)
+            self._engine._post(self._sender, chunk)
+
+
+class BlockingReceiver(_BlockingHandle):
+    """Decode side of one room, for threaded callers; see the module docstring for blocking rules.
+
+    Created at once by :meth:`BlockingEngine.receiver`; the handshake runs on the loop and poll()
+    says Bootstrapping until it is done (WaitingForInput), or Failed if it could not be done.
+    """
+
+    def __init__(self, engine: BlockingEngine, room: int) -> None:
+        super().__init__(engine, room)
+        self._receiver: Receiver | None = None
+        self._error: TransferError | None = None
+        self._abort: str | None = None
+        self._requested = False
+        self._ready = threading.Event()
+
+    def _handle(self) -> Receiver | None:
+        return self._receiver
+
+    def poll(self) -> RoomStatus:
+        if self._error is not None:
+            return RoomStatus.FAILED  # the room never opened: nothing can land anywhere
+        return super().poll()
+
+    @property
+    def failure(self) -> tuple[FailureReason, str] | None:
+        error = self._error
+        if error is not None:
+            if isinstance(error, TransferFailed):
+                return error.reason, error.detail
+            reason = FailureReason.TRANSPORT if isinstance(error, TransportError) else FailureReason.PROTOCOL
+            return reason, f"the room did not open: {type(error).__name__}: {error}"
+        return super().failure
+
+    @property
+    def open_error(self) -> TransferError | None:
+        """The error that kept the room from opening (PeerUnreachableError, LayoutError...), or None."""
+        return self._error
+
+    def request(self, pages: Pages, aux_slot: int | None = None, decode_prefix_len: int = 0) -> None:
+        """Give the room its pages (see :meth:`Receiver.request`); never blocks.
+
+        Allowed once, after poll() said WaitingForInput; LocalProtocolError before the handshake is
+        done, a second time, or on a final room. Bad arguments raise ConfigError/LayoutError.
+        """
+        with self._lock:
+            self._engine._check_open()
+            arr = _check_request(self._engine.pool, pages, aux_slot, decode_prefix_len)
+            receiver = self._receiver
+            if receiver is None:
+                raise LocalProtocolError(
+                    f"room {self.room} has not finished its handshake; request() after poll() says "
+                    "WAITING_FOR_INPUT"
+                )
+            if self._requested or receiver.requested:
+                raise LocalProtocolError(f"room {self.room} already requested its pages")
+            status = receiver._actor.status
+            if status is not RoomStatus.WAITING_FOR_INPUT:
+                raise LocalProtocolError(
+                    f"room {self.room} is {status.name}; request() needs WAITING_FOR_INPUT"
+                )
+            self._requested = True
+            self._engine._call_soon(self._request_on_loop, receiver, arr, aux_slot, decode_prefix_len)
+
+    def _request_on_loop(
+        self, receiver: Receiver, arr: np.ndarray, aux_slot: int | None, prefix: int
+    ) -> None:
+        try:
+            receiver.request(arr, aux_slot, prefix)
+        except TransferError as exc:  # the room failed between the check and now: poll() tells
+            log.info("room %d: request() after the room failed: %s", self.room, exc)
+
+    def abort(self, detail: str = "aborted by the application") -> None:
+        with self._lock:
+            if self._receiver is None:
+                self._abort = detail  # the opening task aborts it as soon as it exists
+                return
+        super().abort(detail)
+
+    async def _opened(self) -> None:
+        await anyio.to_thread.run_sync(self._ready.wait)
+        if self._error is not None:
+            raise self._error
+
+    async def _open(self, bootstrap: str, pages: Pages | None, aux_slot: int | None, prefix: int) -> None:
+        """Runs on the loop: the handshake, then the room's requests if ``pages`` were given."""
+        try:
+            receiver = await self._engine._engine.receiver(self.room, bootstrap, pages, aux_slot, prefix)
+        except TransferError as exc:
+            log.info("room %d did not open: %s", self.room, exc)
+            self._error = exc
+            self._ready.set()
+            return
+        with self._lock:
+            self._receiver = receiver
+            self._requested = pages is not None
+            abort = self._abort
+        self._ready.set()
+        if abort is not None:
+            await receiver.abort(abort)
+
+
+class BlockingEngine:
+    """One rank's :class:`TransferEngine`, run on its own event-loop thread; see the module docstring.
+
+    ``with BlockingEngine(config, pool) as engine:`` starts it (blocking until every actor is up,
+    raising what the engine's start raised) and closes it on exit: live rooms fail with SHUTDOWN,
+    then the loop thread, its sockets and NIXL handles are gone.
+    """
+
+    def __init__(self, config: EngineConfig, kv: KVPool, *, transport: Transport | None = None) -> None:
+        self.config = config
+        self.pool = kv
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self._closing = self._portal.call(anyio.Event)
+            self._served, (engine, tg, loop) = self._portal.start_task(self._serve, config, kv, transport)
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+        self._engine: TransferEngine = engine
+        self._mailer = _Mailer(tg)
+        self._loop: asyncio.AbstractEventLoop = loop
+
+    async def _serve(
+        self,
+        config: EngineConfig,
+        kv: KVPool,
+        transport: Transport | None,
+        *,
+        task_status: TaskStatus[tuple[TransferEngine, TaskGroup, asyncio.AbstractEventLoop]],
+    ) -> None:
+        async with TransferEngine(config, kv, transport=transport) as engine, anyio.create_task_group() as tg:
+            task_status.started((engine, tg, asyncio.get_running_loop()))
+            await self._closing.wait()
+            tg.cancel_scope.cancel()
+
+    # --- plumbing (callable from any thread) ----------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LocalProtocolError("this BlockingEngine is closed")
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self._check_open()
+        return self._portal.call(fn, *args)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def _post(self, handle: Sender | Receiver, mail: RoomMail) -> None:
+        self._loop.call_soon_threadsafe(self._mailer.post, handle, mail)
+
+    # --- API --------------------------------------------------------------------------------------
+
+    @property
+    def agent_name(self) -> str:
+        return self._engine.agent_name
+
+    @property
+    def endpoint(self) -> str:
+        """This rank's control endpoint."""
+        return self._engine.endpoint
+
+    @property
+    def introspect_endpoint(self) -> str:
+        """Where ``transfer-engine dump --endpoint`` reaches this rank."""
+        return self._engine.introspect_endpoint
+
+    def sender(self, room: int | str) -> BlockingSender:
+        """Open ``room`` (an int, or a string request id) on this prefill rank.
+
+        Waits for one synchronous step of the loop. ConfigError for a decode engine or a bad id,
+        RoomInUseError while a room with that id is live.
+        """
+        return BlockingSender(self, self._call(self._engine.sender, _room(room)))
+
+    def receiver(
+        self,
+        room: int | str,
+        bootstrap: str,
+        pages: Pages | None = None,
+        aux_slot: int | None = None,
+        decode_prefix_len: int = 0,
+    ) -> BlockingReceiver:
+        """Open ``room`` on this decode rank and start its handshake with ``bootstrap``; never blocks.
+
+        Without ``pages``, give them with :meth:`BlockingReceiver.request` once poll() says
+        WaitingForInput. Bad arguments raise ConfigError/LayoutError here; a handshake that fails
+        (unreachable bootstrap, incompatible layout) makes poll() say Failed and ``open_error`` why.
+        """
+        self._check_open()
+        if self.config.role != "decode":
+            raise ConfigError("receiver() is for decode engines; this one is prefill")
+        rid = _room(room)
+        if pages is not None:
+            _check_request(self.pool, pages, aux_slot, decode_prefix_len)
+        if rid in self._engine.rooms:  # the loop checks again; this catches the usual case early
+            raise RoomInUseError(rid)
+        receiver = BlockingReceiver(self, rid)
+        self._portal.start_task_soon(receiver._open, bootstrap, pages, aux_slot, decode_prefix_len)
+        return receiver
+
+    def connect(self, bootstrap: str) -> None:
+        """Handshake with the prefill instance behind ``bootstrap`` now; blocks (``bootstrap_timeout``)."""
+        self._call(self._engine.connect, bootstrap)
+
+    def leaks(self) -> dict[str, int]:
+        """What the engine still holds (see :meth:`TransferEngine.leaks`); one synchronous loop step."""
+        return dict(self._call(self._engine.leaks))
+
+    def close(self) -> None:
+        """Fail live rooms with SHUTDOWN, stop the engine and its thread. Idempotent; see the module doc."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._portal.call(self._closing.set)
+            self._served.result()
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> BlockingEngine:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
