@@ -43,6 +43,7 @@ from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine, _check_request, _check_room
 from transfer_engine.errors import (
     ConfigError,
+    FailureReason,
     LocalProtocolError,
     RoomInUseError,
     TransferError,
@@ -51,7 +52,6 @@ from transfer_engine.errors import (
     failure_error,
 )
 from transfer_engine.layout import KVPool
-from transfer_engine.protocol.failures import FailureReason
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.room_ids import room_id
 from transfer_engine.transport.nixl import Transport
