@@ -16,7 +16,8 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,sglang]"
+	$(BIN)/python -m pip install -q --no-deps sglang==0.5.23
 	touch $(STAMP)
 
 lint: $(STAMP)
