@@ -226,7 +226,11 @@ class KVSender(BaseKVSender):
         num_kv_tokens: int | None = None,
         indices_event: torch.cuda.Event | None = None,
     ) -> None:
-        """One chunk: the prefill's page indices of it (int32 or int64), in request order."""
+        """One chunk: the prefill's page indices of it (int32 or int64), in request order.
+
+        Once the room has failed this does nothing (SGLang keeps sending the chunks of a request
+        whose transfer failed; it learns of the failure from poll()). Bad input still raises.
+        """
         if state_indices:
             raise ConfigError(f"state_indices={state_indices!r}: hybrid-model state is not supported")
         if self._total is None:
@@ -234,13 +238,17 @@ class KVSender(BaseKVSender):
         if indices_event is not None:
             indices_event.synchronize()  # the page indices are being copied to the host
         pages = np.asarray(kv_indices.cpu() if hasattr(kv_indices, "cpu") else kv_indices)
-        if (
-            self._sent + pages.size == self._total
-            and self._aux_index is not None
-            and self.kv_mgr.aux is not None
-        ):
+        if self._sender.failure is not None:
+            return
+        last = self._sent + pages.size == self._total
+        if last and self._aux_index is not None and self.kv_mgr.aux is not None:
             self.kv_mgr.aux.pack(self._aux_index)
-        self._sender.send(pages)
+        try:
+            self._sender.send(pages)
+        except LocalProtocolError:
+            if self._sender.failure is None:
+                raise
+            return  # it failed between the check and the send
         self._sent += pages.size
 
     def pop_decode_prefix_len(self) -> int:
@@ -297,7 +305,10 @@ class KVReceiver(BaseKVReceiver):
         decode_prefix_len: int | None = None,
         destination: KVTransferDestination = KVTransferDestination.DEVICE,
     ) -> None:
-        """This rank's pages for the request's tokens after ``decode_prefix_len``; after WaitingForInput."""
+        """This rank's pages for the request's tokens after ``decode_prefix_len``; after WaitingForInput.
+
+        Does nothing once the room has failed (poll() reports it); bad input still raises.
+        """
         if state_indices:
             raise ConfigError(f"state_indices={state_indices!r}: hybrid-model state is not supported")
         if destination != KVTransferDestination.DEVICE:
@@ -307,7 +318,16 @@ class KVReceiver(BaseKVReceiver):
         if self.kv_mgr.aux is not None and aux_index is not None:
             self.kv_mgr.aux._check(aux_index)
         pages = np.asarray(kv_indices.cpu() if hasattr(kv_indices, "cpu") else kv_indices)
-        self._rx.request(pages, aux_index if self.kv_mgr.aux is not None else None, decode_prefix_len or 0)
+        if self._rx.failure is not None:
+            return
+        try:
+            self._rx.request(
+                pages, aux_index if self.kv_mgr.aux is not None else None, decode_prefix_len or 0
+            )
+        except LocalProtocolError:
+            if self._rx.failure is None:
+                raise
+            return  # it failed between the check and the request
         self._aux_index = aux_index
 
     def poll(self) -> RoomStatus:
