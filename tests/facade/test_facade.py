@@ -1,0 +1,152 @@
+"""The blocking facade: threads only on the caller's side, typed errors, clean shutdown.
+
+Real NIXL and ZMQ; engines run on their own loop threads. Budget: about 10 s on the 2-core box.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.integration.harness import free_port
+from transfer_engine import (
+    ConfigError,
+    EngineConfig,
+    KVLayout,
+    KVPool,
+    LayoutError,
+    LocalProtocolError,
+    RoomInUseError,
+    RoomStatus,
+    room_id,
+)
+from transfer_engine.errors import PeerUnreachableError
+from transfer_engine.facade import BlockingEngine
+
+pytestmark = pytest.mark.timeout(90)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "threaded.py"
+LAYOUT = KVLayout(num_layers=2, num_heads=4, head_dim=16, dtype=torch.bfloat16, page_size=4)
+
+
+def engine(role: str, port: int, **config: object) -> BlockingEngine:
+    cfg = EngineConfig(role=role, bootstrap_port=port, num_workers=1, **config)  # type: ignore[arg-type]
+    return BlockingEngine(cfg, KVPool.allocate(LAYOUT, 1, 0, 16, aux_slots=2, aux_item_bytes=8))
+
+
+def poll_until(handle: object, want: RoomStatus, limit_s: float = 10.0) -> RoomStatus:
+    deadline = time.monotonic() + limit_s
+    while True:
+        status: RoomStatus = handle.poll()  # type: ignore[attr-defined]
+        if status in (want, RoomStatus.FAILED) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.001)
+
+
+@pytest.mark.slow
+def test_threaded_example_moves_rooms_both_ways() -> None:
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--rooms", "8"],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("threaded ")]
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert len(lines) == 2 and all("0 errors" in line and line.endswith(": ok") for line in lines), lines
+    assert "P=2 -> D=1" in lines[0] and "P=1 -> D=2" in lines[1]
+
+
+def test_close_joins_the_loop_thread_and_refuses_later_calls() -> None:
+    before = {t.ident for t in threading.enumerate()}
+    prefill = engine("prefill", free_port())
+    assert len({t.ident for t in threading.enumerate()} - before) >= 1  # the loop thread
+    sender = prefill.sender("request-a")
+    assert sender.room == room_id("request-a")
+    assert sender.poll() is RoomStatus.BOOTSTRAPPING
+    prefill.close()
+    prefill.close()  # idempotent
+    assert {t.ident for t in threading.enumerate()} - before == set()
+    assert sender.poll() is RoomStatus.FAILED  # ended with SHUTDOWN: no WRITE can land
+    assert sender.failure is not None and sender.failure[0].name == "SHUTDOWN"
+    with pytest.raises(LocalProtocolError, match="closed"):
+        prefill.sender(7)
+    with pytest.raises(LocalProtocolError, match="closed"):
+        sender.send([0])
+    with pytest.raises(LocalProtocolError, match="closed"):
+        prefill.leaks()
+
+
+def test_bad_input_raises_typed_errors_naming_the_value() -> None:
+    port = free_port()
+    with engine("prefill", port) as prefill, engine("decode", port) as decode:
+        with pytest.raises(ConfigError, match="prefill"):
+            decode.sender(1)
+        with pytest.raises(ConfigError, match="decode"):
+            prefill.receiver(1, f"tcp://127.0.0.1:{port}")
+        with pytest.raises(ConfigError, match="request_id"):
+            prefill.sender("")
+        with pytest.raises(ConfigError, match="room=-1"):
+            prefill.sender(-1)
+        sender = prefill.sender(5)
+        with pytest.raises(RoomInUseError):
+            prefill.sender(5)
+        with pytest.raises(LayoutError, match="page 99"):
+            sender.send([1, 99])
+        with pytest.raises(LayoutError, match="aux_slot=9"):
+            sender.expect(3, aux_slot=9)
+        sender.expect(3, aux_slot=1)
+        with pytest.raises(ConfigError, match="total_pages=3"):
+            sender.send([0, 1, 2, 3])
+        with pytest.raises(LocalProtocolError, match="already expects"):
+            sender.expect(4)
+        with pytest.raises(LayoutError, match="page 16"):
+            decode.receiver(6, f"tcp://127.0.0.1:{port}", pages=[16])
+        with pytest.raises(ConfigError, match="decode_prefix_len=3"):
+            decode.receiver(6, f"tcp://127.0.0.1:{port}", pages=[1], decode_prefix_len=3)
+        receiver = decode.receiver(6, f"tcp://127.0.0.1:{port}")
+        assert poll_until(receiver, RoomStatus.WAITING_FOR_INPUT) is RoomStatus.WAITING_FOR_INPUT
+        with pytest.raises(LayoutError, match="page -1"):
+            receiver.request([-1])
+        receiver.request([0, 1, 2])
+        with pytest.raises(LocalProtocolError, match="already requested"):
+            receiver.request([3])
+        sender.abort()
+        receiver.abort()
+        assert poll_until(sender, RoomStatus.FAILED) is RoomStatus.FAILED
+        assert poll_until(receiver, RoomStatus.FAILED) is RoomStatus.FAILED
+        assert not any(prefill.leaks().values()) and not any(decode.leaks().values())
+
+
+def test_unreachable_bootstrap_fails_the_room_without_blocking() -> None:
+    with engine("decode", free_port(), connect_timeout=0.3, bootstrap_timeout=1.0) as decode:
+        started = time.monotonic()
+        receiver = decode.receiver("lost", f"tcp://127.0.0.1:{free_port()}")
+        assert time.monotonic() - started < 0.1  # the handshake runs on the loop
+        with pytest.raises(LocalProtocolError, match="handshake"):
+            receiver.request([0])
+        assert poll_until(receiver, RoomStatus.FAILED) is RoomStatus.FAILED
+        assert isinstance(receiver.open_error, PeerUnreachableError)
+        assert receiver.failure is not None and receiver.failure[0].name == "TRANSPORT"
+        with pytest.raises(PeerUnreachableError):
+            receiver.wait(5)
+        assert not any(decode.leaks().values())
+
+
+def test_room_ids_from_strings() -> None:
+    ids = [f"cmpl-{i:08x}-0" for i in range(20000)]
+    rooms = {room_id(i) for i in ids}
+    assert len(rooms) == len(ids)
+    assert all(0 <= r < 2**63 for r in rooms)
+    assert room_id("cmpl-1") == room_id("cmpl-1") != room_id("cmpl-2")
+    with pytest.raises(ConfigError, match="request_id=3"):
+        room_id(3)  # type: ignore[arg-type]
+    assert np.int64(room_id("x")) >= 0
