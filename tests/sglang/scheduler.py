@@ -34,6 +34,8 @@ from transfer_engine.errors import TransferFailed
 from transfer_engine.integrations.sglang import KVManager, KVReceiver, KVSender
 from transfer_engine.layout import KVLayout
 
+SMALL = KVLayout(num_layers=3, num_heads=4, head_dim=16, dtype=torch.bfloat16, page_size=4)
+"""The model every test here uses: 3 layers, 4 KV heads of 16 bf16 elements, pages of 4 tokens."""
 STEP_S = 0.0005
 AUX_ITEMS = ((8, torch.int32), (4, torch.float32), (2, torch.int64))
 """SGLang-like metadata buffers: (values per slot, dtype): output token ids, logprobs, hidden-state ids."""

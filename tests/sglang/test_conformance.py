@@ -15,17 +15,19 @@ import threading
 import pytest
 
 from tests.integration.harness import free_port
-from tests.sglang.scheduler import Group, Memory, Request, Stats, manager, run_decode_rank, run_prefill_rank
+from tests.sglang.scheduler import (
+    SMALL,
+    Group,
+    Memory,
+    Request,
+    Stats,
+    manager,
+    run_decode_rank,
+    run_prefill_rank,
+)
 from transfer_engine.integrations.sglang import KVBootstrapServer, KVManager
-from transfer_engine.layout import KVLayout
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def layout(page_size: int = 4) -> KVLayout:
-    import torch
-
-    return KVLayout(num_layers=3, num_heads=4, head_dim=16, dtype=torch.bfloat16, page_size=page_size)
 
 
 def requests(seed: int, n: int) -> list[Request]:
@@ -54,7 +56,7 @@ def requests(seed: int, n: int) -> list[Request]:
 
 
 def run_group(P: int, D: int, reqs: list[Request], **config: object) -> tuple[Stats, Stats, list[KVManager]]:
-    lay = layout()
+    lay = SMALL
     port = free_port()
     server = KVBootstrapServer("127.0.0.1", port)
     managers: list[KVManager] = []

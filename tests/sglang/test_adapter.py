@@ -1,0 +1,156 @@
+"""The adapter's contract with SGLang's real base classes: types, call order errors, the plugin.
+
+Budget: about 3 s. The plugin test reads the installed entry points with SGLang's own loader;
+applying the hooks needs ``sglang.srt.disaggregation.utils``, which a full SGLang install imports
+(it needs transformers and torchvision, which this CPU set-up leaves out), so the hook functions
+are checked on their own here.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import numpy as np
+import pytest
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVPoll,
+    KVTransferDestination,
+)
+from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+from tests.integration.harness import free_port
+from tests.sglang.scheduler import SMALL, Memory, manager
+from transfer_engine import ConfigError, LayoutError, LocalProtocolError, RoomStatus
+from transfer_engine.integrations.sglang import (
+    BACKEND,
+    KVBootstrapServer,
+    KVManager,
+    KVReceiver,
+    KVSender,
+    register,
+)
+from transfer_engine.integrations.sglang.conn import layout_from_kv_args
+from transfer_engine.integrations.sglang.plugin import extend_backends, get_kv_class_hook
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_classes_subclass_sglang_and_status_values_match_kvpoll() -> None:
+    assert issubclass(KVManager, BaseKVManager) and issubclass(KVSender, BaseKVSender)
+    assert issubclass(KVReceiver, BaseKVReceiver) and issubclass(KVBootstrapServer, BaseKVBootstrapServer)
+    for name in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success"):
+        assert getattr(KVPoll, name) == RoomStatus[name.upper().replace("FORINPUT", "_FOR_INPUT")]
+
+
+def test_layout_from_kv_args_and_its_errors() -> None:
+    memory = Memory.allocate(SMALL, 2, 8, 2)
+    args = memory.kv_args(SMALL, 2, 1)
+    assert layout_from_kv_args(args, False) == SMALL
+    args.kv_item_lens = [args.kv_item_lens[0] + 2] * len(args.kv_item_lens)
+    with pytest.raises(LayoutError, match="kv_item_lens\\[0\\]=258"):
+        layout_from_kv_args(args, False)
+    args = memory.kv_args(SMALL, 2, 1)
+    args.kv_data_ptrs = args.kv_data_ptrs[:5]
+    with pytest.raises(LayoutError, match="5 kv_data_ptrs"):
+        layout_from_kv_args(args, False)
+    args = memory.kv_args(SMALL, 2, 1)
+    args.kv_cache_dtype_str = "torch.float64"
+    with pytest.raises(LayoutError, match="float64"):
+        layout_from_kv_args(args, False)
+
+
+def test_overlapping_kv_buffers_are_refused_before_anything_starts() -> None:
+    memory = Memory.allocate(SMALL, 1, 8, 2)
+    memory.kv[3] = memory.kv[2]  # the same buffer twice
+    with pytest.raises(LayoutError, match="kv_data_ptrs\\[[23]\\].*overlaps kv_data_ptrs\\[[23]\\]"):
+        manager("prefill", SMALL, 1, 0, memory, free_port())
+
+
+def test_calls_in_the_wrong_order_or_with_bad_values_raise_typed_errors() -> None:
+    port = free_port()
+    server = KVBootstrapServer("127.0.0.1", port)
+    pmem, dmem = Memory.allocate(SMALL, 1, 8, 2), Memory.allocate(SMALL, 1, 8, 2)
+    prefill = manager("prefill", SMALL, 1, 0, pmem, port)
+    decode = manager("decode", SMALL, 1, 0, dmem, port)
+    try:
+        sender = KVSender(prefill, f"127.0.0.1:{port}", 11)
+        with pytest.raises(LocalProtocolError, match="before init"):
+            sender.send(np.array([0], dtype=np.int32))
+        with pytest.raises(LocalProtocolError, match="has not failed"):
+            sender.failure_exception()
+        with pytest.raises(LayoutError, match="aux slot 5"):
+            sender.init(2, 5)
+        receiver = KVReceiver(decode, f"127.0.0.1:{port}", 11)
+        with pytest.raises(LocalProtocolError, match="before init"):
+            receiver.send_metadata(np.array([0], dtype=np.int32), 0)
+        with pytest.raises(ConfigError, match="prefill_dp_rank=1"):
+            receiver.init(1)
+        with pytest.raises(ConfigError, match="bootstrap_addr='nowhere'"):
+            KVReceiver(decode, "nowhere", 12).init(0)
+        receiver.init(0)
+        with pytest.raises(LocalProtocolError, match="twice"):
+            receiver.init(0)
+        with pytest.raises(ConfigError, match="state_indices"):
+            receiver.send_metadata(np.array([0], dtype=np.int32), 0, [np.array([1])])
+        with pytest.raises(ConfigError, match="destination"):
+            receiver.send_metadata(np.array([0], dtype=np.int32), 0, None, 0, KVTransferDestination.HOST)
+        deadline = 100
+        while receiver.poll() is not RoomStatus.WAITING_FOR_INPUT and deadline:
+            deadline -= 1
+            time.sleep(0.02)
+        with pytest.raises(LayoutError, match="page 8"):
+            receiver.send_metadata(np.array([8], dtype=np.int32), 0)
+        with pytest.raises(ConfigError, match="decode_prefix_len=2"):
+            receiver.send_metadata(np.array([1], dtype=np.int32), 0, None, 2)
+        sender.abort()
+        receiver.abort()
+        for handle in (sender, receiver):
+            for _ in range(500):
+                if handle.poll() is RoomStatus.FAILED:
+                    break
+                time.sleep(0.01)
+            assert handle.poll() is RoomStatus.FAILED
+        for mgr in (prefill, decode):
+            assert not any(mgr.engine.leaks().values())
+    finally:
+        decode.close()
+        prefill.close()
+        server.close()
+    with pytest.raises(LocalProtocolError, match="closed"):
+        KVSender(prefill, f"127.0.0.1:{port}", 13)
+
+
+def test_plugin_entry_point_is_found_by_sglang() -> None:
+    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+    assert BACKEND in plugins
+    func, dist = plugins[BACKEND]
+    assert func is register and dist == "transfer-engine"
+
+
+def test_backend_enum_is_extended_and_get_kv_class_routes_it() -> None:
+    Backends = enum.Enum("TransferBackend", [("MOONCAKE", "mooncake"), ("NIXL", "nixl")])
+    extended = extend_backends(Backends)
+    assert [m.value for m in extended] == ["mooncake", "nixl", BACKEND]
+    assert extended(BACKEND).name == "TRANSFER_ENGINE" and extended("nixl").name == "NIXL"
+    assert extend_backends(extended) is not extended and len(extend_backends(extended)) == 3
+
+    def original(backend: object, kind: object) -> object:
+        return ("sglang", backend, kind)
+
+    Kind = enum.Enum(
+        "KVClassType",
+        [(n.upper(), n) for n in ("kvargs", "manager", "sender", "receiver", "bootstrap_server")],
+    )
+    te = extended(BACKEND)
+    assert get_kv_class_hook(original, te, Kind("manager")) is KVManager
+    assert get_kv_class_hook(original, te, Kind("sender")) is KVSender
+    assert get_kv_class_hook(original, te, Kind("receiver")) is KVReceiver
+    assert get_kv_class_hook(original, te, Kind("bootstrap_server")) is KVBootstrapServer
+    assert get_kv_class_hook(original, te, Kind("kvargs")) == ("sglang", te, Kind("kvargs"))
+    nixl = extended("nixl")
+    assert get_kv_class_hook(original, nixl, Kind("sender")) == ("sglang", nixl, Kind("sender"))
