@@ -38,7 +38,6 @@ import numpy as np
 import torch
 from anyio.abc import TaskGroup, TaskStatus
 
-from transfer_engine.actors.room import LocalAbort, RoomMail
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine, _check_request, _check_room
 from transfer_engine.errors import (
@@ -52,6 +51,7 @@ from transfer_engine.errors import (
     failure_error,
 )
 from transfer_engine.layout import KVPool
+from transfer_engine.mail import LocalAbort, RoomMail
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.room_ids import room_id
 from transfer_engine.transport.nixl import Transport
