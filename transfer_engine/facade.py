@@ -28,7 +28,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -82,6 +82,10 @@ class _Mailer:
         self._tg = tg
         self._backlog: deque[tuple[Sender | Receiver, RoomMail]] = deque()
         self._draining = False
+
+    def start(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+        """Start ``fn(*args)`` in the facade's task group (cancelled when the engine closes)."""
+        self._tg.start_soon(fn, *args)
 
     def post(self, handle: Sender | Receiver, mail: RoomMail) -> None:
         if not self._backlog:
@@ -287,19 +291,24 @@ class BlockingReceiver(_BlockingHandle):
             raise self._error
 
     async def _open(self, bootstrap: str, pages: Pages | None, aux_slot: int | None, prefix: int) -> None:
-        """Runs on the loop: the handshake, then the room's requests if ``pages`` were given."""
+        """Runs on the loop, in the facade's task group: the handshake, then the room's requests if
+        ``pages`` were given. Cancelled by ``close()``, which leaves the handle Failed."""
         try:
-            receiver = await self._engine._engine.receiver(self.room, bootstrap, pages, aux_slot, prefix)
-        except TransferError as exc:
-            log.info("room %d did not open: %s", self.room, exc)
-            self._error = exc
+            try:
+                receiver = await self._engine._engine.receiver(self.room, bootstrap, pages, aux_slot, prefix)
+            except TransferError as exc:
+                log.info("room %d did not open: %s", self.room, exc)
+                self._error = exc
+                return
+            except BaseException:
+                self._error = LocalProtocolError(f"the engine closed before room {self.room} opened")
+                raise
+            with self._lock:
+                self._receiver = receiver
+                self._requested = pages is not None
+                abort = self._abort
+        finally:
             self._ready.set()
-            return
-        with self._lock:
-            self._receiver = receiver
-            self._requested = pages is not None
-            abort = self._abort
-        self._ready.set()
         if abort is not None:
             await receiver.abort(abort)
 
@@ -405,7 +414,7 @@ class BlockingEngine:
         if rid in self._engine.rooms:  # the loop checks again; this catches the usual case early
             raise RoomInUseError(rid)
         receiver = BlockingReceiver(self, rid)
-        self._portal.start_task_soon(receiver._open, bootstrap, pages, aux_slot, decode_prefix_len)
+        self._call_soon(self._mailer.start, receiver._open, bootstrap, pages, aux_slot, decode_prefix_len)
         return receiver
 
     def connect(self, bootstrap: str) -> None:

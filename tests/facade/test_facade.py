@@ -150,3 +150,15 @@ def test_room_ids_from_strings() -> None:
     with pytest.raises(ConfigError, match="request_id=3"):
         room_id(3)  # type: ignore[arg-type]
     assert np.int64(room_id("x")) >= 0
+
+
+def test_close_during_a_handshake_fails_the_room_and_returns_promptly() -> None:
+    decode = engine("decode", free_port(), connect_timeout=5.0, bootstrap_timeout=10.0)
+    receiver = decode.receiver(9, f"tcp://127.0.0.1:{free_port()}")
+    time.sleep(0.1)
+    assert receiver.poll() is RoomStatus.BOOTSTRAPPING
+    started = time.monotonic()
+    decode.close()
+    assert time.monotonic() - started < 3.0  # the handshake was cancelled, not waited for
+    assert receiver.poll() is RoomStatus.FAILED
+    assert isinstance(receiver.open_error, LocalProtocolError)
