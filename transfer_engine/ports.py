@@ -41,6 +41,8 @@ ROOM_MAILBOX = 256
 """Ordinary capacity of a room's mailbox (senders wait beyond it)."""
 ROOM_RESERVE = 8
 """Reserve of a room's mailbox; rooms receive only ``send``s, so it is spare."""
+ACTOR_MAILBOX = 4096
+"""Ordinary capacity of the worker, ring and scatter mailboxes (their reserves come on top)."""
 
 
 @dataclass(frozen=True, slots=True)

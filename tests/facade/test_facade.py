@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.integration.harness import free_port
 from transfer_engine import (
     ConfigError,
     EngineConfig,
@@ -29,6 +28,7 @@ from transfer_engine import (
 )
 from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.facade import BlockingEngine
+from transfer_engine.testing import free_port
 
 pytestmark = pytest.mark.timeout(90)
 

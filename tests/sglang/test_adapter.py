@@ -23,7 +23,6 @@ from sglang.srt.disaggregation.base.conn import (
 )
 from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
 
-from tests.integration.harness import free_port
 from tests.sglang.scheduler import SMALL, Memory, manager
 from transfer_engine import ConfigError, LayoutError, LocalProtocolError, RoomStatus
 from transfer_engine.integrations.sglang import (
@@ -36,6 +35,7 @@ from transfer_engine.integrations.sglang import (
 )
 from transfer_engine.integrations.sglang.conn import layout_from_kv_args
 from transfer_engine.integrations.sglang.plugin import extend_backends, get_kv_class_hook
+from transfer_engine.testing import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,6 @@ import threading
 
 import pytest
 
-from tests.integration.harness import free_port
 from tests.sglang.scheduler import (
     SMALL,
     Group,
@@ -26,6 +25,7 @@ from tests.sglang.scheduler import (
     run_prefill_rank,
 )
 from transfer_engine.integrations.sglang import KVBootstrapServer, KVManager
+from transfer_engine.testing import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
