@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import sys
 import threading
 import time
@@ -33,15 +32,10 @@ import torch
 
 from transfer_engine import EngineConfig, KVLayout, KVPool, RoomStatus, patterns, room_id
 from transfer_engine.facade import BlockingEngine
+from transfer_engine.testing import free_port
 
 POLL_S = 0.0002
 ROOM_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

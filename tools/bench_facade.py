@@ -27,7 +27,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,15 +38,10 @@ import torch
 
 from transfer_engine import EngineConfig, KVLayout, KVPool, RoomStatus, patterns
 from transfer_engine.facade import BlockingEngine
+from transfer_engine.testing import free_port
 
 MODES = ("asyncio", "facade-poll", "facade-wait")
 ROOM_BASE = 1000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pin(args: argparse.Namespace, side: str) -> None:
@@ -160,7 +154,7 @@ def decode_main(args: argparse.Namespace, port: int, conn: Connection) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
     procs = [
