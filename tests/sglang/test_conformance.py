@@ -97,7 +97,7 @@ def run_group(P: int, D: int, reqs: list[Request], **config: object) -> tuple[St
     return pstats, dstats, managers
 
 
-@pytest.mark.parametrize(("P", "D"), [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize(("P", "D"), [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_scheduler_order_every_byte(P: int, D: int) -> None:
     reqs = requests(seed=10 * P + D, n=12)
     pstats, dstats, _ = run_group(P, D, reqs)

@@ -481,10 +481,11 @@ class ReceiverRoomActor(_RoomActor):
             case LocalAbort(detail=detail):
                 self._fail(FailureReason.ABORTED, detail)
             case PeerDead(agent=agent, detail=detail):
-                for rank, peer in self.writers.items():
+                for peer in [*self.writers.values(), *self.everyone]:  # its ack is no longer awaited
                     if peer.agent_name == agent:
-                        self.core.on_writer_dead(rank)
-                        self._fail(FailureReason.PEER_DEAD, detail)
+                        self.core.on_writer_dead(peer.rank)
+                if any(peer.agent_name == agent for peer in self.writers.values()):
+                    self._fail(FailureReason.PEER_DEAD, detail)
             case Shutdown():
                 self._fail(FailureReason.SHUTDOWN, "engine closed")
             case _:
@@ -531,7 +532,11 @@ class ReceiverRoomActor(_RoomActor):
 
     def start_abort(self) -> None:
         """Ask every writer to stop; the room becomes quiescent once all of them acknowledged."""
-        if not self.core.start_abort(rank for rank, peer in self.writers.items() if peer.alive):
+        # Every prefill rank of the instance, not only this rank's writers: a prefill rank acks once
+        # its room ended, so when all have, no WRITE of the room can land on ANY decode rank, and a
+        # scheduler that frees pages on the group's MIN poll (SGLang) is safe on every rank.
+        ranks = {rank for rank, peer in self.writers.items() if peer.alive}
+        if not self.core.start_abort(ranks | {peer.rank for peer in self.everyone if peer.alive}):
             return
         failure = self.core.failure
         detail = failure.detail if failure else "aborted"

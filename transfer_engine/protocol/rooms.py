@@ -356,7 +356,8 @@ class ReceiverRoom(_Room):
     scattered: set[int] = field(default_factory=set)
     aux_landed: bool = False
     awaiting_acks: set[int] = field(default_factory=set)
-    """Writers whose AbortAck (or death) this room waits for before its pages are safe."""
+    """Prefill ranks whose AbortAck (or death) this room waits for before its pages are safe (the
+    room actor names every rank of the instance, writers or not: see ``ReceiverRoomActor.start_abort``)."""
     aborting: bool = False
     """Abort went out to every prefill rank; the room ends once ``awaiting_acks`` is empty."""
     scattering: int = 0

@@ -53,7 +53,7 @@ from sglang.srt.disaggregation.base.conn import (
 
 from transfer_engine.actors.bootstrap import Bootstrap
 from transfer_engine.config import EngineConfig
-from transfer_engine.errors import ConfigError, LayoutError, LocalProtocolError, TransferFailed
+from transfer_engine.errors import ConfigError, FailureReason, LayoutError, LocalProtocolError, TransferFailed
 from transfer_engine.facade import BlockingEngine, BlockingReceiver
 from transfer_engine.layout import KVLayout, KVPool, dtype_of
 from transfer_engine.memory_views import AuxBuffers, pool_from_pointers
@@ -185,11 +185,19 @@ def _endpoint(bootstrap_addr: str) -> str:
 
 
 def _raise_failure(handle: Any, room: int) -> None:
+    """Raise ``handle``'s TransferFailed; if this rank's room has not failed, another rank's has.
+
+    SGLang combines poll() over the TP group with MIN, so it calls this on every rank once any rank
+    said Failed. A rank whose own room is still live is aborted (so it ends, and frees nothing
+    late) and raises a TransferFailed marked ``is_from_another_rank`` (SGLang logs those quietly).
+    """
     error = handle.failure_error() if handle is not None else None
-    if error is not None:
-        raise error
-    status = RoomStatus.BOOTSTRAPPING if handle is None else handle.poll()
-    raise LocalProtocolError(f"room {room} has not failed (it is {status.name})")
+    if error is None:
+        if handle is not None:
+            handle.abort("failed on another rank of the TP group")
+        error = TransferFailed(room, FailureReason.REMOTE, "failed on another rank of the TP group")
+        error.is_from_another_rank = True  # type: ignore[attr-defined]
+    raise error
 
 
 class KVSender(BaseKVSender):
@@ -261,7 +269,7 @@ class KVSender(BaseKVSender):
         return status
 
     def failure_exception(self) -> None:
-        """Raise the room's typed TransferFailed (LocalProtocolError if it has not failed)."""
+        """Raise the room's typed TransferFailed (see ``_raise_failure`` for a room failed elsewhere)."""
         _raise_failure(self._sender, self.bootstrap_room)
 
     def abort(self) -> None:
@@ -341,7 +349,7 @@ class KVReceiver(BaseKVReceiver):
         return status
 
     def failure_exception(self) -> None:
-        """Raise the room's typed TransferFailed (LocalProtocolError if it has not failed)."""
+        """Raise the room's typed TransferFailed (see ``_raise_failure`` for a room failed elsewhere)."""
         _raise_failure(self._rx, self.bootstrap_room)
 
     def abort(self) -> None:
