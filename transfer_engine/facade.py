@@ -286,7 +286,8 @@ class BlockingReceiver(_BlockingHandle):
         super().abort(detail)
 
     async def _opened(self) -> None:
-        await anyio.to_thread.run_sync(self._ready.wait)
+        if not self._ready.is_set():  # the handshake runs on this loop: wait for it off the loop
+            await anyio.to_thread.run_sync(self._ready.wait)
         if self._error is not None:
             raise self._error
 
