@@ -29,6 +29,7 @@ from transfer_engine import (
 from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.facade import BlockingEngine
 from transfer_engine.testing import free_port
+from transfer_engine.transport.nixl import NixlTransport
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -75,6 +76,9 @@ def test_close_joins_the_loop_thread_and_refuses_later_calls() -> None:
     prefill.close()
     prefill.close()  # idempotent
     assert {t.ident for t in threading.enumerate()} - before == set()
+    transport = prefill._engine._transport  # the real NixlTransport: everything of it released
+    assert isinstance(transport, NixlTransport)
+    assert transport.live_handles() == 0 and not transport._regs and not transport._peers
     assert sender.poll() is RoomStatus.FAILED  # ended with SHUTDOWN: no WRITE can land
     assert sender.failure is not None and sender.failure[0].name == "SHUTDOWN"
     with pytest.raises(LocalProtocolError, match="closed"):
