@@ -264,7 +264,7 @@ def run_decode_rank(
                 tokens = req.pages * prefill_page_size
                 n = -(-tokens // pool.layout.page_size)
                 pages = np.array([free.pop() for _ in range(n)], dtype=np.int64)
-                prefix = req.prefix_pages * pool.layout.page_size
+                prefix = req.prefix_pages * prefill_page_size  # tokens
                 receiver.send_metadata(pages.astype(np.int32), req.aux_index, None, prefix)
                 transfer.append((req, receiver, pages, 0))
             else:

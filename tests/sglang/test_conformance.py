@@ -9,6 +9,7 @@ request; nothing is leaked at the end. Budget: about 15 s for the module on the 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -25,12 +26,13 @@ from tests.sglang.scheduler import (
     run_prefill_rank,
 )
 from transfer_engine.integrations.sglang import KVBootstrapServer, KVManager
+from transfer_engine.layout import KVLayout
 from transfer_engine.testing import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
 
-def requests(seed: int, n: int) -> list[Request]:
+def requests(seed: int, n: int, prefixes: tuple[int, ...] = (0, 0, 1, 2)) -> list[Request]:
     """``n`` requests of 1-10 pages in 1-3 chunks; some with a decode prefix, some aborted."""
     rng = random.Random(seed)
     out = []
@@ -43,7 +45,7 @@ def requests(seed: int, n: int) -> list[Request]:
             pages=pages,
             chunks=[b - a for a, b in zip(bounds, bounds[1:], strict=False)],
             aux_index=i,  # SGLang gives every live request its own metadata slot
-            prefix_pages=rng.choice([0, 0, 1, 2]),
+            prefix_pages=rng.choice(prefixes),
         )
         # Aborts only of rooms that cannot have succeeded yet (their last chunk is not sent), so
         # that every rank of both sides must end them Failed.
@@ -55,7 +57,9 @@ def requests(seed: int, n: int) -> list[Request]:
     return out
 
 
-def run_group(P: int, D: int, reqs: list[Request], **config: object) -> tuple[Stats, Stats, list[KVManager]]:
+def run_group(
+    P: int, D: int, reqs: list[Request], decode_layout: KVLayout = SMALL, **config: object
+) -> tuple[Stats, Stats, list[KVManager]]:
     lay = SMALL
     port = free_port()
     server = KVBootstrapServer("127.0.0.1", port)
@@ -63,10 +67,10 @@ def run_group(P: int, D: int, reqs: list[Request], **config: object) -> tuple[St
     threads_before = threading.active_count()
     try:
         pmem = [Memory.allocate(lay, P, 48, len(reqs)) for _ in range(P)]
-        dmem = [Memory.allocate(lay, D, 48, len(reqs)) for _ in range(D)]
+        dmem = [Memory.allocate(decode_layout, D, 48, len(reqs)) for _ in range(D)]
         prefill = [manager("prefill", lay, P, r, pmem[r], port, **config) for r in range(P)]
         managers += prefill
-        decode = [manager("decode", lay, D, r, dmem[r], port, **config) for r in range(D)]
+        decode = [manager("decode", decode_layout, D, r, dmem[r], port, **config) for r in range(D)]
         managers += decode
         pstats, dstats = Stats(), Stats()
         pgroup, dgroup = Group(P), Group(D)
@@ -109,3 +113,15 @@ def test_scheduler_order_every_byte(P: int, D: int) -> None:
     assert dstats.failed == D * aborted
     assert pstats.failed == P * aborted
     assert dstats.bytes_checked > 0
+
+
+@pytest.mark.parametrize(("P", "D"), [(1, 1), (2, 1)])
+def test_decode_pages_twice_as_large(P: int, D: int) -> None:
+    """Decode pages of 8 tokens against prefill pages of 4: the staged path, prefixes of 8 tokens."""
+    reqs = requests(seed=100 + P, n=8, prefixes=(0, 2))
+    decode_layout = dataclasses.replace(SMALL, page_size=8)
+    pstats, dstats, _ = run_group(P, D, reqs, decode_layout)
+    assert not pstats.errors and not dstats.errors, pstats.errors + dstats.errors
+    aborted = sum(1 for r in reqs if r.abort_by)
+    assert dstats.succeeded == D * (len(reqs) - aborted) and dstats.failed == D * aborted
+    assert pstats.succeeded == P * (len(reqs) - aborted) and pstats.failed == P * aborted
