@@ -73,6 +73,8 @@ class EngineThread:
         host: str,
         bootstrap_port: int,
         max_rooms: int,
+        bootstrap_timeout: float,
+        introspect_port: int,
     ) -> None:
         self._aux = torch.zeros(max_rooms, 16, dtype=torch.uint8)
         self._free_aux = list(range(max_rooms))
@@ -84,6 +86,8 @@ class EngineThread:
             host=host,
             bootstrap_host=host,
             bootstrap_port=bootstrap_port,
+            bootstrap_timeout=bootstrap_timeout,
+            introspect_port=introspect_port + tp_rank if introspect_port else 0,
         )
         self.engine: TransferEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -180,7 +184,9 @@ class EngineThread:
             )  # fmt: skip
             return False
         if not self._free_aux:
-            log.error("no free aux slot for request %s (more live transfers than max_num_seqs * 2)", entry.req_id)
+            log.error(
+                "no free aux slot for request %s (more live transfers than max_num_seqs * 2)", entry.req_id
+            )
             return False
         self._live[room] = entry
         return True
@@ -194,7 +200,9 @@ class EngineThread:
                 if not ok and not entry.aborted:
                     self._load_errors.update(entry.block_ids)
 
-    async def _send(self, req_id: str, room: int, transfer_id: str, block_ids: list[int], digest: bytes) -> None:
+    async def _send(
+        self, req_id: str, room: int, transfer_id: str, block_ids: list[int], digest: bytes
+    ) -> None:
         assert self.engine is not None
         entry = _Entry(req_id, transfer_id, block_ids)
         if not self._claim(room, entry):
@@ -233,7 +241,9 @@ class EngineThread:
             await receiver.wait()
             ok = bytes(self._aux[slot].tolist()) == digest
             if not ok:
-                log.error("request %s (room %d): the KV that landed is not transfer %r's", req_id, room, transfer_id)
+                log.error(
+                    "request %s (room %d): the KV that landed is not transfer %r's", req_id, room, transfer_id
+                )
         except TransferError as exc:
             if not entry.aborted:
                 log.warning("request %s (room %d): receive failed: %s", req_id, room, exc)

@@ -9,6 +9,11 @@ Load it with::
         kv_connector_extra_config={"bootstrap_port": 8998},  # prefill: where its bootstrap listens
     )
 
+``kv_connector_extra_config`` keys (all optional): ``bootstrap_port`` (prefill, default 8998),
+``host`` (where the engine binds, default 127.0.0.1), ``bootstrap_timeout`` (seconds a decode's
+request may wait for the prefill to reach it, default 120: it covers the prefill's queue), and
+``introspect_port`` (TP rank ``r`` serves ``transfer-engine dump`` on this port + ``r``; 0 picks one).
+
 Push model, as the engine is: the decode allocates blocks and the prefill WRITEs into them. A
 router (``transfer_engine.integrations.vllm.proxy``) gives both instances the same request at once,
 with ``kv_transfer_params``:
@@ -114,6 +119,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
         extra = dict(tc.kv_connector_extra_config or {})
         self.bootstrap_port = int(extra.get("bootstrap_port", 8998))
         self.host = str(extra.get("host", "127.0.0.1"))
+        self.bootstrap_timeout = float(extra.get("bootstrap_timeout", 120.0))
+        self.introspect_port = int(extra.get("introspect_port", 0))
         self.block_size = vllm_config.cache_config.block_size
         if not self.is_prefill and vllm_config.cache_config.enable_prefix_caching:
             raise ConfigError(
@@ -141,7 +148,9 @@ class TransferEngineConnector(KVConnectorBase_V1):
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         """Decode: the blocks for the prompt exist; the workers open the room next step."""
         if self.is_prefill or num_external_tokens == 0:
             return
@@ -163,7 +172,10 @@ class TransferEngineConnector(KVConnectorBase_V1):
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        for req_id in (*(connector_output.finished_sending or ()), *(connector_output.finished_recving or ())):
+        for req_id in (
+            *(connector_output.finished_sending or ()),
+            *(connector_output.finished_recving or ()),
+        ):
             self._in_flight.pop(req_id, None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -185,10 +197,10 @@ class TransferEngineConnector(KVConnectorBase_V1):
                 return True, {"transfer_id": transfer_id, "room": room_of(transfer_id)}
             self._pending.abort.append(transfer)  # the workers fail the room; the blocks free now
             return False, None
-        transfer = self._in_flight.get(req_id)
-        if transfer is None:
+        receiving = self._in_flight.get(req_id)
+        if receiving is None:
             return False, None
-        self._pending.abort.append(transfer)
+        self._pending.abort.append(receiving)
         return True, None
 
     def has_pending_push_work(self) -> bool:
@@ -214,6 +226,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
             host=self.host,
             bootstrap_port=self.bootstrap_port,
             max_rooms=2 * self._vllm_config.scheduler_config.max_num_seqs,
+            bootstrap_timeout=self.bootstrap_timeout,
+            introspect_port=self.introspect_port,
         )
         self._runner.start()
 

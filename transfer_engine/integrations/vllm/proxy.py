@@ -86,6 +86,10 @@ class Router:
                 log.warning("prefill %s answered %d: %s", url, upstream.status, text[:200])
 
 
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text=json.dumps({"ok": True}))
+
+
 def make_app(prefill: list[tuple[str, str]], decode: list[str]) -> web.Application:
     router = Router(prefill, decode)
     app = web.Application()
@@ -93,12 +97,14 @@ def make_app(prefill: list[tuple[str, str]], decode: list[str]) -> web.Applicati
     app.on_cleanup.append(router.close)
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.completions)
-    app.router.add_get("/healthz", lambda _: web.Response(text=json.dumps({"ok": True})))
+    app.router.add_get("/healthz", _healthz)
     return app
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     app = make_app([(u, b) for u, b in args.prefill], args.decode)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":
