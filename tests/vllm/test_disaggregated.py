@@ -22,6 +22,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,8 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from ..integration.harness import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -52,6 +51,23 @@ CONNECTOR = {
     "kv_connector": "TransferEngineConnector",
     "kv_connector_module_path": "transfer_engine.integrations.vllm.connector",
 }
+
+
+_taken: set[int] = set()
+
+
+def free_port() -> int:
+    """A free port outside Linux's ephemeral range (32768-60999), where the vLLM processes bind
+    their own random ports: a port picked there could be taken again before our process binds it."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        if port in _taken or port + 1 in _taken:
+            continue
+        with contextlib.suppress(OSError), socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+            _taken.add(port)
+            return port
 
 
 def make_model(path: Path) -> None:
@@ -92,7 +108,7 @@ def serve(
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
         "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-        "--block-size", "32", "--max-num-seqs", "8", *args,
+        "--block-size", "32", "--max-num-seqs", "8", "--served-model-name", "m", *args,
     ]  # fmt: skip
     full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONWARNINGS="ignore", **(env or {}))
     with log.open("wb") as out:
@@ -146,9 +162,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     model = tmp / "model"
     make_model(model)
     b1, b2 = free_port(), free_port()
-    i_d, i_p1, i_p2 = free_port(), free_port(), free_port()
-    while i_p2 + 1 in (b1, b2, i_d, i_p1):
-        i_p2 = free_port()
+    i_d, i_p1, i_p2 = free_port(), free_port(), free_port()  # i_p2 + 1 serves TP rank 1
 
     def kv(role: str, **extra: object) -> str:
         return json.dumps({**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra})
@@ -245,23 +259,23 @@ def test_decode_tokens_match_vllm_alone_and_decode_computes_no_prompt(setup: Set
     before = metrics(setup.decode.port)
     reference = [complete(setup.decode.port, p, 12) for p in batch]
     alone = metrics(setup.decode.port)
-    assert alone["vllm:prompt_tokens_by_source[local_compute]"] - before[
-        "vllm:prompt_tokens_by_source[local_compute]"
+    assert alone["vllm:prompt_tokens_by_source_total[local_compute]"] - before[
+        "vllm:prompt_tokens_by_source_total[local_compute]"
     ] == sum(map(len, batch)), "the reference run computed its prompts"
     assert (
-        alone["vllm:prompt_tokens_by_source[external_kv_transfer]"]
-        == before["vllm:prompt_tokens_by_source[external_kv_transfer]"]
+        alone["vllm:prompt_tokens_by_source_total[external_kv_transfer]"]
+        == before["vllm:prompt_tokens_by_source_total[external_kv_transfer]"]
     )
     disaggregated = [complete(route.port, p, 12) for p in batch]
     after = metrics(setup.decode.port)
     assert disaggregated == reference
     computed = (
-        after["vllm:prompt_tokens_by_source[local_compute]"]
-        - alone["vllm:prompt_tokens_by_source[local_compute]"]
+        after["vllm:prompt_tokens_by_source_total[local_compute]"]
+        - alone["vllm:prompt_tokens_by_source_total[local_compute]"]
     )
     external = (
-        after["vllm:prompt_tokens_by_source[external_kv_transfer]"]
-        - alone["vllm:prompt_tokens_by_source[external_kv_transfer]"]
+        after["vllm:prompt_tokens_by_source_total[external_kv_transfer]"]
+        - alone["vllm:prompt_tokens_by_source_total[external_kv_transfer]"]
     )
     assert computed == 0, f"the decode computed {computed} prompt tokens itself"
     assert external == sum(map(len, batch))
