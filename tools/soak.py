@@ -44,7 +44,6 @@ import logging
 import os
 import random
 import re
-import socket
 import sys
 import time
 from collections import Counter, defaultdict
@@ -57,19 +56,18 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
-from transfer_engine import patterns
+from transfer_engine import patterns, testing
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine
 from transfer_engine.errors import (
+    FailureReason,
     LocalProtocolError,
-    PeerUnreachableError,
     RemoteProtocolError,
     TransferFailed,
 )
 from transfer_engine.layout import KVLayout, KVPool
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
-from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.staging import region_layout
 from transfer_engine.transport.faults import ControlFaults, Fault, FaultyTransport, Rule
 from transfer_engine.transport.nixl import NixlTransport
@@ -358,12 +356,6 @@ class Injector:
 _names = itertools.count()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Cluster:
     prefill: list[TransferEngine]
@@ -409,34 +401,19 @@ def _engine(
 @contextlib.asynccontextmanager
 async def open_cluster(cfg: EpochConfig, injector: Injector, seed: int) -> AsyncIterator[Cluster]:
     """P prefill and D decode engines of ``cfg`` in this process, entered (prefill rank 0 first)."""
-    async with contextlib.AsyncExitStack() as stack:
-        for attempt in range(3):  # the free port may be taken (by a control socket) before we bind it
-            port = _free_port()
-            first = _engine(cfg, "prefill", 0, port, injector, seed)
-            try:
-                prefill = [await stack.enter_async_context(first)]
-                break
-            except PeerUnreachableError as exc:
-                if "cannot bind" not in str(exc) or attempt == 2:
-                    raise
-        for rank in range(1, cfg.P):
-            prefill.append(
-                await stack.enter_async_context(_engine(cfg, "prefill", rank, port, injector, seed))
-            )
-        decode = [
-            await stack.enter_async_context(_engine(cfg, "decode", rank, port, injector, seed + 100))
-            for rank in range(cfg.D)
-        ]
+
+    def make(role: str, rank: int, port: int) -> TransferEngine:
+        return _engine(cfg, role, rank, port, injector, seed if role == "prefill" else seed + 100)
+
+    async with testing.open_cluster(make, cfg.P, cfg.D) as opened:
+        prefill, decode = opened.prefill, opened.decode
         engines = prefill + decode
         if cfg.random_faults:
             for i, engine in enumerate(engines):
                 engine.control.faults = ControlFaults(Injector.control_rules(), seed=seed + 200 + i)
         transports = [e._transport for e in engines]
         yield Cluster(
-            prefill,
-            decode,
-            f"tcp://127.0.0.1:{port}",
-            [t for t in transports if isinstance(t, FaultyTransport)],
+            prefill, decode, opened.bootstrap, [t for t in transports if isinstance(t, FaultyTransport)]
         )
         for engine in engines:  # held control messages are not worth keeping alive the epoch's end
             engine.control.faults = None
@@ -754,11 +731,12 @@ class Epoch:
         except Exception as exc:  # an API call that should not have raised
             problems.extend(_errors(exc))
         decoded = await _outcomes(receivers)
+        verified = self._verify(plan, dst, aux_d, decoded)
         failed = any(reason is not None for reason, _ in decoded) or bool(problems) or len(receivers) < cfg.D
 
         async def prefill_side() -> None:
             prefilled = await _outcomes(senders)
-            self._judge(plan, src, dst, aux_d, decoded, prefilled, problems)
+            self._judge(plan, src, verified, decoded, prefilled, problems)
             self.injector.fail.pop(room, None)
             self.injector.writes_seen.pop(room, None)
             self.injector.held_rooms.discard(room)
@@ -812,12 +790,29 @@ class Epoch:
 
         return hook
 
+    def _verify(
+        self, plan: RoomPlan, dst: np.ndarray, aux_d: int, decoded: list[tuple[Outcome, str]]
+    ) -> list[str]:
+        """What differs on the decode ranks that succeeded: checked as soon as the decode side ended,
+        before its pages can go to a follow-up room."""
+        cfg = self.cfg
+        bad: list[str] = []
+        tokens = patterns.received_tokens(plan.pages, cfg.prefill_page_size, len(dst), cfg.decode_page_size)
+        for (reason, _), engine in zip(decoded, self.c.decode, strict=False):
+            if reason is not None:
+                continue
+            wrong = patterns.mismatches(engine.pool, plan.room, dst, tokens)
+            if wrong:
+                bad.append(f"decode rank {engine.config.tp_rank}: {wrong} elements differ")
+            if plan.aux and not patterns.aux_ok(engine.pool, plan.room, aux_d):
+                bad.append(f"decode rank {engine.config.tp_rank}: aux item differs")
+        return bad
+
     def _judge(
         self,
         plan: RoomPlan,
         src: np.ndarray,
-        dst: np.ndarray,
-        aux_d: int,
+        verified: list[str],
         decoded: list[tuple[Outcome, str]],
         prefilled: list[tuple[Outcome, str]],
         problems: list[str],
@@ -830,17 +825,7 @@ class Epoch:
         for reason, _ in decoded + prefilled:
             if reason is not None:
                 tally.reasons[reason.name] += 1
-        # every decode rank that succeeded holds every byte of the room
-        bad: list[str] = []
-        tokens = patterns.received_tokens(plan.pages, cfg.prefill_page_size, len(dst), cfg.decode_page_size)
-        for (reason, _), engine in zip(decoded, self.c.decode, strict=False):
-            if reason is not None:
-                continue
-            wrong = patterns.mismatches(engine.pool, plan.room, dst, tokens)
-            if wrong:
-                bad.append(f"decode rank {engine.config.tp_rank}: {wrong} elements differ")
-            if plan.aux and not patterns.aux_ok(engine.pool, plan.room, aux_d):
-                bad.append(f"decode rank {engine.config.tp_rank}: aux item differs")
+        bad = verified
         what = (
             f"room {plan.room} ({plan.pages} pages in {list(plan.chunks)}, aux={plan.aux}, "
             f"abort={abort.label + ' ranks ' + str(abort.ranks) + ' other ' + abort.other_side if abort else None}, "
@@ -926,8 +911,9 @@ def _collect(cluster: Cluster, tally: Tally) -> None:
         faults = engine.control.faults
         if isinstance(faults, ControlFaults):
             tally.faults_fired.update({f"control_{k}": v for k, v in faults.fired.items()})
-        for key in ("notifs_duplicate", "notifs_unrouted", "late_messages", "stash_expired", "peers_dead"):
+        for key in ("notifs_duplicate", "late_messages", "stash_expired", "peers_dead"):
             tally.engine_counters[key] += engine.counters[key]
+        tally.engine_counters["notifs_unrouted"] += engine.poller.counters["notifs_unrouted"]
         for worker in engine.workers:
             for key in ("watermark_waits", "lease_waits", "staged_writes"):
                 tally.engine_counters[key] += worker.counters[key]

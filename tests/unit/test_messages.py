@@ -1,4 +1,4 @@
-"""Wire messages (DESIGN §6): every type round-trips, and bad bytes only ever raise RemoteProtocolError.
+"""Wire messages: every type round-trips, and bad bytes only ever raise RemoteProtocolError.
 
 ``SAMPLES`` holds one instance of every message type with non-default values; a test fails when a
 type is added to the union without a sample here, so no message can go untested.
@@ -16,9 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer_engine.errors import RemoteProtocolError
+from transfer_engine.errors import FailureReason, RemoteProtocolError
 from transfer_engine.protocol import messages
-from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.messages import (
     MAX_MESSAGE_BYTES,
     MAX_NOTIF_BYTES,

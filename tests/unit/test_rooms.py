@@ -1,6 +1,6 @@
-"""Room state machines (DESIGN §7): every (state, event) pair of both tables, bookkeeping, deadlines.
+"""Room state machines: every (state, event) pair of both tables, bookkeeping, deadlines.
 
-The expected transitions below are written out by hand from DESIGN §7 and the KVPoll states, never
+The expected transitions below are written out by hand from the room states (docs/states.md) and the KVPoll states, never
 read from the tables under test. Every test is synchronous and passes ``now`` explicitly.
 """
 
@@ -12,8 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer_engine.errors import LocalProtocolError, RemoteProtocolError
-from transfer_engine.errors import FailureReason
+from transfer_engine.errors import FailureReason, LocalProtocolError, RemoteProtocolError
 from transfer_engine.protocol.rooms import (
     RECEIVER_TRANSITIONS,
     SENDER_TRANSITIONS,

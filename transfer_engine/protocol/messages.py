@@ -45,7 +45,7 @@ class KVStrides(_Base, frozen=True):
 
 
 class LayoutInfo(_Base, frozen=True):
-    """A rank's KV layout as its peers see it (DESIGN §2)."""
+    """A rank's KV layout as its peers see it."""
 
     num_layers: int
     num_heads: int
