@@ -75,6 +75,7 @@ class EngineThread:
         max_rooms: int,
         bootstrap_timeout: float,
         introspect_port: int,
+        heartbeat_interval: float,
     ) -> None:
         self._aux = torch.zeros(max_rooms, 16, dtype=torch.uint8)
         self._free_aux = list(range(max_rooms))
@@ -88,6 +89,7 @@ class EngineThread:
             bootstrap_port=bootstrap_port,
             bootstrap_timeout=bootstrap_timeout,
             introspect_port=introspect_port + tp_rank if introspect_port else 0,
+            heartbeat_interval=heartbeat_interval,
         )
         self.engine: TransferEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

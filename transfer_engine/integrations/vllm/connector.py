@@ -12,7 +12,9 @@ Load it with::
 ``kv_connector_extra_config`` keys (all optional): ``bootstrap_port`` (prefill, default 8998),
 ``host`` (where the engine binds, default 127.0.0.1), ``bootstrap_timeout`` (seconds a decode's
 request may wait for the prefill to reach it, default 120: it covers the prefill's queue), and
-``introspect_port`` (TP rank ``r`` serves ``transfer-engine dump`` on this port + ``r``; 0 picks one).
+``introspect_port`` (TP rank ``r`` serves ``transfer-engine dump`` on this port + ``r``; 0 picks one)
+and ``heartbeat_interval`` (default 5 s, a peer is dead after two silent intervals: the engine's
+thread shares the GIL with vLLM's worker, which can hold it for seconds on a loaded CPU box).
 
 Push model, as the engine is: the decode allocates blocks and the prefill WRITEs into them. A
 router (``transfer_engine.integrations.vllm.proxy``) gives both instances the same request at once,
@@ -121,6 +123,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
         self.host = str(extra.get("host", "127.0.0.1"))
         self.bootstrap_timeout = float(extra.get("bootstrap_timeout", 120.0))
         self.introspect_port = int(extra.get("introspect_port", 0))
+        self.heartbeat_interval = float(extra.get("heartbeat_interval", 5.0))
         self.block_size = vllm_config.cache_config.block_size
         if not self.is_prefill and vllm_config.cache_config.enable_prefix_caching:
             raise ConfigError(
@@ -228,6 +231,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
             max_rooms=2 * self._vllm_config.scheduler_config.max_num_seqs,
             bootstrap_timeout=self.bootstrap_timeout,
             introspect_port=self.introspect_port,
+            heartbeat_interval=self.heartbeat_interval,
         )
         self._runner.start()
 
