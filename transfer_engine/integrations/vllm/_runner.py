@@ -76,6 +76,7 @@ class EngineThread:
         bootstrap_timeout: float,
         introspect_port: int,
         heartbeat_interval: float,
+        connect_timeout: float,
     ) -> None:
         self._aux = torch.zeros(max_rooms, 16, dtype=torch.uint8)
         self._free_aux = list(range(max_rooms))
@@ -90,6 +91,7 @@ class EngineThread:
             bootstrap_timeout=bootstrap_timeout,
             introspect_port=introspect_port + tp_rank if introspect_port else 0,
             heartbeat_interval=heartbeat_interval,
+            connect_timeout=connect_timeout,
         )
         self.engine: TransferEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

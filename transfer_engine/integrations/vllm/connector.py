@@ -14,7 +14,8 @@ Load it with::
 request may wait for the prefill to reach it, default 120: it covers the prefill's queue), and
 ``introspect_port`` (TP rank ``r`` serves ``transfer-engine dump`` on this port + ``r``; 0 picks one)
 and ``heartbeat_interval`` (default 5 s, a peer is dead after two silent intervals: the engine's
-thread shares the GIL with vLLM's worker, which can hold it for seconds on a loaded CPU box).
+thread shares the GIL with vLLM's worker, which can hold it for seconds on a loaded CPU box), and
+``connect_timeout`` (default 30 s, for the decode's first handshake with a prefill, for the same reason).
 
 Push model, as the engine is: the decode allocates blocks and the prefill WRITEs into them. A
 router (``transfer_engine.integrations.vllm.proxy``) gives both instances the same request at once,
@@ -124,6 +125,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
         self.bootstrap_timeout = float(extra.get("bootstrap_timeout", 120.0))
         self.introspect_port = int(extra.get("introspect_port", 0))
         self.heartbeat_interval = float(extra.get("heartbeat_interval", 5.0))
+        self.connect_timeout = float(extra.get("connect_timeout", 30.0))
         self.block_size = vllm_config.cache_config.block_size
         if not self.is_prefill and vllm_config.cache_config.enable_prefix_caching:
             raise ConfigError(
@@ -232,6 +234,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
             bootstrap_timeout=self.bootstrap_timeout,
             introspect_port=self.introspect_port,
             heartbeat_interval=self.heartbeat_interval,
+            connect_timeout=self.connect_timeout,
         )
         self._runner.start()
 
