@@ -54,6 +54,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.introspect import ENDED_ROOMS_KEPT, RoomSnapshot, build_snapshot, record_ended
 from transfer_engine.layout import KVPool
+from transfer_engine.logbook import LogBook
 from transfer_engine.memory import allocate_staging, chunk_region_bytes
 from transfer_engine.peers import Peer, PrefillInstance
 from transfer_engine.protocol import heads
@@ -202,6 +203,8 @@ class TransferEngine:
         self.metrics = load_metrics(self) if config.metrics_port is not None else None
         """Prometheus metrics (``metrics_port``); ConfigError above when prometheus-client is missing."""
         self.metrics_server: MetricsServer | None = None
+        self.notif_book = LogBook(log, f"{config.role}{config.tp_rank}")
+        """Bounded log of notifications routed to no room (``counters`` stays exact)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -699,7 +702,10 @@ class TransferEngine:
     async def _on_notif(self, agent: str, notif: m.ChunkLanded | m.AuxLanded) -> None:
         if self.config.role != "decode" or not await self._to_room(notif.room, notif):
             self.counters["notifs_unrouted"] += 1
-            log.warning("%s: notification %s from %s for no live room dropped", self.agent_name, notif, agent)
+            self.notif_book.note(
+                "unrouted notification", "%s: notification %s from %s for no live room dropped",
+                self.agent_name, notif, agent,
+            )  # fmt: skip
 
     # --- liveness -----------------------------------------------------------------------------------
 

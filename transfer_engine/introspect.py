@@ -537,6 +537,12 @@ def _counters(engine: TransferEngine) -> Counters:
     introspect = getattr(engine, "introspect", None)
     if introspect is not None:
         dropped.update({f"introspect.{kind}": n for kind, n in introspect.dropped.items()})
+    for name in ("bootstrap", "metrics_server"):  # the other endpoints this rank serves, when it does
+        endpoint = getattr(engine, name, None)
+        if endpoint is not None:
+            dropped.update(
+                {f"{name.removesuffix('_server')}.{kind}": n for kind, n in endpoint.dropped.items()}
+            )
     for key, kind, source in (
         ("notifs_dropped", "notification.malformed", poller),
         ("notifs_unrouted", "notification.unrouted", counters),

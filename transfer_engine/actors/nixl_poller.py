@@ -25,6 +25,7 @@ import numpy as np
 from anyio.abc import TaskStatus
 
 from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransportError
+from transfer_engine.logbook import LogBook
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.messages import MemRegion
 from transfer_engine.ticker import fine_timers
@@ -78,6 +79,8 @@ class NixlPoller:
         self._cycle = anyio.Event()
         self._wake = anyio.Event()
         self.counters: Counter[str] = Counter()
+        self.book = LogBook(log, "nixl")
+        """Bounded log of dropped notifications (``counters`` stays exact)."""
 
     @property
     def name(self) -> str:
@@ -225,7 +228,7 @@ class NixlPoller:
                     notif = m.decode_notification(raw)
                 except RemoteProtocolError as exc:
                     self.counters["notifs_dropped"] += 1
-                    log.warning("dropped notification from %s: %s", agent, exc)
+                    self.book.note("malformed notification", "dropped notification from %s: %s", agent, exc)
                     continue
                 self.counters["notifs"] += 1
                 await self._on_notif(agent, notif)
