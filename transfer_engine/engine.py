@@ -10,6 +10,7 @@ every socket, NIXL handle and registration.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -60,6 +61,7 @@ from transfer_engine.peers import Peer, PrefillInstance
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.protocol.retransmit import Ended, Late, Tombstones, answer_late_request
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
 from transfer_engine.security import Curve
 from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
@@ -71,7 +73,8 @@ SHUTDOWN_DRAIN_S = 10.0
 LEASE_SILENCE = 2.0
 """Heartbeat intervals of silence after which a peer is dead (checked every quarter interval, so a
 dead peer's rooms fail within 2.25 intervals of its last heartbeat). 1.75 met DESIGN §9's 2 intervals
-but declared live peers dead on a loaded 2-core machine (one late heartbeat), which costs rooms."""
+but declared live peers dead on a loaded 2-core machine (one late heartbeat), which costs rooms.
+Heartbeats go out every half interval, so a lease survives two heartbeats lost in a row."""
 
 
 def _pages_array(pages: Sequence[int] | np.ndarray | Any, pool: KVPool, what: str) -> np.ndarray:
@@ -187,6 +190,8 @@ class TransferEngine:
         self.instances: dict[str, PrefillInstance] = {}
         self._connecting: dict[str, anyio.Event] = {}
         self._stash: dict[int, list[tuple[float, RoomMail]]] = defaultdict(list)
+        self.tombstones = Tombstones(config.bootstrap_timeout + config.transfer_timeout)
+        """Prefill: outcomes of rooms no longer live, to answer repeated requests (protocol.retransmit)."""
         self.workers: list[TransferWorker] = []
         self.bootstrap: Bootstrap | None = None
         self.ring: RingActor | None = None
@@ -377,6 +382,7 @@ class TransferEngine:
         if room in self.rooms:
             raise RoomInUseError(room)
         actor = SenderRoomActor(self, room, self.deadlines)
+        self.tombstones.reopen(room)
         self._start_room(actor)
         for _, mail in self._stash.pop(room, []):
             actor.inbox.send_nowait(mail)
@@ -451,19 +457,18 @@ class TransferEngine:
                 if w is None
                 else [m.SliceSpec(w.prefill_rank, w.src_head_start, w.dst_head_start, w.num_heads)]
             )
-            self.control.send(
-                peer.endpoint,
-                m.TransferRequest(
-                    room=room,
-                    agent=self.agent_name,
-                    decode_rank=d,
-                    decode_tp=D,
-                    path=path,
-                    dst_pages=pages_list,
-                    aux_slot=aux_slot if peer.rank == aux_writer else None,
-                    slices=slices,
-                ),
+            request = m.TransferRequest(
+                room=room,
+                agent=self.agent_name,
+                decode_rank=d,
+                decode_tp=D,
+                path=path,
+                dst_pages=pages_list,
+                aux_slot=aux_slot if peer.rank == aux_writer else None,
+                slices=slices,
             )
+            actor.requests.append((peer, request))  # repeated until the room is final
+            self.control.send(peer.endpoint, request)
         actor.core.bootstrapped(by_rank, aux_writer, time.monotonic())
         log.info(
             "decode room %d: requested from %s (%d writers, path %s)", room, bootstrap, len(writers), path
@@ -644,6 +649,13 @@ class TransferEngine:
         failure = actor.core.failure
         if failure is not None:
             self.counters[f"failed_{failure.reason.name.lower()}"] += 1
+        if isinstance(actor, SenderRoomActor):
+            self.tombstones.put(
+                actor.room,
+                Ended(actor.status, None if failure is None else failure.reason,
+                      "" if failure is None else failure.detail, time.monotonic(),
+                      aborted_by=frozenset(actor.failed_by)),
+            )  # fmt: skip
         record_ended(self, actor)
 
     async def _to_room(self, room: int, mail: RoomMail) -> bool:
@@ -665,13 +677,26 @@ class TransferEngine:
                 self.control.count_drop(
                     "TransferRequest", ident, f"room {room} from {agent!r}, which never said PeerHello"
                 )
-            case m.TransferRequest(room=room) if self.config.role == "prefill":
-                if not await self._to_room(room, message):
-                    self._stash[room].append((time.monotonic(), message))
+            case m.TransferRequest(room=room, agent=agent) if self.config.role == "prefill":
+                ended = self.tombstones.get(room, time.monotonic())
+                if ended is not None:  # a repeat, or a request overtaken by its room's end
+                    self._answer_late(room, agent, ended)
+                elif not await self._to_room(room, message):
+                    stash = self._stash[room]
+                    if any(mail == message for _, mail in stash):
+                        self.counters["requests_repeated"] += 1
+                    else:
+                        stash.append((time.monotonic(), message))
             case m.Abort(room=room, agent=agent, rank=rank) if self.config.role == "prefill":
                 if not await self._to_room(room, message):
                     peer = self.peers.get(agent)
                     if peer is not None:
+                        if self.tombstones.get(room, time.monotonic()) is None:
+                            self.tombstones.put(room, Ended(
+                                RoomStatus.FAILED, FailureReason.ABORTED, f"aborted by decode {agent} before "
+                                f"prefill rank {self.config.tp_rank} opened it: {message.detail}",
+                                time.monotonic(), opened=False, aborted_by=frozenset({agent}),
+                            ))  # fmt: skip
                         self._drop_stash(room, message)
                         self.control.send(
                             peer.endpoint,
@@ -699,6 +724,19 @@ class TransferEngine:
                     type(message).__name__, ident, f"not accepted by a {self.config.role} engine"
                 )
 
+    def _answer_late(self, room: int, agent: str, ended: Ended) -> None:
+        """Answer a TransferRequest for ``room``, which is no longer live here (protocol.retransmit)."""
+        peer = self.peers.get(agent)
+        if answer_late_request(ended, agent) is not Late.TELL_FAILURE or peer is None:
+            self.counters["requests_repeated"] += 1
+            return
+        assert ended.reason is not None
+        self.control.send(
+            peer.endpoint,
+            m.RoomFailed(room=room, agent=self.agent_name, rank=self.config.tp_rank,
+                         reason=int(ended.reason), detail=ended.detail),
+        )  # fmt: skip
+
     async def _on_notif(self, agent: str, notif: m.ChunkLanded | m.AuxLanded) -> None:
         if self.config.role != "decode" or not await self._to_room(notif.room, notif):
             self.counters["notifs_unrouted"] += 1
@@ -710,7 +748,7 @@ class TransferEngine:
     # --- liveness -----------------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        """Send a heartbeat every interval; check leases four times as often.
+        """Send a heartbeat every half interval; check leases every quarter interval.
 
         A peer silent for more than ``LEASE_SILENCE`` intervals is dead; checked every quarter interval,
         that fails its rooms within 2.25 x heartbeat_interval of its last heartbeat.
@@ -728,7 +766,7 @@ class TransferEngine:
                 for peer in self.peers.values():
                     peer.last_seen = max(peer.last_seen, now - interval)
             last_tick = now
-            if now - last_beat >= interval - tick / 2:
+            if now - last_beat >= interval / 2 - tick / 2:  # twice per interval: see LEASE_SILENCE
                 last_beat = now
                 self._heartbeat_seq += 1
                 beat = m.Heartbeat(
@@ -740,6 +778,9 @@ class TransferEngine:
                 for peer in list(self.peers.values()):
                     if peer.alive:
                         self.control.send(peer.endpoint, beat)
+                        if self.ring is not None:  # the watermark is state: repeat it, a lost one heals
+                            with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+                                self.ring.inbox.send_nowait(Subscribe(peer))
             for peer in list(self.peers.values()):
                 if peer.alive and now - peer.last_seen > LEASE_SILENCE * interval:
                     await self._peer_dead(

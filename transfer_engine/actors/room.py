@@ -28,6 +28,7 @@ from transfer_engine.peers import Peer
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.protocol.retransmit import Backoff, Repeat, RequestAnswer, answer_request, decode_repeat
 from transfer_engine.protocol.rooms import Deadlines, ReceiverRoom, RoomStatus, SenderRoom, _Room
 
 from .ring import FreeRegion, RegionGranted, StagingFailed
@@ -136,18 +137,31 @@ class _RoomActor:
     async def finish(self) -> None:
         """Runs once, when the room is final and quiescent, before it leaves the engine."""
 
+    def repeat_at(self) -> float | None:
+        """When the room next repeats an unanswered message (:mod:`~transfer_engine.protocol.retransmit`)."""
+        return None
+
+    async def repeat(self, now: float) -> None:
+        """Repeat the unanswered messages (called once ``repeat_at`` has passed)."""
+
     async def run(self) -> None:
         """The room's life: mailbox loop until final and quiescent, then cleanup (always)."""
         log.info("%s room %d: %s", self.side, self.room, self.core.status.name)
         try:
             async with self._rx:
                 while not (self.core.status.final and self.quiescent()):
-                    deadline = self.core.deadline
-                    wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                    wakes = [t for t in (self.core.deadline, self.repeat_at()) if t is not None]
+                    wait = None if not wakes else max(min(wakes) - time.monotonic(), 0.0)
                     with anyio.move_on_after(wait):
                         await self._apply(await self._rx.receive())
                         continue
-                    await self._check_deadline()
+                    now = time.monotonic()
+                    repeat_at = self.repeat_at()
+                    if repeat_at is not None and now >= repeat_at:
+                        await self.repeat(now)
+                    deadline = self.core.deadline
+                    if deadline is not None and now >= deadline:
+                        await self._check_deadline()
                 # Mail sent from now on finds the room gone, and the engine answers it (an Abort gets
                 # its AbortAck there); mail already queued is still applied, so no Abort is lost.
                 self.inbox.close()
@@ -296,11 +310,17 @@ class SenderRoomActor(_RoomActor):
         bad = [p for p in req.dst_pages if not 0 <= p < peer.layout.num_pages]
         if bad:
             raise ProtocolError(f"decode page {bad[0]} outside [0, {peer.layout.num_pages})")
-        if self.core.status is RoomStatus.FAILED:
-            # This decode rank asked after the room failed (an abort, a failed WRITE): the RoomFailed
-            # of that moment did not reach it, and no chunk ever will, so tell it now.
-            if peer.agent_name not in self.failed_by:
-                self._tell_failure(peer)
+        held = self.requests.get(req.decode_rank)
+        answer = answer_request(
+            self.core.status, None if held is None else held == req, peer.agent_name in self.failed_by
+        )
+        if answer is RequestAnswer.TELL_FAILURE:
+            # This decode rank asked after the room failed (an abort, a failed WRITE) or repeats its
+            # request: the RoomFailed of that moment did not reach it, and no chunk ever will.
+            self._tell_failure(peer)
+            return
+        if answer in (RequestAnswer.DUPLICATE, RequestAnswer.IGNORE):
+            self.engine.counters["requests_repeated"] += 1
             return
         self.core.on_request(req.decode_rank, req.decode_tp, got is not None, req.aux_slot is not None, now)
         self.requests[req.decode_rank] = req
@@ -437,6 +457,26 @@ class ReceiverRoomActor(_RoomActor):
         self.scattering = 0
         self.aborting = False
         self.remote_failure = False
+        self.requests: list[tuple[Peer, m.TransferRequest]] = []
+        """The TransferRequest sent to each prefill rank (set by the engine), repeated until final."""
+        self._abort: m.Abort | None = None
+        interval = engine.config.heartbeat_interval
+        self.backoff = Backoff.start(interval / 2, 4 * interval, time.monotonic())
+
+    def repeat_at(self) -> float | None:
+        kind = decode_repeat(self.core.status, self.aborting, self.core.awaiting_acks)
+        return None if kind is Repeat.NOTHING else self.backoff.next_at
+
+    async def repeat(self, now: float) -> None:
+        kind = decode_repeat(self.core.status, self.aborting, self.core.awaiting_acks)
+        if kind is Repeat.REQUESTS:
+            for peer, request in self.requests:
+                self.engine.control.send(peer.endpoint, request)
+        elif kind is Repeat.ABORTS and self._abort is not None:
+            for rank in sorted(self.core.awaiting_acks):
+                self.engine.control.send(self.writers[rank].endpoint, self._abort)
+        self.engine.counters[f"repeated_{kind.value}"] += 1
+        self.backoff.sent(now)
 
     def quiescent(self) -> bool:
         if self.scattering:
@@ -562,17 +602,16 @@ class ReceiverRoomActor(_RoomActor):
         detail = failure.detail if failure else "aborted"
         reason = failure.reason if failure else FailureReason.ABORTED
         self.core.awaiting_acks = {rank for rank, peer in self.writers.items() if peer.alive}
+        self._abort = m.Abort(
+            room=self.room,
+            agent=self.engine.agent_name,
+            rank=self.engine.config.tp_rank,
+            reason=int(reason),
+            detail=detail,
+        )
         for peer in self.everyone:
-            self.engine.control.send(
-                peer.endpoint,
-                m.Abort(
-                    room=self.room,
-                    agent=self.engine.agent_name,
-                    rank=self.engine.config.tp_rank,
-                    reason=int(reason),
-                    detail=detail,
-                ),
-            )
+            self.engine.control.send(peer.endpoint, self._abort)
+        self.backoff.reset(time.monotonic())  # the writers that do not acknowledge hear it again
 
     async def finish(self) -> None:
         if not self.core.status.final:
