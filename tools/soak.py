@@ -70,6 +70,7 @@ from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine
 from transfer_engine.errors import (
+    FailureReason,
     LocalProtocolError,
     PeerUnreachableError,
     RemoteProtocolError,
@@ -78,7 +79,6 @@ from transfer_engine.errors import (
 from transfer_engine.layout import KVLayout, KVPool
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.failures import FailureReason
 from transfer_engine.protocol.staging import region_layout
 from transfer_engine.transport.faults import ControlFaults, Fault, FaultyTransport, Loss, Rule
 from transfer_engine.transport.nixl import NixlTransport

@@ -10,6 +10,7 @@ from transfer_engine import errors
 from transfer_engine.errors import (
     AddressRangeError,
     ConfigError,
+    FailureReason,
     HeadSplitError,
     LayoutError,
     LocalProtocolError,
@@ -25,7 +26,6 @@ from transfer_engine.errors import (
     TransportError,
     failure_error,
 )
-from transfer_engine.protocol.failures import FailureReason
 
 # class -> its direct bases, written out from the tree in errors.py's docstring.
 HIERARCHY: dict[type[Exception], tuple[type[BaseException], ...]] = {

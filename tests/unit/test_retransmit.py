@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.retransmit import (
     Backoff,
     Ended,

@@ -30,7 +30,7 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.rooms import RoomStatus
 
 __all__ = [
