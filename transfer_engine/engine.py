@@ -42,7 +42,7 @@ from transfer_engine.actors.room import (
     _RoomActor,
 )
 from transfer_engine.actors.scatter import ScatterActor
-from transfer_engine.actors.worker import TransferWorker
+from transfer_engine.actors.worker import RepeatStaging, TransferWorker
 from transfer_engine.config import EngineConfig
 from transfer_engine.errors import (
     ConfigError,
@@ -782,6 +782,10 @@ class TransferEngine:
                         if self.ring is not None:  # the watermark is state: repeat it, a lost one heals
                             with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
                                 self.ring.inbox.send_nowait(Subscribe(peer))
+                for worker in self.workers:  # unanswered StagingRequests (protocol.retransmit)
+                    if worker.awaiting_grant:
+                        with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+                            worker.inbox.send_nowait(RepeatStaging(before=now - interval / 2))
             for peer in list(self.peers.values()):
                 if peer.alive and now - peer.last_seen > LEASE_SILENCE * interval:
                     await self._peer_dead(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -90,6 +91,15 @@ class CancelRoom:
     room: int
 
 
+@dataclass(frozen=True, slots=True)
+class RepeatStaging:
+    """Engine -> worker, every half heartbeat interval: repeat the StagingRequests asked before
+    ``before`` and still unanswered (a lost request, grant or refusal; the ring answers a repeat
+    with the region it already placed, see ``protocol.retransmit``)."""
+
+    before: float
+
+
 @dataclass(eq=False)
 class _Staged:
     """A staged job between its StagingRequest and its WRITE."""
@@ -100,6 +110,8 @@ class _Staged:
     host: bool
     allocation: Allocation | None = None
     dst: int = 0
+    request: m.StagingRequest | None = None
+    asked_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +124,9 @@ class _Written:
     detail: str
 
 
-WorkerMail = WriteJob | CancelRoom | m.StagingGrant | m.StagingRefused | m.Watermark | _Written
+WorkerMail = (
+    WriteJob | CancelRoom | RepeatStaging | m.StagingGrant | m.StagingRefused | m.Watermark | _Written
+)
 
 
 def staged_slots(job: WriteJob, pool: KVPool) -> np.ndarray:
@@ -293,6 +307,11 @@ class TransferWorker:
                     await self._progress(agent)
             case CancelRoom(room=room):
                 await self._cancel(room)
+            case RepeatStaging(before=before):
+                for staged in list(self._granting.values()):
+                    if staged.request is not None and staged.asked_at < before:
+                        self.counters["staging_repeats"] += 1
+                        self._send(staged.job.peer.endpoint, staged.request)
 
     # --- direct and slice ----------------------------------------------------------------------
 
@@ -363,19 +382,19 @@ class TransferWorker:
         except TransferError as exc:
             await job.on_done(False, str(exc), FailureReason.PROTOCOL)
             return
-        self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(job, src_slots, nbytes, host)
-        self._send(
-            peer.endpoint,
-            m.StagingRequest(
-                agent=self.agent_name,
-                room=job.room,
-                chunk_id=chunk.chunk_id,
-                sender=job.sender,
-                page_start=chunk.page_start,
-                num_pages=chunk.num_pages,
-                tokens=int(src_slots.size),
-            ),
+        request = m.StagingRequest(
+            agent=self.agent_name,
+            room=job.room,
+            chunk_id=chunk.chunk_id,
+            sender=job.sender,
+            page_start=chunk.page_start,
+            num_pages=chunk.num_pages,
+            tokens=int(src_slots.size),
         )
+        self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(
+            job, src_slots, nbytes, host, request=request, asked_at=time.monotonic()
+        )
+        self._send(peer.endpoint, request)
 
     async def _on_grant(self, grant: m.StagingGrant) -> None:
         staged = self._granting.pop((grant.agent, grant.room, grant.chunk_id), None)
