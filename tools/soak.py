@@ -29,7 +29,9 @@ room failures, staging requests, grants, refusals, watermarks, heartbeats) and e
 notification is lost with probability P (:class:`~transfer_engine.transport.faults.Loss`), and the
 input and transfer deadlines drop to ``LOSS_PHASE_TIMEOUT_S``. A room some of whose messages were
 lost must still end on both sides, Success with every byte right or Failed with a reason the loss
-explains (a timeout, or the other side's failure or abort that followed it); PEER_DEAD only in an
+explains (a timeout, or the other side's failure or abort that followed it) — so may a room of a
+staged epoch that lost nothing itself, since a decode ring is shared and a room whose notification
+was lost holds its region until its deadline (counted apart); PEER_DEAD only in an
 epoch where heartbeats were lost often enough in a row to break a lease. The summary says how many
 rooms lost messages, how many of those still completed, and how long the others took to fail.
 
@@ -913,7 +915,10 @@ class Epoch:
             allowed |= ABORT_REASONS
         if faulted:
             allowed |= FAULT_REASONS
-        if lost:
+        # A ring is shared by the rooms of a decode rank: a room whose notification was lost holds its
+        # region until its deadline, and the rooms queued behind it on the ring may reach theirs.
+        collateral = not lost and loss is not None and bool(loss.rooms) and cfg.path in ("staged", "host")
+        if lost or collateral:
             allowed |= LOSS_REASONS
         if loss is not None and loss.lease_breaks:
             allowed |= {FailureReason.PEER_DEAD}
@@ -933,6 +938,8 @@ class Epoch:
             ok = not (problems or unexplained) and not failures and len(decoded) == cfg.D
             tally.loss_rooms["completed" if ok else "failed"] += 1
             (tally.loss_complete_s if ok else tally.loss_fail_s).append(seconds)
+        elif collateral and failures:
+            tally.loss_rooms["failed_behind_a_loss_on_the_ring"] += 1
         if problems or unexplained:
             tally.count(cfg, "failed_unexpectedly", f"{what}: {'; '.join(problems + unexplained)}")
         elif len(decoded) == cfg.D and all(reason is None for reason, _ in decoded):
