@@ -54,11 +54,17 @@ MAX_JUNK_BYTES = 64 * 1024
 """Largest random frame sent (the engine's frame cap is far above; 70 MiB frames are the fuzz
 test's business, here the rate matters)."""
 
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository (the serving child borrows the test harness's cluster)."""
+
+NOTIF_LINGER_S = 2.0
+"""How long the notification sender keeps its peer after its last send."""
+
 JUNK_KINDS = 4
 """Frame ``i`` of :func:`junk` is of kind ``i % JUNK_KINDS``; each kind is one drop, counted."""
 
 
-def junk(i: int, rng: random.Random, endpoint_kind: str) -> list[bytes]:
+def junk(i: int, rng: random.Random, endpoint_kind: str, max_bytes: int = MAX_JUNK_BYTES) -> list[bytes]:
     """The ``i``-th hostile message for an endpoint of ``endpoint_kind`` (bootstrap, control, introspect).
 
     Every one is dropped and counted exactly once by the endpoint: kind 0 random bytes (malformed),
@@ -68,7 +74,7 @@ def junk(i: int, rng: random.Random, endpoint_kind: str) -> list[bytes]:
     """
     kind = i % JUNK_KINDS
     if kind == 0:
-        return [rng.randbytes(rng.randint(1, MAX_JUNK_BYTES))]
+        return [rng.randbytes(rng.randint(1, max_bytes))]
     if kind == 1:
         return [b"a", rng.randbytes(8), b"c"]
     if kind == 2:
@@ -82,7 +88,14 @@ def junk(i: int, rng: random.Random, endpoint_kind: str) -> list[bytes]:
     return [m.encode(m.Heartbeat(agent=f"flood-{i}", rank=0, side="decode", seq=i))]
 
 
-def send_junk(endpoint: str, endpoint_kind: str, count: int, stop_at: float, seed: int = 0) -> int:
+def send_junk(
+    endpoint: str,
+    endpoint_kind: str,
+    count: int,
+    stop_at: float,
+    seed: int = 0,
+    max_bytes: int = MAX_JUNK_BYTES,
+) -> int:
     """Send up to ``count`` junk messages on one DEALER to ``endpoint`` until ``stop_at``; returns how
     many were sent (blocking sends: each one is queued, none is dropped on this side)."""
     rng = random.Random(seed)
@@ -95,7 +108,7 @@ def send_junk(endpoint: str, endpoint_kind: str, count: int, stop_at: float, see
     try:
         while sent < count and time.monotonic() < stop_at:
             try:
-                sock.send_multipart(junk(sent, rng, endpoint_kind))
+                sock.send_multipart(junk(sent, rng, endpoint_kind, max_bytes))
             except zmq.Again:
                 continue
             sent += 1
@@ -148,7 +161,7 @@ def slow_readers(endpoint: str, sockets: int, per_socket: int, stop_at: float) -
 HTTP_JUNK = (
     b"POST /metrics HTTP/1.0\r\n\r\n",
     b"GET /secret HTTP/1.0\r\n\r\n",
-    b"GET /metrics HTTP/1.0\r\nX: " + b"y" * 10_000 + b"\r\n\r\n",
+    b"GET /metrics HTTP/1.0\r\nX: " + b"y" * 20_000 + b"\r\n\r\n",  # over REQUEST_LIMIT before its end
     b"GET /metr",  # then the client goes away
 )
 
@@ -168,13 +181,19 @@ def http_junk(host: str, port: int, count: int, stop_at: float) -> int:
     return sent
 
 
-def notif_junk(agent_name: str, metadata: bytes, count: int, stop_at: float, seed: int = 0) -> int:
-    """A NIXL agent of its own sends up to ``count`` notifications to ``agent_name``: malformed ones and
-    well-formed ChunkLanded of rooms that do not exist, alternately."""
+def notif_agent(seed: int = 0) -> Any:
+    """A NIXL agent of the flood's own (``.name``, ``get_agent_metadata()``). NIXL delivers its
+    notifications only to agents that loaded its metadata, as a decode rank does a prefill's during
+    the handshake: the flood plays a peer that completed the handshake and then misbehaves."""
     from nixl._api import nixl_agent, nixl_agent_config
 
+    return nixl_agent(f"flood-{os.getpid()}-{seed}", nixl_agent_config(backends=["UCX"], num_threads=0))
+
+
+def notif_junk(agent: Any, metadata: bytes, count: int, stop_at: float, seed: int = 0) -> int:
+    """``agent`` (:func:`notif_agent`) sends up to ``count`` notifications to the agent of ``metadata``:
+    malformed ones and well-formed ChunkLanded of rooms that do not exist, alternately."""
     rng = random.Random(seed)
-    agent = nixl_agent(f"flood-{os.getpid()}-{seed}", nixl_agent_config(backends=["UCX"], num_threads=0))
     peer = agent.add_remote_agent(metadata)
     sent = 0
     try:
@@ -191,10 +210,11 @@ def notif_junk(agent_name: str, metadata: bytes, count: int, stop_at: float, see
                     num_pages=1,
                     region=-1,
                 )
-                notif = m.encode_notification(landed)
+                notif = m.encode(landed)
             agent.send_notif(peer, notif)
             sent += 1
     finally:
+        time.sleep(NOTIF_LINGER_S)  # sends still queued would be cancelled with the peer
         agent.remove_remote_agent(peer)
     return sent
 
@@ -207,7 +227,6 @@ class Targets:
     control: list[str]
     introspect: list[str]
     metrics: list[str]
-    decode_agent: str
     decode_metadata_hex: str
 
 
@@ -218,12 +237,12 @@ def _hostport(endpoint: str) -> tuple[str, int]:
 
 
 def flood(
-    targets: Targets, seconds: float, *, frames: int, connections: int, seed: int = 0
+    targets: Targets, seconds: float, *, frames: int, connections: int, notifier: Any = None, seed: int = 0
 ) -> dict[str, int]:
     """Run every sender at ``targets`` in threads for at most ``seconds``; returns what each sent.
 
     ``frames``: junk messages per ZMQ endpoint; ``connections``: TCP connections per ZMQ port (and a
-    tenth of it in HTTP requests per metrics endpoint and in notifications).
+    tenth of it in HTTP requests per metrics endpoint and, from ``notifier``, in notifications).
     """
     stop_at = time.monotonic() + seconds
     sent: Counter[str] = Counter()
@@ -247,13 +266,10 @@ def flood(
         jobs.append(
             ("http_requests", lambda h=host, p=port: http_junk(h, p, max(connections // 10, 4), stop_at))
         )
-    if targets.decode_metadata_hex:
+    if notifier is not None:
         metadata = bytes.fromhex(targets.decode_metadata_hex)
         jobs.append(
-            (
-                "notifications",
-                lambda: notif_junk(targets.decode_agent, metadata, max(connections // 10, 2), stop_at),
-            )
+            ("notifications", lambda: notif_junk(notifier, metadata, max(connections // 10, 2), stop_at))
         )
 
     def run(name: str, job: Callable[[], int]) -> None:
@@ -286,7 +302,9 @@ async def _serve() -> None:
     import anyio
     import numpy as np
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from transfer_engine.transport.nixl import RemotePeer
+
+    sys.path.insert(0, str(ROOT))
     from tests.integration.harness import cluster, run_room, small_layout
 
     counter = _LineCounter()
@@ -298,7 +316,6 @@ async def _serve() -> None:
             control=[p.endpoint, d.endpoint],
             introspect=[p.introspect_endpoint, d.introspect_endpoint],
             metrics=[e for e in (p.metrics_endpoint, d.metrics_endpoint) if e],
-            decode_agent=d.agent_name,
             decode_metadata_hex=d.poller.metadata().hex(),
         )
         print(json.dumps(targets.__dict__), flush=True)
@@ -306,7 +323,11 @@ async def _serve() -> None:
         while True:
             line = await anyio.to_thread.run_sync(sys.stdin.readline)
             command = line.strip()
-            if command == "rooms":
+            if command.startswith("peer "):  # the flood's NIXL agent, loaded as a handshake would
+                name, metadata = command.split()[1:]
+                d.poller.add_peer(RemotePeer(name, "DRAM", []), bytes.fromhex(metadata))
+                print("{}", flush=True)
+            elif command == "rooms":
                 rng = random.Random(rooms)
                 for _ in range(10):
                     rooms += 1
@@ -371,12 +392,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert child.stdin is not None and child.stdout is not None
     try:
         targets = Targets(**json.loads(child.stdout.readline()))
+        notifier = notif_agent()
+        child.stdin.write(f"peer {notifier.name} {notifier.get_agent_metadata().hex()}\n")
+        child.stdin.flush()
+        child.stdout.readline()
         idle_kib = _sample(child.pid, args.idle)
         sampler: dict[str, int] = {}
         watcher = threading.Thread(target=lambda: sampler.update(peak=_sample(child.pid, args.seconds + 1)))
         watcher.start()
         started = time.monotonic()
-        sent = flood(targets, args.seconds, frames=args.frames, connections=args.connections)
+        sent = flood(
+            targets, args.seconds, frames=args.frames, connections=args.connections, notifier=notifier
+        )
         flood_s = time.monotonic() - started
         watcher.join()
         after_kib, hwm_kib = _rss_kib(child.pid)
