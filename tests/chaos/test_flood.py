@@ -127,9 +127,8 @@ async def test_flood_every_endpoint_counts_exactly_logs_boundedly_and_rooms_veri
             return zmq_drops, http, notifs, sum(e.dropped["send_queue_full"] for e in (p.control, d.control))
 
         with anyio.move_on_after(30):  # the last frames may still be on their way in
-            while any(
-                n < want for n, want in zip(counted(), (FRAMES, sent["http"], sent["notifs"]), strict=False)
-            ):  # noqa: ASYNC110
+            wanted = (FRAMES, sent["http"], sent["notifs"])
+            while any(n < want for n, want in zip(counted(), wanted, strict=False)):  # noqa: ASYNC110
                 await anyio.sleep(0.05)
         zmq_drops, http, notifs, _ = counted()
         d.poller.remove_peer(notifier.name)
