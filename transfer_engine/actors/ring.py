@@ -165,6 +165,10 @@ class RingActor:
                     f"pages [{req.page_start}, {req.page_start + req.num_pages}) carry {tokens} here"
                 ),
             )
+        if req.chunk_id in actor.core.landed.get(req.sender, ()):
+            # A repeat (protocol.retransmit) that arrived after the chunk landed, maybe after its region
+            # was scattered and freed: placing it again would hand the room a region nobody writes.
+            return None, -1, f"room {req.room} chunk {req.chunk_id} from writer {req.sender} already landed"
         key = (req.room, req.chunk_id)
         granted = self._by_chunk.get(key)
         if granted is not None:
