@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import zlib
-from collections import defaultdict, deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -30,19 +30,10 @@ from transfer_engine.actors.control import Control
 from transfer_engine.actors.introspect import Introspect
 from transfer_engine.actors.metrics import MetricsServer, load_metrics
 from transfer_engine.actors.nixl_poller import NixlPoller
-from transfer_engine.actors.ring import RingActor, Subscribe
-from transfer_engine.actors.room import (
-    LocalAbort,
-    PeerDead,
-    QueueChunk,
-    ReceiverRoomActor,
-    RoomMail,
-    SenderRoomActor,
-    Shutdown,
-    _RoomActor,
-)
+from transfer_engine.actors.ring import RingActor
+from transfer_engine.actors.room import ReceiverRoomActor, SenderRoomActor, _RoomActor
 from transfer_engine.actors.scatter import ScatterActor
-from transfer_engine.actors.worker import RepeatStaging, TransferWorker
+from transfer_engine.actors.worker import TransferWorker
 from transfer_engine.config import EngineConfig
 from transfer_engine.errors import (
     ConfigError,
@@ -52,18 +43,40 @@ from transfer_engine.errors import (
     PeerUnreachableError,
     RemoteProtocolError,
     RoomInUseError,
+    RoomLimitError,
     TransferError,
 )
-from transfer_engine.introspect import ENDED_ROOMS_KEPT, RoomSnapshot, build_snapshot, record_ended
+from transfer_engine.introspect import ENDED_ROOMS_KEPT, RoomSnapshot
+from transfer_engine.introspect.build import build_snapshot, record_ended
 from transfer_engine.layout import KVPool
-from transfer_engine.logbook import LogBook
+from transfer_engine.mail import (
+    LocalAbort,
+    PeerDead,
+    QueueChunk,
+    RepeatStaging,
+    RoomMail,
+    Shutdown,
+    Subscribe,
+)
 from transfer_engine.memory import allocate_staging, chunk_region_bytes
 from transfer_engine.peers import Peer, PrefillInstance
-from transfer_engine.protocol import heads
+from transfer_engine.ports import (
+    ACTOR_MAILBOX,
+    JOBS_PER_ROOM,
+    RING_POSTS_PER_ROOM,
+    SCATTERS_PER_ROOM,
+    PeerBook,
+    RankIdentity,
+    RoomBoard,
+    RoomPorts,
+    WorkerShards,
+)
+from transfer_engine.protocol import handshake, heads, leases
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.paths import is_staged
 from transfer_engine.protocol.retransmit import Ended, Late, Tombstones, answer_late_request
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
+from transfer_engine.protocol.stash import EarlyRequests
 from transfer_engine.security import Curve
 from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
 
@@ -71,11 +84,6 @@ log = logging.getLogger(__name__)
 
 MAX_ROOM_ID = (1 << 63) - 1
 SHUTDOWN_DRAIN_S = 10.0
-LEASE_SILENCE = 2.0
-"""Heartbeat intervals of silence after which a peer is dead (checked every quarter interval, so a
-dead peer's rooms fail within 2.25 intervals of its last heartbeat). 1.75 met DESIGN §9's 2 intervals
-but declared live peers dead on a loaded 2-core machine (one late heartbeat), which costs rooms.
-Heartbeats go out every half interval, so a lease survives two heartbeats lost in a row."""
 
 
 def _pages_array(pages: Sequence[int] | np.ndarray | Any, pool: KVPool, what: str) -> np.ndarray:
@@ -187,10 +195,13 @@ class TransferEngine:
         """Control-plane CURVE keys (None: off); loaded here so a bad key file fails the constructor."""
         self.deadlines = Deadlines(config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout)
         self.rooms: dict[int, _RoomActor] = {}
-        self.peers: dict[str, Peer] = {}
+        self.board = RoomBoard(self._room_closed)
+        """The live rooms' mailboxes: how every actor addresses a room."""
+        self.me = RankIdentity(self.agent_name, config.role, config.tp_rank, config.tp_size)
+        self.peers = PeerBook()
         self.instances: dict[str, PrefillInstance] = {}
         self._connecting: dict[str, anyio.Event] = {}
-        self._stash: dict[int, list[tuple[float, RoomMail]]] = defaultdict(list)
+        self._stash = EarlyRequests()
         self.tombstones = Tombstones(config.bootstrap_timeout + config.transfer_timeout)
         """Prefill: outcomes of rooms no longer live, to answer repeated requests (protocol.retransmit)."""
         self.workers: list[TransferWorker] = []
@@ -201,16 +212,20 @@ class TransferEngine:
         self._info = kv.info()
         self._compat = m.compat_hash(self._info)
         self._heartbeat_seq = 0
-        self.counters: dict[str, int] = defaultdict(int)
+        self.counters: Counter[str] = Counter()
         self.started_at = time.monotonic()
         self.ended_rooms: deque[RoomSnapshot] = deque(maxlen=ENDED_ROOMS_KEPT)
         """Final snapshots of the latest rooms that ended, oldest first (for ``transfer-engine dump``)."""
         self.introspect: Introspect | None = None
-        self.metrics = load_metrics(self) if config.metrics_port is not None else None
+        self.metrics = (
+            load_metrics(config.metrics_port, lambda: build_snapshot(self))
+            if config.metrics_port is not None
+            else None
+        )
         """Prometheus metrics (``metrics_port``); ConfigError above when prometheus-client is missing."""
+        self.room_ended = None if self.metrics is None else self.metrics.room_ended
+        """Called with each ended room's final snapshot (the metrics' histograms)."""
         self.metrics_server: MetricsServer | None = None
-        self.notif_book = LogBook(log, f"{config.role}{config.tp_rank}")
-        """Bounded log of notifications routed to no room (``counters`` stays exact)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -247,7 +262,8 @@ class TransferEngine:
             )
         self.poller = NixlPoller(
             transport,
-            self._on_notif,
+            self.board,
+            notifications=cfg.role == "decode",
             poll_interval=cfg.poll_interval,
             busy=(lambda: bool(self.rooms)) if cfg.role == "decode" else (lambda: False),
             spin=cfg.poll_spin,
@@ -277,14 +293,20 @@ class TransferEngine:
             staging_bytes = cfg.staging_bytes or 2 * chunk_region_bytes(self.pool, cfg.staging_chunk_pages)
             for i in range(cfg.num_workers):
                 worker = TransferWorker(
-                    i, self.pool, self.poller, agent_name=self.agent_name, send=self.control.send,
-                    staging_bytes=staging_bytes,
+                    i, self.me, self.pool, self.poller, self.board, self.control,
+                    staging_bytes=staging_bytes, capacity=ACTOR_MAILBOX, reserve=(JOBS_PER_ROOM + 1) * cfg.max_rooms,
                 )  # fmt: skip
                 self.workers.append(worker)
                 await tg.start(worker.run)
             await self._register()
         elif cfg.path in ("auto", "staged", "host"):
             await self._start_ring(tg)
+        self.room_ports = RoomPorts(
+            self.me, self.pool, self.control, self.peers, self.board, self.poller, self.counters,
+            workers=WorkerShards([w.inbox for w in self.workers]) if self.workers else None,
+            ring=None if self.ring is None else self.ring.inbox,
+            scatter=None if self.scatter is None else self.scatter.inbox,
+        )  # fmt: skip
         tg.start_soon(self._heartbeat_loop)
         log.info(
             "%s rank %d/%d up: control %s agent %s",
@@ -305,9 +327,19 @@ class TransferEngine:
         memory = allocate_staging(self.pool, size, host=self.host_staging)
         assert self._transport is not None
         self._transport.register([memory.region()], memory.mem_type)
-        self.ring = RingActor(self, memory)
+        self.ring = RingActor(
+            self.me, self.pool, memory, self.peers, self.control, self.board,
+            capacity=ACTOR_MAILBOX, reserve=RING_POSTS_PER_ROOM * cfg.max_rooms,
+        )  # fmt: skip
         await tg.start(self.ring.run)
-        self.scatter = ScatterActor(self.pool, self.ring, memory)
+        self.scatter = ScatterActor(
+            self.pool,
+            memory,
+            self.ring.inbox,
+            self.board,
+            capacity=ACTOR_MAILBOX,
+            reserve=SCATTERS_PER_ROOM * cfg.max_rooms,
+        )
         await tg.start(self.scatter.run)
         log.info("decode rank %d: %s staging ring of %d bytes", cfg.tp_rank, memory.mem_type, size)
 
@@ -365,7 +397,7 @@ class TransferEngine:
         """What is still held: rooms, stashed messages, NIXL handles in flight. All 0 when idle."""
         return {
             "rooms": len(self.rooms),
-            "stashed": sum(len(v) for v in self._stash.values()),
+            "stashed": len(self._stash),
             "nixl_handles": self._transport.live_handles() if self._transport else 0,
             "writes_in_flight": self.poller.in_flight(),
             "ring_allocations": self.ring.live() if self.ring else 0,
@@ -382,12 +414,17 @@ class TransferEngine:
         _check_room(room)
         if room in self.rooms:
             raise RoomInUseError(room)
-        actor = SenderRoomActor(self, room, self.deadlines)
+        self._check_capacity(room)
+        actor = SenderRoomActor(self.room_ports, room, self.deadlines)
         self.tombstones.reopen(room)
         self._start_room(actor)
-        for _, mail in self._stash.pop(room, []):
-            actor.inbox.send_nowait(mail)
+        for request in self._stash.take(room):
+            actor.inbox.send_nowait(request)
         return Sender(actor, self.pool)
+
+    def _check_capacity(self, room: int) -> None:
+        if len(self.rooms) >= self.config.max_rooms:
+            raise RoomLimitError(room, self.config.max_rooms)
 
     def worker_for(self, agent_name: str) -> TransferWorker:
         return self.workers[zlib.crc32(agent_name.encode()) % len(self.workers)]
@@ -438,13 +475,14 @@ class TransferEngine:
         instance = await self._instance(bootstrap)
         if room in self.rooms:
             raise RoomInUseError(room)
+        self._check_capacity(room)
         path = self._choose_path(instance)
         layout = self.pool.layout
         D, d = self.config.tp_size, self.config.tp_rank
         writers = heads.writers_of(layout.num_heads, instance.tp_size, D, d, layout.mla)
         aux_writer = writers[0].prefill_rank if aux_slot is not None else None
         actor = ReceiverRoomActor(
-            self, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers},
+            self.room_ports, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers},
             pages=arr, slices=list(writers), path=path,
         )  # fmt: skip
         actor.everyone = list(instance.ranks)
@@ -583,20 +621,7 @@ class TransferEngine:
 
     def _on_peer_hello(self, hello: m.PeerHello) -> m.PeerHelloAck:
         """Prefill side of the handshake: validate, load the peer's agent and memory, answer."""
-        refuse = None
-        if hello.compat != self._compat or hello.layout.mla != self._info.mla:
-            refuse = f"layout mismatch: decode {hello.layout}, prefill {self._info}"
-        elif not self._info.mla:
-            try:
-                heads.validate_split(self._info.num_heads, self.config.tp_size, hello.tp_size)
-            except ConfigError as exc:
-                refuse = str(exc)
-        if (
-            refuse is None
-            and (hello.layout.aux_item_bytes and self._info.aux_item_bytes)
-            and (hello.layout.aux_item_bytes != self._info.aux_item_bytes)
-        ):
-            refuse = f"aux item bytes differ: decode {hello.layout.aux_item_bytes}, prefill {self._info.aux_item_bytes}"
+        refuse = handshake.refusal(hello, self._info, self._compat, self.config.tp_size)
         if refuse is None:
             try:
                 peer = Peer(
@@ -638,14 +663,14 @@ class TransferEngine:
     def _start_room(self, actor: _RoomActor) -> None:
         assert self._tg is not None
         self.rooms[actor.room] = actor
+        self.board.open(actor.room, actor.inbox)
         self.counters["rooms_opened"] += 1
         self._tg.start_soon(actor.run, name=f"{actor.side}-room-{actor.room}")
         self.poller.wake()
 
-    def forget_room(self, actor: _RoomActor) -> None:
-        """Called by a room actor as it ends (final and quiescent)."""
-        if self.rooms.get(actor.room) is actor:
-            del self.rooms[actor.room]
+    def _room_closed(self, room: int) -> None:
+        """The room board's hook: room ``room`` ended (final and quiescent) and left the board."""
+        actor = self.rooms.pop(room)
         self.counters[f"rooms_{actor.status.name.lower()}"] += 1
         failure = actor.core.failure
         if failure is not None:
@@ -657,17 +682,10 @@ class TransferEngine:
                       "" if failure is None else failure.detail, time.monotonic(),
                       aborted_by=frozenset(actor.failed_by)),
             )  # fmt: skip
-        record_ended(self, actor)
+        record_ended(self, actor, self.ended_rooms)
 
     async def _to_room(self, room: int, mail: RoomMail) -> bool:
-        actor = self.rooms.get(room)
-        if actor is None or actor.done.is_set():
-            return False
-        try:
-            await actor.inbox.send(mail)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            return False
-        return True
+        return await self.board.deliver(room, mail)
 
     async def _dispatch(self, message: m.AnyMessage, ident: bytes) -> None:
         match message:
@@ -682,12 +700,10 @@ class TransferEngine:
                 ended = self.tombstones.get(room, time.monotonic())
                 if ended is not None:  # a repeat, or a request overtaken by its room's end
                     self._answer_late(room, agent, ended)
-                elif not await self._to_room(room, message):
-                    stash = self._stash[room]
-                    if any(mail == message for _, mail in stash):
-                        self.counters["requests_repeated"] += 1
-                    else:
-                        stash.append((time.monotonic(), message))
+                elif not await self._to_room(room, message) and not self._stash.add(
+                    room, message, time.monotonic()
+                ):
+                    self.counters["requests_repeated"] += 1
             case m.Abort(room=room, agent=agent, rank=rank) if self.config.role == "prefill":
                 if not await self._to_room(room, message):
                     peer = self.peers.get(agent)
@@ -698,7 +714,9 @@ class TransferEngine:
                                 f"prefill rank {self.config.tp_rank} opened it: {message.detail}",
                                 time.monotonic(), opened=False, aborted_by=frozenset({agent}),
                             ))  # fmt: skip
-                        self._drop_stash(room, message)
+                        self._answer(
+                            self._stash.abort(room, message, agent=self.agent_name, rank=self.config.tp_rank)
+                        )
                         self.control.send(
                             peer.endpoint,
                             m.AbortAck(room=room, agent=self.agent_name, rank=self.config.tp_rank),
@@ -725,27 +743,6 @@ class TransferEngine:
                     type(message).__name__, ident, f"not accepted by a {self.config.role} engine"
                 )
 
-    def _answer_late(self, room: int, agent: str, ended: Ended) -> None:
-        """Answer a TransferRequest for ``room``, which is no longer live here (protocol.retransmit)."""
-        peer = self.peers.get(agent)
-        if answer_late_request(ended, agent) is not Late.TELL_FAILURE or peer is None:
-            self.counters["requests_repeated"] += 1
-            return
-        assert ended.reason is not None
-        self.control.send(
-            peer.endpoint,
-            m.RoomFailed(room=room, agent=self.agent_name, rank=self.config.tp_rank,
-                         reason=int(ended.reason), detail=ended.detail),
-        )  # fmt: skip
-
-    async def _on_notif(self, agent: str, notif: m.ChunkLanded | m.AuxLanded) -> None:
-        if self.config.role != "decode" or not await self._to_room(notif.room, notif):
-            self.counters["notifs_unrouted"] += 1
-            self.notif_book.note(
-                "unrouted notification", "%s: notification %s from %s for no live room dropped",
-                self.agent_name, notif, agent,
-            )  # fmt: skip
-
     # --- liveness -----------------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
@@ -760,14 +757,13 @@ class TransferEngine:
         while True:
             await anyio.sleep(tick)
             now = time.monotonic()
-            if now - last_tick > tick + 0.5 * interval:
-                # This loop itself was stalled (a blocking call in the application): the peers'
-                # heartbeats are queued unread, so their silence is ours. Extend their leases.
-                log.warning("heartbeat loop stalled %.2f s; extending peer leases", now - last_tick - tick)
+            stall = leases.stalled(last_tick, now, tick, interval)
+            if stall is not None:
+                log.warning("heartbeat loop stalled %.2f s; extending peer leases", stall)
                 for peer in self.peers.values():
-                    peer.last_seen = max(peer.last_seen, now - interval)
+                    peer.last_seen = leases.extended(peer.last_seen, now, interval)
             last_tick = now
-            if now - last_beat >= interval / 2 - tick / 2:  # twice per interval: see LEASE_SILENCE
+            if now - last_beat >= interval / 2 - tick / 2:  # twice per interval: see leases.LEASE_SILENCE
                 last_beat = now
                 self._heartbeat_seq += 1
                 beat = m.Heartbeat(
@@ -786,58 +782,47 @@ class TransferEngine:
                     if worker.awaiting_grant:
                         with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
                             worker.inbox.send_nowait(RepeatStaging(before=now - interval / 2))
-            for peer in list(self.peers.values()):
-                if peer.alive and now - peer.last_seen > LEASE_SILENCE * interval:
-                    await self._peer_dead(
-                        peer, f"no heartbeat from {peer.agent_name} for {now - peer.last_seen:.2f} s"
-                    )
-            stale = now - self.config.bootstrap_timeout
-            for room in [r for r, items in self._stash.items() if items and items[0][0] < stale]:
-                self._expire_stash(room)
-
-    def _drop_stash(self, room: int, abort: m.Abort) -> None:
-        """``room`` is not open here and a decode rank aborted it: drop the requests stashed for it.
-
-        The other decode ranks that asked for it are told: the room can no longer complete (its
-        aborting rank's request is gone), and they would otherwise wait for chunks that never come.
-        """
-        why = FailureReason.STAGING if abort.reason == FailureReason.STAGING else FailureReason.ABORTED
-        for _, mail in self._stash.pop(room, []):
-            if not isinstance(mail, m.TransferRequest) or mail.agent == abort.agent:
-                continue
-            peer = self.peers.get(mail.agent)
-            if peer is None:
-                continue
-            self.control.send(
-                peer.endpoint,
-                m.RoomFailed(
-                    room=room, agent=self.agent_name, rank=self.config.tp_rank, reason=int(why),
-                    detail=f"aborted by decode {abort.agent} before prefill rank {self.config.tp_rank} "
-                    f"opened the room: {abort.detail}",
-                ),
-            )  # fmt: skip
-
-    def _expire_stash(self, room: int) -> None:
-        """No sender opened ``room`` within bootstrap_timeout: tell each decode rank that asked for it."""
-        self.counters["stash_expired"] += 1
-        for _, mail in self._stash.pop(room):
-            if not isinstance(mail, m.TransferRequest):
-                continue
-            peer = self.peers.get(mail.agent)
-            if peer is None:
-                continue
-            detail = (
-                f"prefill rank {self.config.tp_rank} did not open room {room} within bootstrap_timeout="
-                f"{self.config.bootstrap_timeout} s of the request"
+            silent = leases.dead(
+                {p.agent_name: p.last_seen for p in self.peers.values() if p.alive}, now, interval
             )
-            log.warning("%s", detail)
-            self.control.send(
-                peer.endpoint,
-                m.RoomFailed(
-                    room=room, agent=self.agent_name, rank=self.config.tp_rank,
-                    reason=int(FailureReason.BOOTSTRAP_TIMEOUT), detail=detail,
-                ),
-            )  # fmt: skip
+            for agent in silent:
+                gone = self.peers.get(agent)
+                if gone is not None and gone.alive:
+                    await self._peer_dead(gone, f"no heartbeat from {agent} for {now - gone.last_seen:.2f} s")
+            for room in self._stash.stale(now, self.config.bootstrap_timeout):
+                self.counters["stash_expired"] += 1
+                answers = self._stash.expire(
+                    room,
+                    agent=self.agent_name,
+                    rank=self.config.tp_rank,
+                    timeout=self.config.bootstrap_timeout,
+                )
+                log.warning(
+                    "room %d: no sender() within bootstrap_timeout; %d decode rank(s) told",
+                    room,
+                    len(answers),
+                )
+                self._answer(answers)
+
+    def _answer_late(self, room: int, agent: str, ended: Ended) -> None:
+        """Answer a TransferRequest for ``room``, which is no longer live here (protocol.retransmit)."""
+        peer = self.peers.get(agent)
+        if answer_late_request(ended, agent) is not Late.TELL_FAILURE or peer is None:
+            self.counters["requests_repeated"] += 1
+            return
+        assert ended.reason is not None
+        self.control.send(
+            peer.endpoint,
+            m.RoomFailed(room=room, agent=self.agent_name, rank=self.config.tp_rank,
+                         reason=int(ended.reason), detail=ended.detail),
+        )  # fmt: skip
+
+    def _answer(self, answers: list[tuple[str, m.RoomFailed]]) -> None:
+        """Send each (decode agent, RoomFailed) the stash owes; agents no longer known are skipped."""
+        for agent, message in answers:
+            peer = self.peers.get(agent)
+            if peer is not None:
+                self.control.send(peer.endpoint, message)
 
     async def _peer_dead(self, peer: Peer, detail: str) -> None:
         log.warning("%s rank %d: peer %s (rank %d) declared dead: %s", self.config.role, self.config.tp_rank,

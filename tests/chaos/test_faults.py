@@ -138,7 +138,7 @@ async def test_late_bursty_and_reordered_notifications_still_complete(P: int, D:
         await run_rooms(c, [65, 66], [4, 4], seed=7, aux=False)
         assert all(rule.fired > 0 for rule in notifs), [(r.fault, r.fired) for r in notifs]
         assert wrapped[0].held() == 0
-        assert c.decode[0].counters["notifs_unrouted"] == 0
+        assert c.decode[0].poller.counters["notifs_unrouted"] == 0
         c.assert_no_leaks()
 
 
@@ -213,7 +213,7 @@ async def test_abort_during_delayed_notifications_waits_for_the_writes() -> None
             await sender.wait()  # its WRITEs were done before the abort came
         await anyio.sleep(0.4)  # the held notifications of the ended room arrive now
         assert wrapped[0].held() == 0
-        assert c.decode[0].counters["notifs_unrouted"] == 2
+        assert c.decode[0].poller.counters["notifs_unrouted"] == 2
         await run_room(c, 92, np.arange(4), np.arange(4), [4])
         c.assert_no_leaks()
 

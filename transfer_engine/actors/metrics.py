@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -23,7 +24,7 @@ from transfer_engine.errors import ConfigError, PeerUnreachableError
 from transfer_engine.logbook import LogBook
 
 if TYPE_CHECKING:
-    from transfer_engine.engine import TransferEngine
+    from transfer_engine.introspect import Snapshot
     from transfer_engine.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ REQUEST_TIMEOUT_S = 5.0
 """How long a client may take to send its request head."""
 
 
-def load_metrics(engine: TransferEngine) -> Metrics:
+def load_metrics(port: int, snapshot: Callable[[], Snapshot]) -> Metrics:
     """The engine's :class:`~transfer_engine.metrics.Metrics`; ConfigError without prometheus-client."""
     try:
         from transfer_engine.metrics import Metrics
@@ -43,10 +44,10 @@ def load_metrics(engine: TransferEngine) -> Metrics:
         if exc.name is None or not exc.name.startswith("prometheus_client"):
             raise
         raise ConfigError(
-            f"metrics_port={engine.config.metrics_port} needs the package prometheus-client, which is not "
+            f"metrics_port={port} needs the package prometheus-client, which is not "
             "installed: pip install 'transfer-engine[metrics]' (or prometheus-client), or set metrics_port=None"
         ) from exc
-    return Metrics(engine)
+    return Metrics(snapshot)
 
 
 class MetricsServer:
@@ -73,6 +74,7 @@ class MetricsServer:
             self.port = int(listener.extra(SocketAttribute.local_port))
             host = f"[{self.host}]" if ":" in self.host else self.host
             self.endpoint = f"http://{host}:{self.port}/metrics"
+            self._book.name = self.endpoint
             task_status.started()
             try:
                 await listener.serve(self._serve_one)

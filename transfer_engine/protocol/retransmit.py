@@ -11,7 +11,7 @@ decode room is the one that repeats**, because it is the side whose pages are at
   ``Abort`` or a lost ``AbortAck``). Its pages are released only when every writer acknowledged or
   was declared dead, as before.
 
-Repeats back off from ``base`` to ``cap`` seconds (:class:`Backoff`), so a room that waits a long
+Repeats back off from :data:`REPEAT_BASE_S` to :data:`REPEAT_CAP_S` (:class:`Backoff`), so a room that waits a long
 time for its prefill costs a handful of small messages. The prefill answers every repeat as if it
 were the first (:func:`answer_request`, :func:`answer_late_request`): a room that failed says so
 again, a duplicate of a request it already holds changes nothing, and a room that ended is
@@ -34,6 +34,8 @@ from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.rooms import RoomStatus
 
 __all__ = [
+    "REPEAT_BASE_S",
+    "REPEAT_CAP_S",
     "Backoff",
     "Ended",
     "Late",
@@ -44,6 +46,13 @@ __all__ = [
     "answer_request",
     "decode_repeat",
 ]
+
+
+REPEAT_BASE_S = 0.5
+"""A decode room's first repeat comes this long after the message it repeats (half the default
+heartbeat interval: a room that waits that long for a prefill rank is rare in itself)."""
+REPEAT_CAP_S = 4.0
+"""Repeats back off up to this interval."""
 
 
 class Repeat(enum.Enum):
