@@ -302,6 +302,7 @@ async def _serve() -> None:
     import anyio
     import numpy as np
 
+    from transfer_engine.introspect.build import build_snapshot
     from transfer_engine.transport.nixl import RemotePeer
 
     sys.path.insert(0, str(ROOT))
@@ -318,7 +319,7 @@ async def _serve() -> None:
             metrics=[e for e in (p.metrics_endpoint, d.metrics_endpoint) if e],
             decode_metadata_hex=d.poller.metadata().hex(),
         )
-        print(json.dumps(targets.__dict__), flush=True)
+        print(REPLY + json.dumps(targets.__dict__), flush=True)
         rooms = 0
         while True:
             line = await anyio.to_thread.run_sync(sys.stdin.readline)
@@ -326,7 +327,7 @@ async def _serve() -> None:
             if command.startswith("peer "):  # the flood's NIXL agent, loaded as a handshake would
                 name, metadata = command.split()[1:]
                 d.poller.add_peer(RemotePeer(name, "DRAM", []), bytes.fromhex(metadata))
-                print("{}", flush=True)
+                print(REPLY + "{}", flush=True)
             elif command == "rooms":
                 rng = random.Random(rooms)
                 for _ in range(10):
@@ -339,14 +340,26 @@ async def _serve() -> None:
                         await anyio.sleep(0.05)
                 dropped = {}
                 for engine in (p, d):
-                    from transfer_engine.introspect import build_snapshot
-
                     dropped[engine.config.role] = build_snapshot(engine).counters.dropped_by_kind
                 leaks = {e.config.role: {k: v for k, v in e.leaks().items() if v} for e in (p, d)}
-                print(json.dumps({"rooms_verified": rooms, "dropped": dropped, "log_lines": counter.lines,
+                print(REPLY + json.dumps({"rooms_verified": rooms, "dropped": dropped, "log_lines": counter.lines,
                                   "leaks": leaks}), flush=True)  # fmt: skip
             elif command in ("quit", ""):
                 return
+
+
+REPLY = "flood-reply "
+"""Prefix of the child's answers on stdout (NIXL prints there too)."""
+
+
+def _reply(stdout: Any) -> dict[str, Any]:
+    """The child's next answer, skipping whatever else it printed."""
+    while True:
+        line = stdout.readline()
+        if not line:
+            raise RuntimeError("the serving child exited")
+        if line.startswith(REPLY):
+            return dict(json.loads(line[len(REPLY) :]))
 
 
 def _rss_kib(pid: int) -> tuple[int, int]:
@@ -391,11 +404,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     assert child.stdin is not None and child.stdout is not None
     try:
-        targets = Targets(**json.loads(child.stdout.readline()))
+        targets = Targets(**_reply(child.stdout))
         notifier = notif_agent()
         child.stdin.write(f"peer {notifier.name} {notifier.get_agent_metadata().hex()}\n")
         child.stdin.flush()
-        child.stdout.readline()
+        _reply(child.stdout)
         idle_kib = _sample(child.pid, args.idle)
         sampler: dict[str, int] = {}
         watcher = threading.Thread(target=lambda: sampler.update(peak=_sample(child.pid, args.seconds + 1)))
@@ -409,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         after_kib, hwm_kib = _rss_kib(child.pid)
         child.stdin.write("rooms\n")
         child.stdin.flush()
-        report = json.loads(child.stdout.readline())
+        report = _reply(child.stdout)
         child.stdin.write("quit\n")
         child.stdin.flush()
         child.wait(60)

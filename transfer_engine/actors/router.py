@@ -29,6 +29,12 @@ MAX_FRAME_BYTES = 4 * m.MAX_MESSAGE_BYTES
 cannot make a rank allocate without bound. Frames between the message limit and this are read,
 counted as malformed and dropped."""
 
+INBOUND_HWM = 1000
+"""Most messages a ROUTER queues from one connected peer before libzmq stops reading that peer's
+socket (TCP then pushes back on the sender). It bounds what a peer that sends faster than the rank
+reads can make the rank hold: ``INBOUND_HWM`` messages per connection (flood figures in
+docs/RELIABILITY.md). Honest peers' bursts fit: a rank reads its ROUTER continuously."""
+
 Secure = Callable[[zmq.asyncio.Socket], None]
 """Configures a socket before it binds (ZMQ CURVE server options, see ``transfer_engine.security``)."""
 
@@ -48,7 +54,7 @@ def bind_router(
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
-        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, min(hwm, INBOUND_HWM))
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if secure is not None:
             secure(sock)
