@@ -1,4 +1,4 @@
-"""The public API (DESIGN §8): :class:`TransferEngine`, its :class:`Sender` and :class:`Receiver`.
+"""The engine, the supervisor of one rank's actors (docs/ARCHITECTURE.md): :class:`TransferEngine`, its :class:`Sender` and :class:`Receiver`.
 
 ``TransferEngine`` is the supervisor actor. Entering it starts every other actor under one task
 group (each reports ready through ``tg.start`` only once its resources exist): the NixlPoller with

@@ -1,4 +1,4 @@
-"""The KV layout a rank hands the engine, and the checks that its tensors match it (DESIGN §2).
+"""The KV layout a rank hands the engine, and the checks that its tensors match it.
 
 The engine never allocates the KV cache of a serving system: it is given per-layer tensors and
 validates them once, at construction. :meth:`KVPool.allocate` exists for the examples, tests and

@@ -10,7 +10,7 @@ chunk's notification on it; the poller tells the room directly when the WRITE en
 it is given ends in exactly one reply to its room: that WriteEnded, or a
 :class:`~transfer_engine.mail.WriteDone` from here (refused, cancelled, staged WRITE finished).
 
-Staged paths (DESIGN §4.2, §5): the worker asks the decode rank's ring for a region
+Staged paths (README, "Paths"; docs/DECISIONS.md, "Staged paths"): the worker asks the decode rank's ring for a region
 (``StagingRequest``) as soon as the chunk is known, and parks the chunk. Once granted, and once the
 peer's latest ``Watermark`` admits the region, it gathers the chunk's head slice — every layer, K
 then V — into a lease of its staging buffer (on its own CUDA stream; on CPU in a worker thread) and

@@ -1,4 +1,4 @@
-"""NIXL descriptor arithmetic for the direct and slice paths, vectorized with numpy (DESIGN §4.1, §4.4).
+"""NIXL descriptor arithmetic for the direct and slice paths, vectorized with numpy.
 
 Conventions shared by every function here:
 

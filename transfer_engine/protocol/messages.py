@@ -30,7 +30,7 @@ class _Base(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LayoutInfo(_Base, frozen=True):
-    """A rank's KV layout as its peers see it (DESIGN §2)."""
+    """A rank's KV layout as its peers see it."""
 
     num_layers: int
     num_heads: int
