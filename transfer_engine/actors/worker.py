@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -32,8 +33,8 @@ import torch
 
 from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import as_kv_table, gather_heads
-from transfer_engine.layout import KVPool
-from transfer_engine.mail import CancelRoom, WriteDone, WriteEnded, WriteJob
+from transfer_engine.layout import KVPool, stride_rows_of
+from transfer_engine.mail import CancelRoom, RepeatStaging, WriteDone, WriteEnded, WriteJob
 from transfer_engine.memory import (
     StagingMemory,
     allocate_staging,
@@ -69,6 +70,8 @@ class _Staged:
     host: bool
     allocation: Allocation | None = None
     dst: int = 0
+    request: m.StagingRequest | None = None
+    asked_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +82,9 @@ class _Lease:
     offset: int
 
 
-WorkerMail = WriteJob | CancelRoom | m.StagingGrant | m.StagingRefused | m.Watermark | WriteEnded
+WorkerMail = (
+    WriteJob | CancelRoom | RepeatStaging | m.StagingGrant | m.StagingRefused | m.Watermark | WriteEnded
+)
 
 
 def is_staged_job(job: WriteJob) -> bool:
@@ -141,6 +146,8 @@ def plan_write(
     dst_pages_all = np.asarray(req.dst_pages, dtype=np.int64)
     notif = chunk_notification(job, region=-1)
     spec = req.slices[0]
+    if pool.strides is not None or peer.layout.strides is not None:
+        return (*_strided_write(job, pool, bases, dst_pages_all, spec), notif)
     if req.path == "direct":
         dst_pages = dst_pages_all[chunk.page_start : chunk.page_start + chunk.num_pages]
         if len(dst_pages) != len(job.src_pages):
@@ -173,6 +180,36 @@ def plan_write(
     return src, dst, length, notif
 
 
+def _strided_write(
+    job: WriteJob, pool: KVPool, bases: np.ndarray, dst_pages: np.ndarray, spec: m.SliceSpec
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Direct or slice WRITE where either side is not contiguous ``[slots, H, D]``: byte runs from both
+    sides' strides, merged where both are contiguous (``descriptors.strided_descriptors``)."""
+    peer, chunk = job.peer, job.chunk
+    assert chunk is not None
+    src_ps, dst_ps = pool.layout.page_size, peer.layout.page_size
+    start = chunk.page_start * src_ps
+    tokens = descriptors.chunk_tokens(start, chunk.num_pages, src_ps, len(dst_pages) * dst_ps)
+    return descriptors.strided_descriptors(
+        bases,
+        pool.region_lengths,
+        pool.stride_rows,
+        peer.bases,
+        np.array([r.length for r in peer.regions], dtype=np.uint64),
+        stride_rows_of(peer.layout, peer.heads_local),
+        pool.head_bytes,
+        descriptors.slots_of(job.src_pages, src_ps, 0, tokens),
+        descriptors.slots_of(dst_pages, dst_ps, start, tokens),
+        src_ps,
+        dst_ps,
+        spec.src_head_start,
+        spec.dst_head_start,
+        spec.num_heads,
+        pool.heads_local,
+        peer.heads_local,
+    )
+
+
 class TransferWorker(Actor["WorkerMail"]):
     """See the module docstring. ``inbox`` takes :data:`WorkerMail`."""
 
@@ -198,7 +235,7 @@ class TransferWorker(Actor["WorkerMail"]):
         self.outbox = outbox
         self.staging_bytes = staging_bytes
         self._bases = np.array([t.data_ptr() for t in pool.tensors], dtype=np.uint64)
-        self._kv = as_kv_table(pool.tensors)
+        self._kv = as_kv_table(pool.tensors) if pool.strides is None else None
         self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._buffers: dict[bool, tuple[StagingMemory, BufferLeases]] = {}
         self._granting: dict[tuple[str, int, int], _Staged] = {}
@@ -255,6 +292,11 @@ class TransferWorker(Actor["WorkerMail"]):
                     await self._progress(agent)
             case CancelRoom(room=room):
                 await self._cancel(room)
+            case RepeatStaging(before=before):
+                for staged in list(self._granting.values()):
+                    if staged.request is not None and staged.asked_at < before:
+                        self.counters["staging_repeats"] += 1
+                        self.outbox.send(staged.job.peer.endpoint, staged.request)
 
     # --- direct and slice ----------------------------------------------------------------------
 
@@ -302,6 +344,11 @@ class TransferWorker(Actor["WorkerMail"]):
         try:
             if peer.ring is None:
                 raise TransferError(f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring")
+            if self._kv is None:
+                raise TransferError(
+                    f"room {job.room}: path={req.path} gathers contiguous [slots, H, D] tensors; this "
+                    "prefill's KV is strided (KVPool.from_views): use path=direct or slice"
+                )
             spec = req.slices[0]
             src_slots = staged_slots(job, self.pool)
             if src_slots.size == 0:
@@ -320,19 +367,19 @@ class TransferWorker(Actor["WorkerMail"]):
         except TransferError as exc:
             await self._done(job, False, str(exc), FailureReason.PROTOCOL)
             return
-        self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(job, src_slots, nbytes, host)
-        self.outbox.send(
-            peer.endpoint,
-            m.StagingRequest(
-                agent=self.me.agent_name,
-                room=job.room,
-                chunk_id=chunk.chunk_id,
-                sender=job.sender,
-                page_start=chunk.page_start,
-                num_pages=chunk.num_pages,
-                tokens=int(src_slots.size),
-            ),
+        request = m.StagingRequest(
+            agent=self.me.agent_name,
+            room=job.room,
+            chunk_id=chunk.chunk_id,
+            sender=job.sender,
+            page_start=chunk.page_start,
+            num_pages=chunk.num_pages,
+            tokens=int(src_slots.size),
         )
+        self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(
+            job, src_slots, nbytes, host, request=request, asked_at=time.monotonic()
+        )
+        self.outbox.send(peer.endpoint, request)
 
     async def _on_grant(self, grant: m.StagingGrant) -> None:
         staged = self._granting.pop((grant.agent, grant.room, grant.chunk_id), None)
@@ -388,6 +435,7 @@ class TransferWorker(Actor["WorkerMail"]):
         head_slice = job.request.slices[0]
         out = memory.view(offset, staged.nbytes)
         slots = torch.from_numpy(staged.src_slots)
+        assert self._kv is not None  # _request_region refused staged chunks of a strided pool
         gather = functools.partial(
             gather_heads,
             self._kv,
