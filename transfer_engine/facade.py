@@ -71,21 +71,27 @@ def _room(room: int | str) -> int:
 
 
 class _Mailer:
-    """Loop side of a handle: delivers its mail to the room actor in the order it was posted.
+    """Loop side of the facade: delivers handles' mail to room actors in the order it was posted,
+    and starts the tasks callers ask for (a receiver's handshake).
 
-    Runs on the event loop only. Mail goes straight into the room's mailbox when there is room and
-    nothing is queued ahead of it; otherwise it waits in a backlog that one task drains in order.
-    Mail for a room that has ended is dropped: the room's final status already tells the caller.
+    ``post`` and ``start`` run as plain loop callbacks (``call_soon_threadsafe``), where no task is
+    current, so they start nothing themselves: they queue work and wake :meth:`run`, a task of the
+    facade's task group that starts it. Mail goes straight into the room's mailbox when there is
+    room and nothing is queued ahead of it; otherwise it waits in a backlog that one task drains in
+    order. Mail for a room that has ended is dropped: the room's final status already tells.
     """
 
     def __init__(self, tg: TaskGroup) -> None:
         self._tg = tg
         self._backlog: deque[tuple[Sender | Receiver, RoomMail]] = deque()
+        self._spawns: deque[tuple[Callable[..., Coroutine[Any, Any, None]], tuple[Any, ...]]] = deque()
         self._draining = False
+        self._wake = anyio.Event()
 
     def start(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
-        """Start ``fn(*args)`` in the facade's task group (cancelled when the engine closes)."""
-        self._tg.start_soon(fn, *args)
+        """Have ``fn(*args)`` started in the facade's task group (cancelled when the engine closes)."""
+        self._spawns.append((fn, args))
+        self._wake.set()
 
     def post(self, handle: Sender | Receiver, mail: RoomMail) -> None:
         if not self._backlog:
@@ -97,9 +103,19 @@ class _Mailer:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 return
         self._backlog.append((handle, mail))
-        if not self._draining:
-            self._draining = True
-            self._tg.start_soon(self._drain)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Start queued tasks and the backlog's drain, each time a callback queued something."""
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            while self._spawns:
+                fn, args = self._spawns.popleft()
+                self._tg.start_soon(fn, *args)
+            if self._backlog and not self._draining:
+                self._draining = True
+                self._tg.start_soon(self._drain)
 
     async def _drain(self) -> None:
         try:
@@ -331,12 +347,12 @@ class BlockingEngine:
         self._portal = self._portal_cm.__enter__()
         try:
             self._closing = self._portal.call(anyio.Event)
-            self._served, (engine, tg, loop) = self._portal.start_task(self._serve, config, kv, transport)
+            self._served, (engine, mailer, loop) = self._portal.start_task(self._serve, config, kv, transport)
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
             raise
         self._engine: TransferEngine = engine
-        self._mailer = _Mailer(tg)
+        self._mailer: _Mailer = mailer
         self._loop: asyncio.AbstractEventLoop = loop
 
     async def _serve(
@@ -345,10 +361,12 @@ class BlockingEngine:
         kv: KVPool,
         transport: Transport | None,
         *,
-        task_status: TaskStatus[tuple[TransferEngine, TaskGroup, asyncio.AbstractEventLoop]],
+        task_status: TaskStatus[tuple[TransferEngine, _Mailer, asyncio.AbstractEventLoop]],
     ) -> None:
         async with TransferEngine(config, kv, transport=transport) as engine, anyio.create_task_group() as tg:
-            task_status.started((engine, tg, asyncio.get_running_loop()))
+            mailer = _Mailer(tg)
+            tg.start_soon(mailer.run)
+            task_status.started((engine, mailer, asyncio.get_running_loop()))
             await self._closing.wait()
             tg.cancel_scope.cancel()
 
