@@ -41,6 +41,8 @@ class Item:
 @dataclass
 class Result:
     item: Item
+    rid: int = 0
+    """The front door's request id (0 until its first line arrived)."""
     tokens: list[int] = field(default_factory=list)
     ok: bool = False
     cancelled: bool = False
@@ -89,6 +91,7 @@ async def generate(session: aiohttp.ClientSession, url: str, item: Item) -> Resu
                     return result
                 async for line in resp.content:
                     event = json.loads(line)
+                    result.rid = event.get("rid", result.rid)
                     if "tokens" in event:
                         result.tokens += event["tokens"]
                         if (

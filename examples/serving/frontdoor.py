@@ -1,8 +1,8 @@
 """The front door: HTTP in (aiohttp), requests out to the prefill and decode leaders (ZMQ), tokens back.
 
 ``POST /generate`` with ``{"prompt": [token ids], "max_new_tokens": n}`` answers a stream of JSON
-lines (``application/x-ndjson``): ``{"tokens": [...]}`` as the decode produces them, then one
-``{"done": true, "ok": ..., "ttft_ms": ..., "transfer_ms": ..., "split_ms": {...}}``. A client that
+lines (``application/x-ndjson``): ``{"rid": ..., "tokens": [...]}`` as the decode produces them, then one
+``{"rid": ..., "done": true, "ok": ..., "ttft_ms": ..., "transfer_ms": ..., "split_ms": {...}}``. A client that
 closes the connection cancels its request on both servers. ``GET /stats`` (``?reset=1`` starts a new
 measurement window) answers every server's :class:`~examples.serving.messages.Stats`.
 
@@ -181,7 +181,7 @@ class FrontDoor:
                 if isinstance(event, msg.Tokens):
                     if not p.t_first_tokens:
                         p.t_first_tokens = time.monotonic()
-                    await response.write(json.dumps({"tokens": event.tokens}).encode() + b"\n")
+                    await response.write(json.dumps({"rid": rid, "tokens": event.tokens}).encode() + b"\n")
                 elif isinstance(event, msg.DecodeDone):
                     finished = True
                     await response.write(json.dumps(await self._final(p, event)).encode() + b"\n")
@@ -189,7 +189,7 @@ class FrontDoor:
                 else:  # the decode instance died
                     finished = True
                     await response.write(
-                        json.dumps({"done": True, "ok": False, "error": event}).encode() + b"\n"
+                        json.dumps({"rid": rid, "done": True, "ok": False, "error": event}).encode() + b"\n"
                     )
                     break
             await response.write_eof()
@@ -205,11 +205,12 @@ class FrontDoor:
     async def _final(self, p: Pending, done: msg.DecodeDone) -> dict[str, Any]:
         if not done.ok:
             await self.prefill.send(msg.Cancel(p.rid))  # no-op if the prefill is already done
-            return {"done": True, "ok": False, "error": done.detail}
+            return {"rid": p.rid, "done": True, "ok": False, "error": done.detail}
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(p.prefill_arrived.wait(), PREFILL_DONE_WAIT_S)
         pf = p.prefill
         out: dict[str, Any] = {
+            "rid": p.rid,
             "done": True,
             "ok": True,
             "ttft_ms": (p.t_first_tokens - p.t_arrived) * 1e3,

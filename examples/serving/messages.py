@@ -93,6 +93,8 @@ class Stats(msgspec.Struct, frozen=True, tag=True):
     """The largest sum of ``engine.leaks()`` over the ranks, as of the last step."""
     handles: int
     """The most room handles any rank still holds."""
+    cancelled: int
+    """Requests cancelled while they held pages (since start)."""
     lag_ms: list[float]
     decode_tokens: int
     window_s: float

@@ -354,6 +354,7 @@ class Leader:
         self.max_leaks = 0
         self.max_handles = 0
         self.decode_tokens = 0
+        self.cancelled = 0
 
     # --- messages ---------------------------------------------------------------------------------
 
@@ -386,6 +387,7 @@ class Leader:
         if r is None or r.state in ("aborting", "done"):
             return
         r.detail = "cancelled"
+        self.cancelled += 1
         if r.state == "running":  # decode: the room is over, nothing can land any more
             await self._finish(r, ok=False)
         else:
@@ -564,6 +566,7 @@ class Leader:
             requests_live=len(self.live) + len(self.queue),
             leaks=self.max_leaks,
             handles=self.max_handles,
+            cancelled=self.cancelled,
             lag_ms=list(self.ticker.samples),
             decode_tokens=self.decode_tokens,
             window_s=time.monotonic() - self.ticker.window_start,
