@@ -69,7 +69,7 @@ from transfer_engine.errors import (
 from transfer_engine.layout import KVLayout, KVPool
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.staging import region_layout
 from transfer_engine.transport.faults import ControlFaults, Fault, FaultyTransport, Rule
 from transfer_engine.transport.nixl import NixlTransport

@@ -12,6 +12,7 @@ from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine
 from transfer_engine.errors import (
     ConfigError,
+    FailureReason,
     LayoutError,
     LocalProtocolError,
     PeerUnreachableError,
@@ -24,7 +25,6 @@ from transfer_engine.errors import (
     TransferTimeout,
 )
 from transfer_engine.layout import KVLayout, KVPool
-from transfer_engine.protocol.failures import FailureReason
 from transfer_engine.protocol.rooms import RoomStatus
 
 __all__ = [

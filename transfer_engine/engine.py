@@ -41,10 +41,11 @@ from transfer_engine.actors.room import (
     _RoomActor,
 )
 from transfer_engine.actors.scatter import ScatterActor
-from transfer_engine.actors.worker import STAGED_PATHS, TransferWorker
+from transfer_engine.actors.worker import TransferWorker
 from transfer_engine.config import EngineConfig
 from transfer_engine.errors import (
     ConfigError,
+    FailureReason,
     LayoutError,
     LocalProtocolError,
     PeerUnreachableError,
@@ -58,7 +59,7 @@ from transfer_engine.memory import allocate_staging, chunk_region_bytes
 from transfer_engine.peers import Peer, PrefillInstance
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.protocol.paths import is_staged
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
 from transfer_engine.security import Curve
 from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
@@ -493,7 +494,7 @@ class TransferEngine:
             return "direct"
         if policy == "slice":
             return "slice"
-        assert policy in STAGED_PATHS and self.ring is not None  # the ring exists for these policies
+        assert is_staged(policy) and self.ring is not None  # the ring exists for these policies
         return staged
 
     async def _instance(self, bootstrap: str) -> PrefillInstance:

@@ -24,7 +24,7 @@ from transfer_engine.actors.room import LocalAbort
 from transfer_engine.engine import Receiver, Sender
 from transfer_engine.errors import LocalProtocolError, TransferFailed
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.transport.faults import ControlFaults, Fault, FaultyTransport, Rule, matching
 

@@ -17,7 +17,7 @@ from tests.integration.harness import run_room, shuffled_pages
 from transfer_engine import patterns
 from transfer_engine.errors import AddressRangeError, TransferFailed
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason
 from transfer_engine.transport.faults import Fault, FaultyTransport, Rule, matching
 from transfer_engine.transport.nixl import XferState
 

@@ -21,7 +21,7 @@ from transfer_engine import patterns
 from transfer_engine.engine import Receiver, Sender
 from transfer_engine.errors import TransferAborted, TransferFailed
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.transport.faults import (
     ControlFaults,

@@ -11,7 +11,7 @@ import pytest
 
 from transfer_engine import patterns
 from transfer_engine.errors import TransferFailed
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason
 
 from .harness import cluster, run_room, shuffled_pages, small_layout
 

@@ -25,7 +25,7 @@ from transfer_engine.errors import (
     TransportError,
     failure_error,
 )
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason
 
 # class -> its direct bases, written out from the tree in errors.py's docstring.
 HIERARCHY: dict[type[Exception], tuple[type[BaseException], ...]] = {

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from transfer_engine.errors import RemoteProtocolError
 from transfer_engine.protocol import messages
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.messages import (
     MAX_MESSAGE_BYTES,
     MAX_NOTIF_BYTES,

@@ -23,16 +23,16 @@ import numpy as np
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from transfer_engine.errors import ConfigError, ProtocolError, TransferFailed, failure_error
+from transfer_engine.errors import ConfigError, FailureReason, ProtocolError, TransferFailed, failure_error
 from transfer_engine.peers import Peer
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.protocol.paths import TransferPath, is_staged
 from transfer_engine.protocol.rooms import Deadlines, ReceiverRoom, RoomStatus, SenderRoom, _Room
 
 from .ring import FreeRegion, RegionGranted, StagingFailed
 from .scatter import Scattered, ScatterJob
-from .worker import STAGED_PATHS, CancelRoom, WriteJob
+from .worker import CancelRoom, WriteJob
 
 if TYPE_CHECKING:
     from transfer_engine.engine import TransferEngine
@@ -287,9 +287,9 @@ class SenderRoomActor(_RoomActor):
                 expected.num_heads,
             ):
                 raise ProtocolError(f"decode rank {req.decode_rank} asked for {got}, expected {expected}")
-        if req.path not in ("direct", "slice", *STAGED_PATHS):
+        if TransferPath.parse(req.path) is None:
             raise ProtocolError(f"path {req.path!r} is not served by this engine")
-        if req.path in STAGED_PATHS and got is not None and peer.ring is None:
+        if is_staged(req.path) and got is not None and peer.ring is None:
             raise ProtocolError(
                 f"path {req.path!r} but decode rank {req.decode_rank} registered no staging ring"
             )
@@ -430,7 +430,7 @@ class ReceiverRoomActor(_RoomActor):
         self.slices = slices
         """The writers' head slices, in ``dst_head_start`` order (their block order in a region)."""
         self.path = path
-        self.staged = path in STAGED_PATHS
+        self.staged = is_staged(path)
         self.core.staged = self.staged
         self.regions: dict[int, RegionGranted] = {}
         """Ring regions this room holds, by chunk id (until scattered, or freed at the end)."""

@@ -31,7 +31,7 @@ import torch
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from transfer_engine.errors import StagingError, TransferError
+from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import as_kv_table, gather_heads
 from transfer_engine.layout import KVPool
 from transfer_engine.memory import (
@@ -44,7 +44,7 @@ from transfer_engine.memory import (
 from transfer_engine.peers import Peer
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.protocol.paths import is_staged
 from transfer_engine.protocol.rooms import Chunk
 from transfer_engine.protocol.staging import (
     Allocation,
@@ -60,8 +60,6 @@ log = logging.getLogger(__name__)
 
 JobDone = Callable[[bool, str, FailureReason], Awaitable[None]]
 """Called once per job when it ends: ``(ok, detail, reason the room fails with when not ok)``."""
-
-STAGED_PATHS = ("staged", "host")
 
 
 @dataclass(eq=False)
@@ -82,7 +80,7 @@ class WriteJob:
 
     @property
     def staged(self) -> bool:
-        return self.chunk is not None and self.request.path in STAGED_PATHS
+        return self.chunk is not None and is_staged(self.request.path)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,7 @@ from typing import Annotated
 
 import msgspec
 
-from transfer_engine.errors import RemoteProtocolError
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason, RemoteProtocolError
 
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change to a message below."""

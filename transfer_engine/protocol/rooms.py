@@ -23,8 +23,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from transfer_engine.errors import LocalProtocolError, RemoteProtocolError
-from transfer_engine.protocol.failures import FailureReason
+from transfer_engine.errors import FailureReason, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "RECEIVER_TRANSITIONS",
