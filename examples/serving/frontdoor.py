@@ -110,6 +110,7 @@ class FrontDoor:
         self.vocab = vocab
         self.alive = alive
         self.dead: set[int] = set()
+        self.stopping = False
         self.pending: dict[int, Pending] = {}
         self.next_rid = 1
         self.turn = 0
@@ -133,6 +134,8 @@ class FrontDoor:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(0.1)
+            if self.stopping:
+                return
             for i in range(len(self.decode)):
                 if i not in self.dead and not self.alive(i):
                     self.dead.add(i)
@@ -256,7 +259,8 @@ class FrontDoor:
         return self.url
 
     async def stop_servers(self) -> None:
-        """Tell every live server to shut down."""
+        """Tell every live server to shut down (their exits are no longer failures)."""
+        self.stopping = True
         await self.prefill.send(msg.Stop())
         for i, d in enumerate(self.decode):
             if i not in self.dead:

@@ -150,6 +150,7 @@ class Cluster:
                     spec.decode_tp,
                     dist_port=free_port(),
                     control_port=free_port(),
+                    gpu_offset=spec.prefill_tp + i * spec.decode_tp,  # decode ranks on the next GPUs
                     **common_fields,
                 )  # type: ignore[arg-type]
             )

@@ -83,6 +83,8 @@ class ServerSpec:
     torch_threads: int = 1
     log_level: str = "WARNING"
     engine: dict[str, Any] = field(default_factory=dict)
+    gpu_offset: int = 0
+    """With ``device="cuda"``, rank ``r`` uses GPU ``(gpu_offset + r) % device_count``."""
 
     @property
     def name(self) -> str:
@@ -602,7 +604,7 @@ async def follow(rank: Rank, group: TPGroup) -> None:
 
 async def serve(spec: ServerSpec, rank: int, events: Any) -> int:
     if spec.device == "cuda":
-        index = rank % torch.cuda.device_count()
+        index = (spec.gpu_offset + rank) % torch.cuda.device_count()
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
     else:
