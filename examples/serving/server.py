@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -56,6 +56,7 @@ from transfer_engine import (
     TransferEngine,
     TransferError,
 )
+from transfer_engine.ticker import sleep as fine_sleep
 
 log = logging.getLogger("serving")
 AUX_BYTES = 8
@@ -130,14 +131,26 @@ def kv_digests(pool: KVPool, pages: list[int], tokens: int, rank: int) -> dict[s
     return out
 
 
-async def run_layers(steps: Generator[int, None, torch.Tensor]) -> torch.Tensor:
-    """Drive :meth:`TPModel.layers`, letting the event loop run between layers; return the logits."""
+LayerHook = Callable[[int], Awaitable[None]]
+"""Called with a layer index once that layer's K/V of the whole batch are in the pool (enqueued)."""
+
+
+async def run_layers(
+    steps: Generator[int, None, torch.Tensor], on_layer: LayerHook | None = None
+) -> torch.Tensor:
+    """Drive :meth:`TPModel.layers`, letting the event loop run between layers; return the logits.
+
+    ``on_layer`` (if given) is awaited after each layer, before the next one is enqueued: the place
+    to send a group of layers while the next ones compute (layer-wise transfer).
+    """
     while True:
         try:
-            next(steps)
+            layer = next(steps)
         except StopIteration as done:
             logits: torch.Tensor = done.value
             return logits
+        if on_layer is not None:
+            await on_layer(layer)
         await anyio.lowlevel.checkpoint()
 
 
@@ -151,6 +164,9 @@ class Rank:
         self.opened: dict[int, msg.OpenSend | msg.OpenRecv] = {}
         self.settled: dict[int, float] = {}
         self.kernels_done: dict[int, float] = {}
+        self.prefill_layer_hook: Callable[[list[msg.Chunk]], LayerHook] | None = None
+        """Per prefill batch, the hook :func:`run_layers` calls after each layer (None: chunks are
+        sent whole, after the batch's last layer)."""
         self.record = None
         if spec.record_dir:
             path = os.path.join(spec.record_dir, f"{spec.name}-rank{rank}.jsonl")
@@ -207,7 +223,8 @@ class Rank:
 
     async def _prefill(self, chunks: list[msg.Chunk]) -> torch.Tensor:
         seqs = [Seq(c.tokens, c.start, c.page_table) for c in chunks]
-        logits = await run_layers(self.model.layers(seqs, self.pool))
+        hook = self.prefill_layer_hook(chunks) if self.prefill_layer_hook is not None else None
+        logits = await run_layers(self.model.layers(seqs, self.pool), hook)
         aux = self.pool.aux
         assert aux is not None
         for i, c in enumerate(chunks):
@@ -232,9 +249,9 @@ class Rank:
         return logits
 
     async def _stamp(self, event: Any, rids: list[int]) -> None:
-        """CUDA: note when the last chunk's kernels finished (polled from the loop, ~0.2 ms resolution)."""
+        """CUDA: note when the last chunk's kernels finished (polled from the loop every 100 us)."""
         while not event.query():  # noqa: ASYNC110 (a CUDA event has no awaitable)
-            await anyio.sleep(0.0002)
+            await fine_sleep(100e-6)
         now = time.monotonic()
         for rid in rids:
             self.kernels_done[rid] = now

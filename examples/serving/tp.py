@@ -16,11 +16,13 @@ from datetime import timedelta
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import torch
 import torch.distributed as dist
 
 from transfer_engine import ConfigError
+from transfer_engine.ticker import sleep as fine_sleep
 
 
 class TPGroup:
@@ -50,10 +52,17 @@ class TPGroup:
             dist.all_reduce(t)
 
     async def _wait(self, work: Any) -> None:
+        """Poll an async collective from the loop: a few bare yields, then timerfd sleeps growing from
+        50 us to 2 ms (asyncio's own timers would round every wait up to a whole millisecond)."""
         spins = 0
+        delay = 50e-6
         while not work.is_completed():
             spins += 1
-            await anyio.sleep(0 if spins < 20 else 0.0005)
+            if spins <= 10:
+                await anyio.lowlevel.checkpoint()
+            else:
+                await fine_sleep(delay)
+                delay = min(2 * delay, 0.002)
         work.wait()
 
     async def broadcast(self, payload: bytes | None) -> bytes:

@@ -76,11 +76,27 @@ async def reference_for(s: ClusterSpec, items: list[client.Item]) -> list[Any]:
     return await anyio.to_thread.run_sync(run_reference, s, items)
 
 
+def assert_clean_exit(cluster: Cluster, killed: tuple[str, ...] = ()) -> None:
+    """Every rank process left its engine and exited 0 (except the ones the test killed)."""
+    for name, codes in cluster.exit_codes().items():
+        if name not in killed:
+            assert codes == [0] * len(codes), f"{name} exit codes {codes}"
+
+
 async def serve(s: ClusterSpec, items: list[client.Item]) -> tuple[list[client.Result], dict[str, Any]]:
     async with Cluster(s) as cluster:
         results, _ = await client.replay(cluster.url, items)
         stats = await settle(cluster)
+    assert_clean_exit(cluster)
     return results, stats
+
+
+def check_first_logits(rec: dict[str, Any], results: list[client.Result], ref: list[Any]) -> None:
+    for r in results:
+        if r.ok and r.item.max_new > 1:
+            got, want = rec["logits"][r.rid], ref[r.item.index].first_logits
+            worst = max(abs(a - b) for a, b in zip(got, want, strict=True))
+            assert worst <= LOGIT_TOLERANCE, f"request {r.rid}: first-step logits differ by {worst}"
 
 
 @pytest.mark.timeout(150)
@@ -93,7 +109,9 @@ async def test_p_equals_d_tokens_identical_to_monolithic(tmp_path: Path) -> None
     assert sum(r.cancelled for r in results) == 2
     assert compare(results, ref) == len(items)
     assert all(len(r.tokens) == r.item.max_new for r in results if r.ok)
-    check_kv_arrived(records(tmp_path), results)
+    rec = records(tmp_path)
+    check_kv_arrived(rec, results)
+    check_first_logits(rec, results, ref)
     assert leftovers(stats) == []
 
 
@@ -108,10 +126,7 @@ async def test_p_differs_from_d_logits_within_tolerance(tmp_path: Path, p: int, 
     assert compare(results, ref) == len(items)
     rec = records(tmp_path)
     check_kv_arrived(rec, results)
-    for r in results:
-        got, want = rec["logits"][r.rid], ref[r.item.index].first_logits
-        worst = max(abs(a - b) for a, b in zip(got, want, strict=True))
-        assert worst <= LOGIT_TOLERANCE, f"request {r.rid}: first-step logits differ by {worst}"
+    check_first_logits(rec, results, ref)
     assert leftovers(stats) == []
 
 
@@ -128,6 +143,7 @@ async def test_cancelled_requests_free_their_pages_on_both_sides(tmp_path: Path)
     async with Cluster(s) as cluster:
         results, _ = await client.replay(cluster.url, items)
         stats = await settle(cluster)
+    assert_clean_exit(cluster)
     assert sum(r.cancelled for r in results) == 7 and results[-1].ok, [
         (r.cancelled, r.error) for r in results
     ]
@@ -160,6 +176,7 @@ async def test_killed_decode_rank_fails_its_requests_and_prefill_serves_others(t
         first_results = out[0][0]
         later_results, _ = await client.replay(cluster.url, later)
         stats = await settle(cluster)
+    assert_clean_exit(cluster, killed=("decode0",))
     ref = await reference_for(s, first + later)
     died = [r for r in first_results if not r.ok]
     assert died and all("decode instance 0 died" in r.error for r in died), [r.error for r in died]
