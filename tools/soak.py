@@ -61,6 +61,7 @@ from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine
 from transfer_engine.errors import (
+    FailureReason,
     LocalProtocolError,
     PeerUnreachableError,
     RemoteProtocolError,
@@ -69,7 +70,6 @@ from transfer_engine.errors import (
 from transfer_engine.layout import KVLayout, KVPool
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
-from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.staging import region_layout
 from transfer_engine.transport.faults import ControlFaults, Fault, FaultyTransport, Rule
 from transfer_engine.transport.nixl import NixlTransport
@@ -926,8 +926,9 @@ def _collect(cluster: Cluster, tally: Tally) -> None:
         faults = engine.control.faults
         if isinstance(faults, ControlFaults):
             tally.faults_fired.update({f"control_{k}": v for k, v in faults.fired.items()})
-        for key in ("notifs_duplicate", "notifs_unrouted", "late_messages", "stash_expired", "peers_dead"):
+        for key in ("notifs_duplicate", "late_messages", "stash_expired", "peers_dead"):
             tally.engine_counters[key] += engine.counters[key]
+        tally.engine_counters["notifs_unrouted"] += engine.poller.counters["notifs_unrouted"]
         for worker in engine.workers:
             for key in ("watermark_waits", "lease_waits", "staged_writes"):
                 tally.engine_counters[key] += worker.counters[key]

@@ -39,6 +39,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     host_bootstrap: bool | None = None
     """Run the bootstrap registry in this engine; None means: on prefill rank 0."""
     num_workers: int = 4
+    max_rooms: int = 4096
+    """Rooms live at once on this rank; ``sender()``/``receiver()`` raise RoomLimitError beyond it.
+    It bounds what rooms can have outstanding at the workers, ring and scatter actor
+    (docs/ARCHITECTURE.md, "Mail without deadlock")."""
     path: PathPolicy = "auto"
     staging_memory: StagingMemory = "device"
     ring_bytes: int = 0
@@ -83,6 +87,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"tp_rank={self.tp_rank} is not in [0, tp_size={self.tp_size})")
         if self.num_workers < 1:
             raise ConfigError(f"num_workers={self.num_workers} must be >= 1")
+        if self.max_rooms < 1:
+            raise ConfigError(f"max_rooms={self.max_rooms} must be >= 1")
         if self.path not in ("auto", "direct", "slice", "staged", "host"):
             raise ConfigError(f"path={self.path!r} must be one of auto, direct, slice, staged, host")
         if self.staging_memory not in ("device", "host"):

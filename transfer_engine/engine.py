@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import zlib
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -29,17 +29,8 @@ from transfer_engine.actors.control import Control
 from transfer_engine.actors.introspect import Introspect
 from transfer_engine.actors.metrics import MetricsServer, load_metrics
 from transfer_engine.actors.nixl_poller import NixlPoller
-from transfer_engine.actors.ring import RingActor, Subscribe
-from transfer_engine.actors.room import (
-    LocalAbort,
-    PeerDead,
-    QueueChunk,
-    ReceiverRoomActor,
-    RoomMail,
-    SenderRoomActor,
-    Shutdown,
-    _RoomActor,
-)
+from transfer_engine.actors.ring import RingActor
+from transfer_engine.actors.room import ReceiverRoomActor, SenderRoomActor, _RoomActor
 from transfer_engine.actors.scatter import ScatterActor
 from transfer_engine.actors.worker import TransferWorker
 from transfer_engine.config import EngineConfig
@@ -51,16 +42,29 @@ from transfer_engine.errors import (
     PeerUnreachableError,
     RemoteProtocolError,
     RoomInUseError,
+    RoomLimitError,
     TransferError,
 )
-from transfer_engine.introspect import ENDED_ROOMS_KEPT, RoomSnapshot, build_snapshot, record_ended
+from transfer_engine.introspect import ENDED_ROOMS_KEPT, RoomSnapshot
+from transfer_engine.introspect.build import build_snapshot, record_ended
 from transfer_engine.layout import KVPool
+from transfer_engine.mail import LocalAbort, PeerDead, QueueChunk, RoomMail, Shutdown, Subscribe
 from transfer_engine.memory import allocate_staging, chunk_region_bytes
 from transfer_engine.peers import Peer, PrefillInstance
+from transfer_engine.ports import (
+    JOBS_PER_ROOM,
+    RING_POSTS_PER_ROOM,
+    SCATTERS_PER_ROOM,
+    PeerBook,
+    RankIdentity,
+    RoomBoard,
+    RoomPorts,
+    WorkerShards,
+)
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.paths import is_staged
-from transfer_engine.protocol.rooms import Deadlines, RoomStatus
+from transfer_engine.protocol.rooms import Deadlines, RoomStatus, abort_reason
 from transfer_engine.security import Curve
 from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
 
@@ -183,7 +187,10 @@ class TransferEngine:
         """Control-plane CURVE keys (None: off); loaded here so a bad key file fails the constructor."""
         self.deadlines = Deadlines(config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout)
         self.rooms: dict[int, _RoomActor] = {}
-        self.peers: dict[str, Peer] = {}
+        self.board = RoomBoard(self._room_closed)
+        """The live rooms' mailboxes: how every actor addresses a room."""
+        self.me = RankIdentity(self.agent_name, config.role, config.tp_rank, config.tp_size)
+        self.peers = PeerBook()
         self.instances: dict[str, PrefillInstance] = {}
         self._connecting: dict[str, anyio.Event] = {}
         self._stash: dict[int, list[tuple[float, RoomMail]]] = defaultdict(list)
@@ -195,13 +202,19 @@ class TransferEngine:
         self._info = kv.info()
         self._compat = m.compat_hash(self._info)
         self._heartbeat_seq = 0
-        self.counters: dict[str, int] = defaultdict(int)
+        self.counters: Counter[str] = Counter()
         self.started_at = time.monotonic()
         self.ended_rooms: deque[RoomSnapshot] = deque(maxlen=ENDED_ROOMS_KEPT)
         """Final snapshots of the latest rooms that ended, oldest first (for ``transfer-engine dump``)."""
         self.introspect: Introspect | None = None
-        self.metrics = load_metrics(self) if config.metrics_port is not None else None
+        self.metrics = (
+            load_metrics(config.metrics_port, lambda: build_snapshot(self))
+            if config.metrics_port is not None
+            else None
+        )
         """Prometheus metrics (``metrics_port``); ConfigError above when prometheus-client is missing."""
+        self.room_ended = None if self.metrics is None else self.metrics.room_ended
+        """Called with each ended room's final snapshot (the metrics' histograms)."""
         self.metrics_server: MetricsServer | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -239,7 +252,8 @@ class TransferEngine:
             )
         self.poller = NixlPoller(
             transport,
-            self._on_notif,
+            self.board,
+            notifications=cfg.role == "decode",
             poll_interval=cfg.poll_interval,
             busy=(lambda: bool(self.rooms)) if cfg.role == "decode" else (lambda: False),
             spin=cfg.poll_spin,
@@ -269,14 +283,20 @@ class TransferEngine:
             staging_bytes = cfg.staging_bytes or 2 * chunk_region_bytes(self.pool, cfg.staging_chunk_pages)
             for i in range(cfg.num_workers):
                 worker = TransferWorker(
-                    i, self.pool, self.poller, agent_name=self.agent_name, send=self.control.send,
-                    staging_bytes=staging_bytes,
+                    i, self.me, self.pool, self.poller, self.board, self.control,
+                    staging_bytes=staging_bytes, reserve=(JOBS_PER_ROOM + 1) * cfg.max_rooms,
                 )  # fmt: skip
                 self.workers.append(worker)
                 await tg.start(worker.run)
             await self._register()
         elif cfg.path in ("auto", "staged", "host"):
             await self._start_ring(tg)
+        self.room_ports = RoomPorts(
+            self.me, self.pool, self.control, self.peers, self.board, self.poller, self.counters,
+            workers=WorkerShards([w.inbox for w in self.workers]) if self.workers else None,
+            ring=None if self.ring is None else self.ring.inbox,
+            scatter=None if self.scatter is None else self.scatter.inbox,
+        )  # fmt: skip
         tg.start_soon(self._heartbeat_loop)
         log.info(
             "%s rank %d/%d up: control %s agent %s",
@@ -297,9 +317,14 @@ class TransferEngine:
         memory = allocate_staging(self.pool, size, host=self.host_staging)
         assert self._transport is not None
         self._transport.register([memory.region()], memory.mem_type)
-        self.ring = RingActor(self, memory)
+        self.ring = RingActor(
+            self.me, self.pool, memory, self.peers, self.control, self.board,
+            reserve=RING_POSTS_PER_ROOM * cfg.max_rooms,
+        )  # fmt: skip
         await tg.start(self.ring.run)
-        self.scatter = ScatterActor(self.pool, self.ring, memory)
+        self.scatter = ScatterActor(
+            self.pool, memory, self.ring.inbox, self.board, reserve=SCATTERS_PER_ROOM * cfg.max_rooms
+        )
         await tg.start(self.scatter.run)
         log.info("decode rank %d: %s staging ring of %d bytes", cfg.tp_rank, memory.mem_type, size)
 
@@ -374,11 +399,16 @@ class TransferEngine:
         _check_room(room)
         if room in self.rooms:
             raise RoomInUseError(room)
-        actor = SenderRoomActor(self, room, self.deadlines)
+        self._check_capacity(room)
+        actor = SenderRoomActor(self.room_ports, room, self.deadlines)
         self._start_room(actor)
         for _, mail in self._stash.pop(room, []):
             actor.inbox.send_nowait(mail)
         return Sender(actor, self.pool)
+
+    def _check_capacity(self, room: int) -> None:
+        if len(self.rooms) >= self.config.max_rooms:
+            raise RoomLimitError(room, self.config.max_rooms)
 
     def worker_for(self, agent_name: str) -> TransferWorker:
         return self.workers[zlib.crc32(agent_name.encode()) % len(self.workers)]
@@ -429,13 +459,14 @@ class TransferEngine:
         instance = await self._instance(bootstrap)
         if room in self.rooms:
             raise RoomInUseError(room)
+        self._check_capacity(room)
         path = self._choose_path(instance)
         layout = self.pool.layout
         D, d = self.config.tp_size, self.config.tp_rank
         writers = heads.writers_of(layout.num_heads, instance.tp_size, D, d, layout.mla)
         aux_writer = writers[0].prefill_rank if aux_slot is not None else None
         actor = ReceiverRoomActor(
-            self, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers},
+            self.room_ports, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers},
             pages=arr, slices=list(writers), path=path,
         )  # fmt: skip
         actor.everyone = list(instance.ranks)
@@ -630,29 +661,22 @@ class TransferEngine:
     def _start_room(self, actor: _RoomActor) -> None:
         assert self._tg is not None
         self.rooms[actor.room] = actor
+        self.board.open(actor.room, actor.inbox)
         self.counters["rooms_opened"] += 1
         self._tg.start_soon(actor.run, name=f"{actor.side}-room-{actor.room}")
         self.poller.wake()
 
-    def forget_room(self, actor: _RoomActor) -> None:
-        """Called by a room actor as it ends (final and quiescent)."""
-        if self.rooms.get(actor.room) is actor:
-            del self.rooms[actor.room]
+    def _room_closed(self, room: int) -> None:
+        """The room board's hook: room ``room`` ended (final and quiescent) and left the board."""
+        actor = self.rooms.pop(room)
         self.counters[f"rooms_{actor.status.name.lower()}"] += 1
         failure = actor.core.failure
         if failure is not None:
             self.counters[f"failed_{failure.reason.name.lower()}"] += 1
-        record_ended(self, actor)
+        record_ended(self, actor, self.ended_rooms)
 
     async def _to_room(self, room: int, mail: RoomMail) -> bool:
-        actor = self.rooms.get(room)
-        if actor is None or actor.done.is_set():
-            return False
-        try:
-            await actor.inbox.send(mail)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            return False
-        return True
+        return await self.board.deliver(room, mail)
 
     async def _dispatch(self, message: m.AnyMessage, ident: bytes) -> None:
         match message:
@@ -696,11 +720,6 @@ class TransferEngine:
                 self.control.count_drop(
                     type(message).__name__, ident, f"not accepted by a {self.config.role} engine"
                 )
-
-    async def _on_notif(self, agent: str, notif: m.ChunkLanded | m.AuxLanded) -> None:
-        if self.config.role != "decode" or not await self._to_room(notif.room, notif):
-            self.counters["notifs_unrouted"] += 1
-            log.warning("%s: notification %s from %s for no live room dropped", self.agent_name, notif, agent)
 
     # --- liveness -----------------------------------------------------------------------------------
 
@@ -750,7 +769,7 @@ class TransferEngine:
         The other decode ranks that asked for it are told: the room can no longer complete (its
         aborting rank's request is gone), and they would otherwise wait for chunks that never come.
         """
-        why = FailureReason.STAGING if abort.reason == FailureReason.STAGING else FailureReason.ABORTED
+        why = abort_reason(abort.reason)
         for _, mail in self._stash.pop(room, []):
             if not isinstance(mail, m.TransferRequest) or mail.agent == abort.agent:
                 continue

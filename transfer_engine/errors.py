@@ -9,6 +9,7 @@ have to know which library failed.
     │   ├── LayoutError        a KV layout that does not validate, or two that do not match
     │   ├── HeadSplitError     an (H, P, D) combination no head assignment exists for
     │   └── RoomInUseError     a room id that is still live on this engine
+    ├── RoomLimitError         ``max_rooms`` rooms are live already
     ├── ProtocolError          a message that cannot be decoded or is not allowed now
     │   ├── LocalProtocolError   this side tried to do something the protocol forbids
     │   └── RemoteProtocolError  the peer sent something the protocol forbids
@@ -36,6 +37,7 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     "RoomInUseError",
+    "RoomLimitError",
     "StagingError",
     "TransferAborted",
     "TransferError",
@@ -99,6 +101,15 @@ class RoomInUseError(ConfigError):
     def __init__(self, room: int) -> None:
         self.room = room
         super().__init__(f"room {room} is still live on this engine")
+
+
+class RoomLimitError(TransferError):
+    """``sender()``/``receiver()`` while ``max_rooms`` rooms are live on this engine."""
+
+    def __init__(self, room: int, limit: int) -> None:
+        super().__init__(f"room {room}: {limit} rooms are live on this engine (max_rooms={limit})")
+        self.room = room
+        self.limit = limit
 
 
 class ProtocolError(TransferError):

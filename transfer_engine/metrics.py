@@ -8,7 +8,7 @@ ConfigError). Each engine has its own registry, served by the MetricsServer acto
 Two kinds of series:
 
 - histograms observed once per room as it ends (:meth:`Metrics.room_ended`, fed by
-  :func:`transfer_engine.introspect.record_ended`): latency and size;
+  :func:`transfer_engine.introspect.build.record_ended`): latency and size;
 - everything else read at scrape time from the same :class:`~transfer_engine.introspect.Snapshot`
   ``transfer-engine dump`` shows, so the two never disagree: counters by outcome and failure
   reason, bytes and WRITEs, dropped messages, live rooms, queues and ring occupancy.
@@ -18,17 +18,13 @@ The names are listed in README.md ("Inspection and metrics"). Label values are l
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from transfer_engine.introspect import RoomSnapshot, build_snapshot
-
-if TYPE_CHECKING:
-    from transfer_engine.engine import TransferEngine
+from transfer_engine.introspect import RoomSnapshot, Snapshot
 
 __all__ = ["LATENCY_BUCKETS", "SIZE_BUCKETS", "Metrics"]
 
@@ -62,7 +58,7 @@ SIZE_BUCKETS = tuple(float(1024 * 4**k) for k in range(12))
 class Metrics:
     """One engine's Prometheus registry. Called on the event-loop thread only."""
 
-    def __init__(self, engine: TransferEngine) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self.registry = CollectorRegistry()
         self.latency = Histogram(
             f"{PREFIX}_transfer_latency_seconds",
@@ -77,7 +73,7 @@ class Metrics:
             buckets=SIZE_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_SnapshotCollector(engine))
+        self.registry.register(_SnapshotCollector(snapshot))
 
     def room_ended(self, room: RoomSnapshot) -> None:
         """Observe a room that just ended (its final snapshot)."""
@@ -93,11 +89,11 @@ class Metrics:
 class _SnapshotCollector:
     """Reads the engine's snapshot at each scrape (on the event-loop thread: the HTTP actor's)."""
 
-    def __init__(self, engine: TransferEngine) -> None:
-        self._engine = engine
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        s = build_snapshot(self._engine)
+        s = self._snapshot()
         c = s.counters
 
         info = GaugeMetricFamily(

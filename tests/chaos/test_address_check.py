@@ -15,11 +15,10 @@ import pytest
 
 from tests.integration.harness import run_room, shuffled_pages
 from transfer_engine import patterns
-from transfer_engine.errors import AddressRangeError, TransferFailed
+from transfer_engine.errors import AddressRangeError, FailureReason, TransferFailed
 from transfer_engine.protocol import messages as m
-from transfer_engine.errors import FailureReason
 from transfer_engine.transport.faults import Fault, FaultyTransport, Rule, matching
-from transfer_engine.transport.nixl import XferState
+from transfer_engine.transport.nixl import WriteSpec, XferState
 
 from .helpers import engines, faulty_factory
 
@@ -71,13 +70,15 @@ async def test_transport_range_check_at_every_edge() -> None:
             n = len(dst)
             src = np.full(n, local.addr, dtype=np.uint64)
             return transport.post_write(
-                decode.agent_name,
-                prefill.pool.mem_type,
-                src,
-                np.array(dst, dtype=np.uint64),
-                np.array(length, dtype=np.uint64),
-                prefill.pool.device_id,
-                b"",
+                WriteSpec(
+                    decode.agent_name,
+                    prefill.pool.mem_type,
+                    src,
+                    np.array(dst, dtype=np.uint64),
+                    np.array(length, dtype=np.uint64),
+                    prefill.pool.device_id,
+                    b"",
+                )
             )
 
         refused = {

@@ -19,9 +19,8 @@ import pytest
 from tests.integration.harness import Cluster, run_room, shuffled_pages
 from transfer_engine import patterns
 from transfer_engine.engine import Receiver, Sender
-from transfer_engine.errors import TransferAborted, TransferFailed
+from transfer_engine.errors import FailureReason, TransferAborted, TransferFailed
 from transfer_engine.protocol import messages as m
-from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.transport.faults import (
     ControlFaults,
@@ -139,7 +138,7 @@ async def test_late_bursty_and_reordered_notifications_still_complete(P: int, D:
         await run_rooms(c, [65, 66], [4, 4], seed=7, aux=False)
         assert all(rule.fired > 0 for rule in notifs), [(r.fault, r.fired) for r in notifs]
         assert wrapped[0].held() == 0
-        assert c.decode[0].counters["notifs_unrouted"] == 0
+        assert c.decode[0].poller.counters["notifs_unrouted"] == 0
         c.assert_no_leaks()
 
 
@@ -214,7 +213,7 @@ async def test_abort_during_delayed_notifications_waits_for_the_writes() -> None
             await sender.wait()  # its WRITEs were done before the abort came
         await anyio.sleep(0.4)  # the held notifications of the ended room arrive now
         assert wrapped[0].held() == 0
-        assert c.decode[0].counters["notifs_unrouted"] == 2
+        assert c.decode[0].poller.counters["notifs_unrouted"] == 2
         await run_room(c, 92, np.arange(4), np.arange(4), [4])
         c.assert_no_leaks()
 

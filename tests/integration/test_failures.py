@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from transfer_engine import patterns
-from transfer_engine.errors import TransferFailed
-from transfer_engine.errors import FailureReason
+from transfer_engine.errors import FailureReason, TransferFailed
 from transfer_engine.protocol.rooms import RoomStatus
 
 from .harness import cluster, run_room, small_layout

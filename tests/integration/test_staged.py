@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from transfer_engine import patterns
-from transfer_engine.errors import TransferFailed
-from transfer_engine.errors import FailureReason
+from transfer_engine.errors import FailureReason, TransferFailed
 
 from .harness import cluster, run_room, shuffled_pages, small_layout
 

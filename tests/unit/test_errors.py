@@ -10,6 +10,7 @@ from transfer_engine import errors
 from transfer_engine.errors import (
     AddressRangeError,
     ConfigError,
+    FailureReason,
     HeadSplitError,
     LayoutError,
     LocalProtocolError,
@@ -17,6 +18,7 @@ from transfer_engine.errors import (
     ProtocolError,
     RemoteProtocolError,
     RoomInUseError,
+    RoomLimitError,
     StagingError,
     TransferAborted,
     TransferError,
@@ -25,7 +27,6 @@ from transfer_engine.errors import (
     TransportError,
     failure_error,
 )
-from transfer_engine.errors import FailureReason
 
 # class -> its direct bases, written out from the tree in errors.py's docstring.
 HIERARCHY: dict[type[Exception], tuple[type[BaseException], ...]] = {
@@ -34,6 +35,7 @@ HIERARCHY: dict[type[Exception], tuple[type[BaseException], ...]] = {
     LayoutError: (ConfigError,),
     HeadSplitError: (ConfigError,),
     RoomInUseError: (ConfigError,),
+    RoomLimitError: (TransferError,),
     ProtocolError: (TransferError,),
     LocalProtocolError: (ProtocolError,),
     RemoteProtocolError: (ProtocolError,),

@@ -16,9 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer_engine.errors import RemoteProtocolError
+from transfer_engine.errors import FailureReason, RemoteProtocolError
 from transfer_engine.protocol import messages
-from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.messages import (
     MAX_MESSAGE_BYTES,
     MAX_NOTIF_BYTES,

@@ -12,8 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer_engine.errors import LocalProtocolError, RemoteProtocolError
-from transfer_engine.errors import FailureReason
+from transfer_engine.errors import FailureReason, LocalProtocolError, RemoteProtocolError
 from transfer_engine.protocol.rooms import (
     RECEIVER_TRANSITIONS,
     SENDER_TRANSITIONS,

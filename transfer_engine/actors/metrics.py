@@ -12,6 +12,7 @@ ConfigError that names it (there is no silent fallback when metrics were asked f
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -21,7 +22,7 @@ from anyio.abc import SocketAttribute, TaskStatus
 from transfer_engine.errors import ConfigError, PeerUnreachableError
 
 if TYPE_CHECKING:
-    from transfer_engine.engine import TransferEngine
+    from transfer_engine.introspect import Snapshot
     from transfer_engine.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ REQUEST_TIMEOUT_S = 5.0
 """How long a client may take to send its request head."""
 
 
-def load_metrics(engine: TransferEngine) -> Metrics:
+def load_metrics(port: int, snapshot: Callable[[], Snapshot]) -> Metrics:
     """The engine's :class:`~transfer_engine.metrics.Metrics`; ConfigError without prometheus-client."""
     try:
         from transfer_engine.metrics import Metrics
@@ -41,10 +42,10 @@ def load_metrics(engine: TransferEngine) -> Metrics:
         if exc.name is None or not exc.name.startswith("prometheus_client"):
             raise
         raise ConfigError(
-            f"metrics_port={engine.config.metrics_port} needs the package prometheus-client, which is not "
+            f"metrics_port={port} needs the package prometheus-client, which is not "
             "installed: pip install 'transfer-engine[metrics]' (or prometheus-client), or set metrics_port=None"
         ) from exc
-    return Metrics(engine)
+    return Metrics(snapshot)
 
 
 class MetricsServer:

@@ -4,11 +4,13 @@ Every NIXL call of the engine is made by this object, on the event-loop thread (
 thread-safe). It posts WRITEs (:meth:`post_write`, synchronous: the caller learns at once whether
 the WRITE was refused), polls the state of every posted WRITE — which is also what makes NIXL send
 their notifications — releases finished handles, and drains incoming notifications, handing each
-decoded one to ``on_notif``. Polling is tight while WRITEs or live rooms exist and backs off when
-idle.
+decoded one to its room through the :class:`~transfer_engine.ports.RoomBoard`. Polling is tight
+while WRITEs or live rooms exist and backs off when idle.
 
-:meth:`drained` lets a room wait until one full drain cycle has happened, so that deadlines are
-checked only after every notification that had arrived was applied.
+Replies are mail: a finished WRITE is a :class:`~transfer_engine.mail.WriteEnded` to the mailbox
+that posted it, and :meth:`request_drain` answers a room with :class:`~transfer_engine.mail.Drained`
+after the next full cycle, so that deadlines are checked only after every notification that had
+arrived was applied. The poller waits on rooms' mailboxes; rooms never wait on it.
 """
 
 from __future__ import annotations
@@ -16,27 +18,23 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import anyio.lowlevel
-import numpy as np
 from anyio.abc import TaskStatus
 
 from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransportError
+from transfer_engine.mail import Drained, Mailbox, WriteEnded
+from transfer_engine.ports import RoomBoard
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.messages import MemRegion
 from transfer_engine.ticker import fine_timers
-from transfer_engine.transport.nixl import RemotePeer, Transport, XferState
+from transfer_engine.transport.nixl import RemotePeer, Transport, WriteSpec, XferState
 
 log = logging.getLogger(__name__)
-
-Completion = Callable[[bool, str], Awaitable[None]]
-"""Called once per WRITE when it ends: ``(ok, detail)``."""
-
-NotifHandler = Callable[[str, m.ChunkLanded | m.AuxLanded], Awaitable[None]]
-
 
 QUICK_S = 0.002
 """After activity (a WRITE posted, a room started, a notification or completion) the poller sleeps
@@ -50,7 +48,8 @@ class _Posted:
     handle: int
     peer: str
     nbytes: int
-    on_done: Completion
+    reply_to: Mailbox[Any]
+    token: object
 
 
 class NixlPoller:
@@ -59,23 +58,26 @@ class NixlPoller:
     def __init__(
         self,
         transport: Transport,
-        on_notif: NotifHandler,
+        rooms: RoomBoard,
         *,
+        notifications: bool,
         poll_interval: float = 0.0002,
         busy: Callable[[], bool] = lambda: False,
         spin: float = 0.0,
     ) -> None:
         self.transport = transport
-        self._on_notif = on_notif
+        self._rooms = rooms
+        self._notifications = notifications
+        """Whether notifications are expected (decode ranks); a prefill rank counts any as unrouted."""
+        self._drain_next: list[int] = []
+        """Rooms that asked for Drained; served after the next cycle that starts after the request."""
         self._interval = poll_interval
         self._busy = busy
         self._spin = spin
         self._hot_until = 0.0
         self._quick_until = 0.0
         self._idle = 0
-        self._polling = False
         self._posted: list[_Posted] = []
-        self._cycle = anyio.Event()
         self._wake = anyio.Event()
         self.counters: Counter[str] = Counter()
 
@@ -99,34 +101,28 @@ class NixlPoller:
     def in_flight(self, peer: str | None = None) -> int:
         return sum(1 for p in self._posted if peer is None or p.peer == peer)
 
-    def post_write(
-        self,
-        peer: str,
-        local_mem: str,
-        src: np.ndarray,
-        dst: np.ndarray,
-        length: np.ndarray,
-        local_devices: np.ndarray | int,
-        notif: bytes,
-        on_done: Completion,
-    ) -> None:
-        """Post one WRITE now; ``on_done`` runs from the polling loop when it ends.
+    def post_write(self, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+        """Post one WRITE now; once it ends, ``WriteEnded(token, ok, detail)`` goes to ``reply_to``.
 
-        Raises AddressRangeError / TransportError when it cannot be posted (``on_done`` is then
-        never called).
+        Raises AddressRangeError / TransportError when it cannot be posted (no reply comes then).
         """
         try:
-            handle = self.transport.post_write(peer, local_mem, src, dst, length, local_devices, notif)
+            handle = self.transport.post_write(spec)
         except AddressRangeError:
             self.counters["writes_refused_address"] += 1
             raise
         except TransportError:
             self.counters["writes_refused"] += 1
             raise
-        self._posted.append(_Posted(handle, peer, int(length.sum()), on_done))
+        self._posted.append(_Posted(handle, spec.peer, spec.nbytes, reply_to, token))
         self.counters["writes_posted"] += 1
-        self.counters["descriptors_posted"] += len(src)
+        self.counters["descriptors_posted"] += len(spec.src)
         self._heat()
+        self._wake.set()
+
+    def request_drain(self, room: int) -> None:
+        """Send :class:`Drained` to ``room`` after the next poll-and-drain cycle that starts from now."""
+        self._drain_next.append(room)
         self._wake.set()
 
     def wake(self) -> None:
@@ -140,16 +136,6 @@ class NixlPoller:
         self._hot_until = now + self._spin
         self._quick_until = now + QUICK_S
         self._idle = 0  # the back-off starts over once the quick window ends
-
-    async def drained(self) -> None:
-        """Return after a complete poll-and-drain cycle that started after this call.
-
-        Called while a cycle is under way (its notifications are being handed out), that cycle
-        drained NIXL before the call, so the next one is waited for as well.
-        """
-        for _ in range(2 if self._polling else 1):
-            self._wake.set()
-            await self._cycle.wait()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Poll and drain forever.
@@ -165,13 +151,10 @@ class NixlPoller:
         task_status.started()
         while True:
             self._wake = anyio.Event()
-            self._polling = True
-            try:
-                worked = await self._poll_once()
-            finally:
-                self._polling = False
-            cycle, self._cycle = self._cycle, anyio.Event()
-            cycle.set()
+            asked, self._drain_next = self._drain_next, []
+            worked = await self._poll_once()
+            for room in asked:
+                await self._rooms.deliver(room, Drained())
             if worked:
                 self._heat()
             if worked or time.monotonic() < self._hot_until:
@@ -212,7 +195,7 @@ class NixlPoller:
             self._posted = still
             for posted, ok, detail in finished:
                 worked = True
-                await posted.on_done(ok, detail)
+                await _reply(posted, ok, detail)
         try:
             notifs = self.transport.drain_notifs()
         except Exception as exc:  # NIXL raised; keep serving
@@ -228,7 +211,11 @@ class NixlPoller:
                     log.warning("dropped notification from %s: %s", agent, exc)
                     continue
                 self.counters["notifs"] += 1
-                await self._on_notif(agent, notif)
+                if not (self._notifications and await self._rooms.deliver(notif.room, notif)):
+                    self.counters["notifs_unrouted"] += 1
+                    log.warning(
+                        "%s: notification %s from %s for no live room dropped", self.name, notif, agent
+                    )
         return worked
 
     async def abandon(self, peer: str, detail: str) -> None:
@@ -246,7 +233,7 @@ class NixlPoller:
             self.transport.release(posted.handle)
             self.counters["writes_abandoned"] += 1
         for posted in gone:
-            await posted.on_done(False, f"WRITE to {peer} abandoned: {detail}")
+            await _reply(posted, False, f"WRITE to {peer} abandoned: {detail}")
 
     async def drain_posted(self, limit_s: float) -> None:
         """Wait (bounded) until no WRITE is in flight; used when the engine shuts down."""
@@ -262,3 +249,10 @@ class NixlPoller:
             self.transport.close()
         except TransportError as exc:
             log.warning("closing NIXL transport: %s", exc)
+
+
+async def _reply(posted: _Posted, ok: bool, detail: str) -> None:
+    try:
+        await posted.reply_to.send(WriteEnded(posted.token, ok, detail))
+    except anyio.ClosedResourceError:  # only while the engine closes: the poster is gone
+        log.debug("WRITE to %s ended after its poster closed", posted.peer)

@@ -14,104 +14,67 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections import deque
 
 import anyio
 import numpy as np
 import torch
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from transfer_engine.errors import ConfigError, FailureReason, ProtocolError, TransferFailed, failure_error
+from transfer_engine.errors import FailureReason, ProtocolError, TransferFailed, failure_error
+from transfer_engine.mail import (
+    CancelRoom,
+    Drained,
+    FreeRegions,
+    JobKey,
+    LocalAbort,
+    Mailbox,
+    MailboxOverflow,
+    PeerDead,
+    QueueChunk,
+    RegionGranted,
+    RoomClosed,
+    RoomMail,
+    RoomOpened,
+    Scattered,
+    ScatterJob,
+    Shutdown,
+    StagingFailed,
+    WriteDone,
+    WriteEnded,
+    WriteJob,
+)
 from transfer_engine.peers import Peer
+from transfer_engine.ports import JOBS_PER_ROOM, ROOM_MAILBOX, ROOM_RESERVE, SCATTERS_PER_ROOM, RoomPorts
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.paths import TransferPath, is_staged
-from transfer_engine.protocol.rooms import Deadlines, ReceiverRoom, RoomStatus, SenderRoom, _Room
-
-from .ring import FreeRegion, RegionGranted, StagingFailed
-from .scatter import Scattered, ScatterJob
-from .worker import CancelRoom, WriteJob
-
-if TYPE_CHECKING:
-    from transfer_engine.engine import TransferEngine
+from transfer_engine.protocol.rooms import (
+    Deadlines,
+    ReceiverRoom,
+    RoomStatus,
+    SenderRoom,
+    _Room,
+    abort_reason,
+    reason_name,
+    remote_failure_reason,
+)
 
 log = logging.getLogger("transfer_engine.room")
 
-MAILBOX = 256
-DRAINED_WAIT_S = 0.5
-"""How long a deadline check waits for the poller's next full cycle before it reads its own mailbox
-(which is what a poller blocked on this room's full mailbox needs)."""
 RING_FREE_WAIT_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class QueueChunk:
-    pages: np.ndarray
-    last: bool
-    aux_slot: int | None
-    ready: torch.cuda.Event | None = None
-    """Recorded on the caller's CUDA stream at ``send()``: the chunk's KV is written once it completes."""
-
-
-@dataclass(frozen=True, slots=True)
-class WriteDone:
-    chunk_id: int | None
-    """None for the aux WRITE."""
-    decode_rank: int
-    ok: bool
-    detail: str
-    reason: FailureReason = FailureReason.TRANSPORT
-    """What the room fails with when not ``ok``."""
-
-
-@dataclass(frozen=True, slots=True)
-class LocalAbort:
-    detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class PeerDead:
-    agent: str
-    detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class Shutdown:
-    pass
-
-
-RoomMail = (
-    QueueChunk
-    | WriteDone
-    | RegionGranted
-    | StagingFailed
-    | Scattered
-    | LocalAbort
-    | PeerDead
-    | Shutdown
-    | m.TransferRequest
-    | m.Abort
-    | m.AbortAck
-    | m.RoomFailed
-    | m.ChunkLanded
-    | m.AuxLanded
-)
 
 
 class _RoomActor:
     core: _Room
     side: str
 
-    def __init__(self, engine: TransferEngine, room: int) -> None:
-        self.engine = engine
+    def __init__(self, ports: RoomPorts, room: int) -> None:
+        self.ports = ports
         self.room = room
-        self.inbox: MemoryObjectSendStream[RoomMail]
-        self._rx: MemoryObjectReceiveStream[RoomMail]
-        self.inbox, self._rx = anyio.create_memory_object_stream[RoomMail](MAILBOX)
+        self.inbox: Mailbox[RoomMail] = Mailbox(ROOM_MAILBOX, ROOM_RESERVE)
         self.done = anyio.Event()
         self.created = time.monotonic()
+        self._drain_asked = False
 
     @property
     def status(self) -> RoomStatus:
@@ -127,9 +90,6 @@ class _RoomActor:
             return True
         return False
 
-    def quiescent(self) -> bool:
-        raise NotImplementedError
-
     async def handle(self, mail: RoomMail) -> None:
         raise NotImplementedError
 
@@ -137,38 +97,49 @@ class _RoomActor:
         """Runs once, when the room is final and quiescent, before it leaves the engine."""
 
     async def run(self) -> None:
-        """The room's life: mailbox loop until final and quiescent, then cleanup (always)."""
+        """The room's life: mailbox loop until final and quiescent, then cleanup (always).
+
+        A room waits on nothing but its own mailbox. At its deadline it asks the poller for a
+        :class:`Drained` reply and keeps reading mail; the deadline is judged when the reply comes,
+        after every notification that had arrived was applied.
+        """
         log.info("%s room %d: %s", self.side, self.room, self.core.status.name)
         try:
-            async with self._rx:
-                while not (self.core.status.final and self.quiescent()):
-                    deadline = self.core.deadline
-                    wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                    with anyio.move_on_after(wait):
-                        await self._apply(await self._rx.receive())
-                        continue
-                    await self._check_deadline()
-                # Mail sent from now on finds the room gone, and the engine answers it (an Abort gets
-                # its AbortAck there); mail already queued is still applied, so no Abort is lost.
-                self.inbox.close()
-                while True:
-                    try:
-                        mail = self._rx.receive_nowait()
-                    except (anyio.WouldBlock, anyio.EndOfStream):
-                        break
-                    await self._apply(mail)
+            while not (self.core.status.final and self.core.quiescent):
+                deadline = None if self._drain_asked else self.core.deadline
+                wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                with anyio.move_on_after(wait):
+                    await self._apply(await self.inbox.receive())
+                    continue
+                self._drain_asked = True
+                self.ports.drain.request_drain(self.room)
+            # Mail sent from now on finds the room gone, and the engine answers it (an Abort gets
+            # its AbortAck there); mail already queued is still applied, so no Abort is lost.
+            self.inbox.close()
+            while True:
+                try:
+                    mail = self.inbox.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+                await self._apply(mail)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.finish()
                 self.inbox.close()
-                self.engine.forget_room(self)
+                self.ports.rooms.close(self.room, self.inbox)
                 self.done.set()
             log.info("%s room %d ended %s", self.side, self.room, self.core.status.name)
 
     async def _apply(self, mail: RoomMail) -> None:
         before = self.core.status
         try:
-            await self.handle(mail)
+            if isinstance(mail, Drained):
+                self._drain_asked = False
+                failure = self.core.expired(time.monotonic())
+                if failure is not None:
+                    self._fail(failure.reason, failure.detail)
+            else:
+                await self.handle(mail)
         except ProtocolError as exc:
             self._fail(FailureReason.PROTOCOL, str(exc))
         if self.core.status is not before:
@@ -178,78 +149,59 @@ class _RoomActor:
     async def on_status_change(self, before: RoomStatus) -> None:
         """Hook for side effects of a status change (telling peers about a failure, ...)."""
 
-    async def _check_deadline(self) -> None:
-        # Bounded: the poller may itself be waiting to put mail into this room's full mailbox.
-        with anyio.move_on_after(DRAINED_WAIT_S):
-            await self.engine.poller.drained()
-        while True:
-            try:
-                mail = self._rx.receive_nowait()
-            except anyio.WouldBlock:
-                break
-            await self._apply(mail)
-        failure = self.core.expired(time.monotonic())
-        if failure is not None:
-            before = self.core.status
-            self._fail(failure.reason, failure.detail)
-            await self.on_status_change(before)
-
 
 class SenderRoomActor(_RoomActor):
-    """One room on a prefill rank; see the module docstring."""
+    """One room on a prefill rank; see the module docstring.
+
+    Jobs go to the workers by ``post`` (never waiting); at most :data:`JOBS_PER_ROOM` are out at a
+    time, the rest wait in ``backlog`` until a reply comes back.
+    """
 
     side = "prefill"
 
-    def __init__(self, engine: TransferEngine, room: int, deadlines: Deadlines) -> None:
-        super().__init__(engine, room)
+    def __init__(self, ports: RoomPorts, room: int, deadlines: Deadlines) -> None:
+        super().__init__(ports, room)
         self.core: SenderRoom = SenderRoom(room, deadlines, time.monotonic())
         self.requests: dict[int, m.TransferRequest] = {}
         self.peers: dict[int, Peer] = {}
         self.pages: list[np.ndarray] = []
         self.ready: list[torch.cuda.Event | None] = []
-        self.jobs: list[WriteJob] = []
+        self.backlog: deque[WriteJob] = deque()
+        """Jobs not handed to a worker yet (over JOBS_PER_ROOM)."""
+        self.worker_agents: set[str] = set()
+        """Decode agents this room sent jobs for (their workers hear CancelRoom on failure)."""
         self.ack_to: dict[str, Peer] = {}
         self.failed_by: set[str] = set()
         """Decode agents that aborted or failed this room themselves (they need no RoomFailed)."""
-
-    def quiescent(self) -> bool:
-        return self.core.in_flight == 0
 
     async def handle(self, mail: RoomMail) -> None:
         now = time.monotonic()
         match mail:
             case m.TransferRequest():
-                await self._on_request(mail, now)
+                self._on_request(mail, now)
             case QueueChunk(pages=pages, last=last, aux_slot=aux_slot, ready=ready):
                 chunk = self.core.queue_chunk(len(pages), last, aux_slot, now)
                 self.pages.append(pages)
                 self.ready.append(ready)
                 for d in sorted(self.requests):
-                    await self._schedule(chunk.chunk_id, d)
+                    self._schedule(chunk.chunk_id, d)
                 if last:
                     for d in sorted(self.core.aux_targets):
-                        await self._schedule_aux(d)
+                        self._schedule_aux(d)
             case WriteDone(chunk_id=chunk_id, decode_rank=d, ok=ok, detail=detail, reason=reason):
-                self.core.in_flight -= 1
-                if not ok:
-                    self._fail(reason, detail)
-                elif chunk_id is None:
-                    self.core.aux_written(d, now)
-                else:
-                    self.core.write_done(chunk_id, d, now)
+                self._job_ended(chunk_id, d, ok, detail, reason, now)
+            case WriteEnded(token=JobKey(chunk_id=chunk_id, decode_rank=d), ok=ok, detail=detail):
+                self._job_ended(chunk_id, d, ok, detail, FailureReason.TRANSPORT, now)
             case m.Abort(agent=agent, reason=reason, detail=detail):
-                peer = self.engine.peers.get(agent)
+                peer = self.ports.peers.get(agent)
                 if peer is not None:
                     self.ack_to[agent] = peer
                 self.failed_by.add(agent)
-                # A ring that cannot place a chunk is worth naming as such on this side too.
-                why = FailureReason.STAGING if reason == FailureReason.STAGING else FailureReason.ABORTED
-                self._fail(why, f"aborted by decode {agent}: {detail}")
+                self._fail(abort_reason(reason), f"aborted by decode {agent}: {detail}")
             case m.RoomFailed(agent=agent, reason=reason, detail=detail):
                 self.failed_by.add(agent)
                 self._fail(
-                    FailureReason.REMOTE,
-                    f"decode {agent} failed the room: {FailureReason(reason).name}: {detail}",
+                    FailureReason.REMOTE, f"decode {agent} failed the room: {reason_name(reason)}: {detail}"
                 )
             case LocalAbort(detail=detail):
                 self._fail(FailureReason.ABORTED, detail)
@@ -261,8 +213,20 @@ class SenderRoomActor(_RoomActor):
             case _:
                 raise ProtocolError(f"{type(mail).__name__} is not for a prefill room")
 
-    async def _on_request(self, req: m.TransferRequest, now: float) -> None:
-        peer = self.engine.peers.get(req.agent)
+    def _job_ended(
+        self, chunk_id: int | None, d: int, ok: bool, detail: str, reason: FailureReason, now: float
+    ) -> None:
+        self.core.job_ended()
+        if not ok:
+            self._fail(reason, detail)
+        elif chunk_id is None:
+            self.core.aux_written(d, now)
+        else:
+            self.core.write_done(chunk_id, d, now)
+        self._pump()
+
+    def _on_request(self, req: m.TransferRequest, now: float) -> None:
+        peer = self.ports.peers.get(req.agent)
         if peer is None:
             raise ProtocolError(f"TransferRequest from unknown decode agent {req.agent!r}")
         if (req.decode_tp, req.decode_rank) != (peer.tp_size, peer.rank):
@@ -270,11 +234,11 @@ class SenderRoomActor(_RoomActor):
                 f"TransferRequest says decode rank {req.decode_rank} of {req.decode_tp}, but agent "
                 f"{req.agent} said rank {peer.rank} of {peer.tp_size} in its PeerHello"
             )
-        layout = self.engine.pool.layout
-        my_rank = self.engine.config.tp_rank
-        expected = heads.targets_of(
-            layout.num_heads, self.engine.config.tp_size, req.decode_tp, my_rank, layout.mla
-        ).get(req.decode_rank)
+        layout = self.ports.pool.layout
+        me = self.ports.me
+        expected = heads.targets_of(layout.num_heads, me.tp_size, req.decode_tp, me.rank, layout.mla).get(
+            req.decode_rank
+        )
         got = req.slices[0] if req.slices else None
         if len(req.slices) > 1 or (expected is None) != (got is None):
             raise ProtocolError(
@@ -306,28 +270,27 @@ class SenderRoomActor(_RoomActor):
         self.requests[req.decode_rank] = req
         self.peers[req.decode_rank] = peer
         for chunk in self.core.chunks:
-            await self._schedule(chunk.chunk_id, req.decode_rank)
+            self._schedule(chunk.chunk_id, req.decode_rank)
         if self.core.sealed and req.decode_rank in self.core.aux_targets:
-            await self._schedule_aux(req.decode_rank)
+            self._schedule_aux(req.decode_rank)
 
-    async def _schedule(self, chunk_id: int, decode_rank: int) -> None:
+    def _schedule(self, chunk_id: int, decode_rank: int) -> None:
         req = self.requests[decode_rank]
         if not req.slices or self.core.status.final:
             return
-        await self._dispatch(
+        self._dispatch(
             WriteJob(
                 self.room,
-                self.engine.config.tp_rank,
+                self.ports.me.rank,
                 self.peers[decode_rank],
                 req,
                 self.core.chunks[chunk_id],
                 self.pages[chunk_id],
-                self._completion(chunk_id, decode_rank),
                 ready=self.ready[chunk_id],
             )
         )
 
-    async def _schedule_aux(self, d: int) -> None:
+    def _schedule_aux(self, d: int) -> None:
         if d not in self.requests or self.core.status.final:
             return
         aux_slot = self.core.aux_slot
@@ -337,33 +300,33 @@ class SenderRoomActor(_RoomActor):
             )
         empty = np.empty(0, dtype=np.int64)
         job = WriteJob(
-            self.room, self.engine.config.tp_rank, self.peers[d], self.requests[d], None, empty,
-            self._completion(None, d), aux_slot=aux_slot,
-        )  # fmt: skip
-        await self._dispatch(job)
+            self.room, self.ports.me.rank, self.peers[d], self.requests[d], None, empty, aux_slot=aux_slot
+        )
+        self._dispatch(job)
 
-    async def _dispatch(self, job: WriteJob) -> None:
-        self.core.in_flight += 1
-        self.jobs.append(job)
-        await self.engine.worker_for(job.peer.agent_name).inbox.send(job)
+    def _dispatch(self, job: WriteJob) -> None:
+        self.backlog.append(job)
+        self._pump()
 
-    def _completion(
-        self, chunk_id: int | None, decode_rank: int
-    ) -> Callable[[bool, str, FailureReason], Awaitable[None]]:
-        async def done(ok: bool, detail: str, reason: FailureReason = FailureReason.TRANSPORT) -> None:
-            await self.inbox.send(WriteDone(chunk_id, decode_rank, ok, detail, reason))
-
-        return done
+    def _pump(self) -> None:
+        """Hand backlog jobs to their workers while fewer than JOBS_PER_ROOM are out."""
+        workers = self.ports.workers
+        assert workers is not None
+        while self.backlog and self.core.in_flight < JOBS_PER_ROOM and not self.core.status.final:
+            job = self.backlog.popleft()
+            self.core.job_started()
+            self.worker_agents.add(job.peer.agent_name)
+            workers.for_agent(job.peer.agent_name).post(job)
 
     async def on_status_change(self, before: RoomStatus) -> None:
         if self.core.status is not RoomStatus.FAILED:
             return
-        workers = set()
-        for job in self.jobs:
-            job.cancelled = True
-            workers.add(self.engine.worker_for(job.peer.agent_name))
-        for worker in workers:  # parked staged chunks end now instead of waiting for a grant
-            await worker.inbox.send(CancelRoom(self.room))
+        self.backlog.clear()
+        workers = self.ports.workers
+        assert workers is not None
+        # parked staged chunks end now instead of waiting for a grant
+        for index in sorted({workers.index_for(agent) for agent in self.worker_agents}):
+            workers.boxes[index].post(CancelRoom(self.room))
         # Every other decode rank of the room hears it too: when one decode rank aborts, the others
         # must not wait for chunks this rank will never send.
         for peer in self.peers.values():
@@ -374,44 +337,39 @@ class SenderRoomActor(_RoomActor):
         """Send the room's failure to decode ``peer`` (the room is Failed)."""
         failure = self.core.failure
         assert failure is not None
-        self.engine.control.send(
+        self.ports.outbox.send(
             peer.endpoint,
             m.RoomFailed(
-                room=self.room,
-                agent=self.engine.agent_name,
-                rank=self.engine.config.tp_rank,
-                reason=int(failure.reason),
-                detail=failure.detail,
+                room=self.room, **self.ports.me.stamp(), reason=int(failure.reason), detail=failure.detail
             ),
         )
 
     async def finish(self) -> None:
         if not self.core.status.final:
             self._fail(FailureReason.SHUTDOWN, "room actor stopped")
-        self.jobs.clear()
+        self.backlog.clear()
         for agent, peer in self.ack_to.items():
-            self.engine.control.send(
-                peer.endpoint,
-                m.AbortAck(room=self.room, agent=self.engine.agent_name, rank=self.engine.config.tp_rank),
-            )
+            self.ports.outbox.send(peer.endpoint, m.AbortAck(room=self.room, **self.ports.me.stamp()))
             log.debug("prefill room %d: AbortAck to %s", self.room, agent)
 
 
 class ReceiverRoomActor(_RoomActor):
     """One room on a decode rank; see the module docstring.
 
-    On the staged paths the room also holds its ring regions: the ring actor tells it of each
+    On the staged paths the room announces itself to the ring (``RoomOpened``) when it is made,
+    before any request leaves, and holds its ring regions: the ring tells it of each
     (:class:`RegionGranted`); when a chunk has landed from every writer the room hands it to the
-    scatter actor, which frees the region once the chunk is in the pages. Regions of chunks that
-    were never scattered are freed when the room ends — only once quiescent, so no WRITE into them
-    can still land — and a room with a scatter running is not quiescent.
+    scatter actor (at most :data:`SCATTERS_PER_ROOM` at a time), which frees the region once the
+    chunk is in the pages. Regions of chunks that were never scattered are freed when the room ends
+    — only once quiescent, so no WRITE into them can still land — and a room with a scatter running
+    is not quiescent.
     """
 
     side = "decode"
 
     def __init__(
         self,
-        engine: TransferEngine,
+        ports: RoomPorts,
         room: int,
         deadlines: Deadlines,
         writers: dict[int, Peer],
@@ -420,7 +378,7 @@ class ReceiverRoomActor(_RoomActor):
         slices: list[heads.HeadSlice],
         path: str,
     ) -> None:
-        super().__init__(engine, room)
+        super().__init__(ports, room)
         self.core: ReceiverRoom = ReceiverRoom(room, deadlines, time.monotonic())
         self.writers = writers
         """Global prefill rank -> peer, for every rank that writes into this decode rank."""
@@ -434,31 +392,20 @@ class ReceiverRoomActor(_RoomActor):
         self.core.staged = self.staged
         self.regions: dict[int, RegionGranted] = {}
         """Ring regions this room holds, by chunk id (until scattered, or freed at the end)."""
-        self.scattering = 0
-        self.aborting = False
+        self.to_scatter: deque[int] = deque()
+        """Complete chunks waiting for a scatter slot."""
         self.remote_failure = False
-
-    def quiescent(self) -> bool:
-        if self.scattering:
-            return False
-        if self.core.status is RoomStatus.SUCCESS:
-            return True
-        return self.aborting and not self.core.awaiting_acks
-
-    # --- staged-path helpers (called by the ring actor, which owns the ring) --------------------
-
-    def writer_index(self, sender: int) -> int:
-        """Position of prefill rank ``sender`` among this room's writers; ConfigError if not one."""
-        for i, spec in enumerate(self.slices):
-            if spec.prefill_rank == sender:
-                return i
-        raise ConfigError(f"prefill rank {sender} is not a writer of room {self.room}")
-
-    def chunk_tokens(self, sender: int, page_start: int, num_pages: int) -> int:
-        """Tokens a chunk of ``num_pages`` prefill pages from ``page_start`` carries into this rank."""
-        src_ps = self.writers[sender].layout.page_size
-        capacity = len(self.pages) * self.engine.pool.layout.page_size
-        return descriptors.chunk_tokens(page_start * src_ps, num_pages, src_ps, capacity)
+        if self.staged:
+            ring = ports.ring
+            assert ring is not None, "a staged room needs the ring"
+            ring.post(
+                RoomOpened(
+                    room,
+                    tuple(slices),
+                    {rank: peer.layout.page_size for rank, peer in writers.items()},
+                    len(pages) * ports.pool.layout.page_size,
+                )
+            )
 
     # --- mailbox -------------------------------------------------------------------------------
 
@@ -469,12 +416,12 @@ class ReceiverRoomActor(_RoomActor):
                 sender, ()
             ):
                 # a duplicated notification: the chunk is there already; count it, change nothing
-                self.engine.counters["notifs_duplicate"] += 1
+                self.ports.counters["notifs_duplicate"] += 1
                 log.warning(
                     "decode room %d: chunk %d from rank %d notified twice", self.room, chunk_id, sender
                 )
             case m.AuxLanded(sender=sender) if self.core.aux_landed and sender == self.core.wants_aux_from:
-                self.engine.counters["notifs_duplicate"] += 1
+                self.ports.counters["notifs_duplicate"] += 1
             case m.ChunkLanded(sender=sender, chunk_id=chunk_id, last=last, region=region):
                 if self.staged:
                     granted = self.regions.get(chunk_id)
@@ -488,59 +435,61 @@ class ReceiverRoomActor(_RoomActor):
                         f"chunk {chunk_id} landed in ring region {region} on the {self.path} path"
                     )
                 if self.core.on_chunk(sender, chunk_id, last, now) and self.staged:
-                    await self._scatter(chunk_id, now)
+                    self.to_scatter.append(chunk_id)
+                    self._pump_scatter()
             case m.AuxLanded(sender=sender):
                 self.core.on_aux(sender, now)
             case RegionGranted(chunk_id=chunk_id):
                 self.regions[chunk_id] = mail
             case Scattered(chunk_id=chunk_id, ok=ok, detail=detail):
-                self.scattering -= 1
                 self.regions.pop(chunk_id, None)  # the scatter actor freed it
-                if ok:
-                    self.core.on_scattered(chunk_id, now)
-                else:
+                self.core.scatter_ended(chunk_id, ok, now)
+                if not ok:
                     self._fail(FailureReason.TRANSPORT, detail)
+                self._pump_scatter()
             case StagingFailed(detail=detail):
                 self._fail(FailureReason.STAGING, detail)
             case m.AbortAck(rank=rank):
-                self.core.awaiting_acks.discard(rank)
+                self.core.on_abort_ack(rank)
             case m.RoomFailed(agent=agent, reason=reason, detail=detail):
                 self.remote_failure = True
-                why = FailureReason(reason)
-                passed_on = (FailureReason.ABORTED, FailureReason.STAGING, FailureReason.BOOTSTRAP_TIMEOUT)
                 self._fail(
-                    why if why in passed_on else FailureReason.REMOTE,
-                    f"prefill {agent} failed the room: {why.name}: {detail}",
+                    remote_failure_reason(reason),
+                    f"prefill {agent} failed the room: {reason_name(reason)}: {detail}",
                 )
             case LocalAbort(detail=detail):
                 self._fail(FailureReason.ABORTED, detail)
             case PeerDead(agent=agent, detail=detail):
                 for rank, peer in self.writers.items():
                     if peer.agent_name == agent:
-                        self.core.awaiting_acks.discard(rank)
+                        self.core.on_writer_dead(rank)
                         self._fail(FailureReason.PEER_DEAD, detail)
             case Shutdown():
                 self._fail(FailureReason.SHUTDOWN, "engine closed")
             case _:
                 raise ProtocolError(f"{type(mail).__name__} is not for a decode room")
 
-    async def _scatter(self, chunk_id: int, now: float) -> None:
-        """Every writer of ``chunk_id`` landed: copy the region into the pages (unless the room failed)."""
-        if self.core.status.final:
-            return
+    def _pump_scatter(self) -> None:
+        """Hand complete chunks to the scatter actor while fewer than SCATTERS_PER_ROOM are there."""
+        while self.to_scatter and self.core.scattering < SCATTERS_PER_ROOM and not self.core.status.final:
+            self._scatter(self.to_scatter.popleft())
+
+    def _scatter(self, chunk_id: int) -> None:
+        """Every writer of ``chunk_id`` landed: copy the region into the pages."""
         granted = self.regions[chunk_id]
+        layout = self.ports.pool.layout
         start = granted.page_start * self.writers[self.slices[0].prefill_rank].layout.page_size
-        slots = descriptors.slots_of(self.pages, self.engine.pool.layout.page_size, start, granted.tokens)
+        slots = descriptors.slots_of(self.pages, layout.page_size, start, granted.tokens)
         blocks = [
             (offset, spec.dst_head_start, spec.num_heads)
             for offset, spec in zip(granted.layout.offsets, self.slices, strict=True)
         ]
-        scatter = self.engine.scatter
+        scatter = self.ports.scatter
         assert scatter is not None
-        self.scattering += 1
-        await scatter.inbox.send(
+        self.core.scatter_started()
+        scatter.post(
             ScatterJob(
-                self,
+                self.room,
                 chunk_id,
                 granted.allocation.alloc_id,
                 granted.allocation.offset,
@@ -551,42 +500,44 @@ class ReceiverRoomActor(_RoomActor):
         )
 
     async def on_status_change(self, before: RoomStatus) -> None:
-        if self.core.status is not RoomStatus.FAILED or self.aborting:
+        if not self.core.status.final:
             return
-        await self.start_abort()
+        self.to_scatter.clear()
+        if self.staged and self.ports.ring is not None:
+            self.ports.ring.post(RoomClosed(self.room))
+        if self.core.status is RoomStatus.FAILED:
+            self.start_abort()
 
-    async def start_abort(self) -> None:
+    def start_abort(self) -> None:
         """Ask every writer to stop; the room becomes quiescent once all of them acknowledged."""
-        self.aborting = True
+        if not self.core.start_abort(rank for rank, peer in self.writers.items() if peer.alive):
+            return
         failure = self.core.failure
         detail = failure.detail if failure else "aborted"
         reason = failure.reason if failure else FailureReason.ABORTED
-        self.core.awaiting_acks = {rank for rank, peer in self.writers.items() if peer.alive}
         for peer in self.everyone:
-            self.engine.control.send(
+            self.ports.outbox.send(
                 peer.endpoint,
-                m.Abort(
-                    room=self.room,
-                    agent=self.engine.agent_name,
-                    rank=self.engine.config.tp_rank,
-                    reason=int(reason),
-                    detail=detail,
-                ),
+                m.Abort(room=self.room, **self.ports.me.stamp(), reason=int(reason), detail=detail),
             )
 
     async def finish(self) -> None:
         if not self.core.status.final:
             self._fail(FailureReason.SHUTDOWN, "room actor stopped")
-        ring = self.engine.ring
+            if self.staged and self.ports.ring is not None:
+                try:
+                    self.ports.ring.post(RoomClosed(self.room))
+                except (anyio.ClosedResourceError, MailboxOverflow):
+                    pass
+        ring = self.ports.ring
         if ring is not None and self.regions:
-            freed = [anyio.Event() for _ in self.regions]
+            freed = anyio.Event()
+            ids = tuple(granted.allocation.alloc_id for granted in self.regions.values())
             try:
-                for granted, done in zip(self.regions.values(), freed, strict=True):
-                    ring.inbox.send_nowait(FreeRegion(granted.allocation.alloc_id, done))
+                ring.post(FreeRegions(ids, freed))
                 with anyio.move_on_after(RING_FREE_WAIT_S):
-                    for done in freed:
-                        await done.wait()
-            except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    await freed.wait()
+            except (anyio.ClosedResourceError, MailboxOverflow):
                 # only while the engine closes: the ring goes away with it
                 log.debug("room %d: ring closed before its regions were freed", self.room)
         self.regions.clear()

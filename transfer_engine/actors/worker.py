@@ -5,8 +5,10 @@ to one decode rank goes through one worker, in order.
 
 Direct and slice paths: the worker computes the chunk's descriptors (a pure function of the layouts
 and page lists, see ``protocol.descriptors``) and posts the WRITE through the NixlPoller with the
-chunk's notification on it; the WRITE's end goes straight to the room. The worker never waits on
-the network.
+chunk's notification on it; the poller tells the room directly when the WRITE ends
+(:class:`~transfer_engine.mail.WriteEnded`). The worker never waits on the network, and every job
+it is given ends in exactly one reply to its room: that WriteEnded, or a
+:class:`~transfer_engine.mail.WriteDone` from here (refused, cancelled, staged WRITE finished).
 
 Staged paths (DESIGN §4.2, §5): the worker asks the decode rank's ring for a region
 (``StagingRequest``) as soon as the chunk is known, and parks the chunk. Once granted, and once the
@@ -14,7 +16,8 @@ peer's latest ``Watermark`` admits the region, it gathers the chunk's head slice
 then V — into a lease of its staging buffer (on its own CUDA stream; on CPU in a worker thread) and
 posts ONE WRITE of it to ``region + writer offset``. A chunk that is not admissible yet stays parked
 while the worker serves other chunks; newer watermarks and finished WRITEs (which release staging
-leases) retry the parked ones. Nothing here blocks on the watermark.
+leases) retry the parked ones. Nothing here blocks on the watermark. ``CancelRoom`` ends a failed
+room's chunks that are not posted yet.
 """
 
 from __future__ import annotations
@@ -22,18 +25,15 @@ from __future__ import annotations
 import functools
 import logging
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import anyio
 import numpy as np
 import torch
-from anyio.abc import TaskStatus
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import as_kv_table, gather_heads
 from transfer_engine.layout import KVPool
+from transfer_engine.mail import CancelRoom, WriteDone, WriteEnded, WriteJob
 from transfer_engine.memory import (
     StagingMemory,
     allocate_staging,
@@ -41,11 +41,10 @@ from transfer_engine.memory import (
     run_cpu_copy,
     stream_reached,
 )
-from transfer_engine.peers import Peer
+from transfer_engine.ports import Outbox, RankIdentity, RoomBoard
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.paths import is_staged
-from transfer_engine.protocol.rooms import Chunk
 from transfer_engine.protocol.staging import (
     Allocation,
     BufferLeases,
@@ -53,41 +52,12 @@ from transfer_engine.protocol.staging import (
     WatermarkTracker,
     writer_block_bytes,
 )
+from transfer_engine.transport.nixl import WriteSpec
 
+from .base import Actor
 from .nixl_poller import NixlPoller
 
 log = logging.getLogger(__name__)
-
-JobDone = Callable[[bool, str, FailureReason], Awaitable[None]]
-"""Called once per job when it ends: ``(ok, detail, reason the room fails with when not ok)``."""
-
-
-@dataclass(eq=False)
-class WriteJob:
-    """One chunk of one room to one decode rank, or the room's aux item (``chunk is None``)."""
-
-    room: int
-    sender: int
-    peer: Peer
-    request: m.TransferRequest
-    chunk: Chunk | None
-    src_pages: np.ndarray
-    on_done: JobDone
-    aux_slot: int | None = None
-    ready: torch.cuda.Event | None = None
-    """CUDA event after which the chunk's KV is written (recorded at ``send()``); None on CPU."""
-    cancelled: bool = field(default=False)
-
-    @property
-    def staged(self) -> bool:
-        return self.chunk is not None and is_staged(self.request.path)
-
-
-@dataclass(frozen=True, slots=True)
-class CancelRoom:
-    """Room -> worker: the room failed; end its parked chunks now (its WRITEs in flight end normally)."""
-
-    room: int
 
 
 @dataclass(eq=False)
@@ -103,16 +73,18 @@ class _Staged:
 
 
 @dataclass(frozen=True, slots=True)
-class _Written:
-    """Poller -> worker: the staged WRITE from lease ``offset`` ended."""
+class _Lease:
+    """Token of a staged WRITE: it ends with ``WriteEnded(_Lease(...))`` from the poller."""
 
     staged: _Staged
     offset: int
-    ok: bool
-    detail: str
 
 
-WorkerMail = WriteJob | CancelRoom | m.StagingGrant | m.StagingRefused | m.Watermark | _Written
+WorkerMail = WriteJob | CancelRoom | m.StagingGrant | m.StagingRefused | m.Watermark | WriteEnded
+
+
+def is_staged_job(job: WriteJob) -> bool:
+    return job.chunk is not None and is_staged(job.request.path)
 
 
 def staged_slots(job: WriteJob, pool: KVPool) -> np.ndarray:
@@ -202,37 +174,31 @@ def plan_write(
     return src, dst, length, notif
 
 
-def _with_reason(done: JobDone, reason: FailureReason) -> Callable[[bool, str], Awaitable[None]]:
-    async def completion(ok: bool, detail: str) -> None:
-        await done(ok, detail, reason)
-
-    return completion
-
-
-class TransferWorker:
+class TransferWorker(Actor["WorkerMail"]):
     """See the module docstring. ``inbox`` takes :data:`WorkerMail`."""
 
     def __init__(
         self,
         index: int,
+        me: RankIdentity,
         pool: KVPool,
         poller: NixlPoller,
+        rooms: RoomBoard,
+        outbox: Outbox,
         *,
-        agent_name: str,
-        send: Callable[[str, m.Message], bool],
         staging_bytes: int,
-        mailbox: int = 4096,
+        capacity: int = 4096,
+        reserve: int = 0,
     ) -> None:
+        super().__init__(capacity, reserve)
         self.index = index
+        self.me = me
         self.pool = pool
         self.poller = poller
-        self.agent_name = agent_name
-        self._send = send
+        self.rooms = rooms
+        self.outbox = outbox
         self.staging_bytes = staging_bytes
         self._bases = np.array([t.data_ptr() for t in pool.tensors], dtype=np.uint64)
-        self.inbox: MemoryObjectSendStream[WorkerMail]
-        self._rx: MemoryObjectReceiveStream[WorkerMail]
-        self.inbox, self._rx = anyio.create_memory_object_stream[WorkerMail](mailbox)
         self._kv = as_kv_table(pool.tensors)
         self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._buffers: dict[bool, tuple[StagingMemory, BufferLeases]] = {}
@@ -255,7 +221,7 @@ class TransferWorker:
     @property
     def depth(self) -> int:
         """Mails queued in the inbox."""
-        return self._rx.statistics().current_buffer_used
+        return len(self.inbox)
 
     def leases(self) -> int:
         """Staging-buffer leases held (0 when idle: the leak check)."""
@@ -263,15 +229,9 @@ class TransferWorker:
 
     # --- mailbox -------------------------------------------------------------------------------
 
-    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        async with self._rx:
-            async for mail in self._rx:
-                await self._handle(mail)
-
-    async def _handle(self, mail: WorkerMail) -> None:
+    async def handle(self, mail: WorkerMail) -> None:
         match mail:
-            case WriteJob() if mail.staged:
+            case WriteJob() if is_staged_job(mail):
                 await self._request_region(mail)
             case WriteJob():
                 await self._execute(mail)
@@ -280,15 +240,18 @@ class TransferWorker:
             case m.StagingRefused(agent=agent, room=room, chunk_id=chunk_id, detail=detail):
                 staged = self._granting.pop((agent, room, chunk_id), None)
                 if staged is not None:
-                    await staged.job.on_done(
-                        False, f"decode {agent} refused the chunk: {detail}", FailureReason.STAGING
+                    await self._done(
+                        staged.job,
+                        False,
+                        f"decode {agent} refused the chunk: {detail}",
+                        FailureReason.STAGING,
                     )
             case m.Watermark(agent=agent, round=rnd, tail=tail):
                 if self._watermarks[agent].update(Watermark(rnd, tail)):
                     await self._progress(agent)
-            case _Written(staged=staged, offset=offset, ok=ok, detail=detail):
+            case WriteEnded(token=_Lease(staged=staged, offset=offset), ok=ok, detail=detail):
                 self._buffers[staged.host][1].release(offset)
-                await staged.job.on_done(ok, detail, FailureReason.TRANSPORT)
+                await self._done(staged.job, ok, detail, FailureReason.TRANSPORT)
                 for agent in list(self._parked):
                     await self._progress(agent)
             case CancelRoom(room=room):
@@ -296,29 +259,27 @@ class TransferWorker:
 
     # --- direct and slice ----------------------------------------------------------------------
 
+    async def _done(self, job: WriteJob, ok: bool, detail: str, reason: FailureReason) -> None:
+        """The one reply for ``job`` that does not come from the poller."""
+        await self.rooms.deliver(job.room, WriteDone(job.chunk_id, job.decode_rank, ok, detail, reason))
+
     async def _execute(self, job: WriteJob) -> None:
         if job.ready is not None:
             await event_reached(job.ready)  # NIXL reads the KV itself: it must be written first
-        if job.cancelled:
-            await job.on_done(False, "cancelled before posting", FailureReason.ABORTED)
+        room = self.rooms.get(job.room)
+        if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
             return
         try:
             src, dst, length, notif = plan_write(job, self.pool, self._bases)
             if len(src) == 0:
                 raise TransferError(f"room {job.room}: empty WRITE")
-            self.poller.post_write(
-                job.peer.agent_name,
-                self.pool.mem_type,
-                src,
-                dst,
-                length,
-                self.pool.device_id,
-                notif,
-                _with_reason(job.on_done, FailureReason.TRANSPORT),
+            spec = WriteSpec(
+                job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id, notif
             )
+            self.poller.post_write(spec, room, job.key)
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
-            await job.on_done(False, str(exc), FailureReason.TRANSPORT)
+            await self._done(job, False, str(exc), FailureReason.TRANSPORT)
 
     # --- staged --------------------------------------------------------------------------------
 
@@ -339,9 +300,6 @@ class TransferWorker:
     async def _request_region(self, job: WriteJob) -> None:
         req, peer, chunk = job.request, job.peer, job.chunk
         assert chunk is not None
-        if job.cancelled:
-            await job.on_done(False, "cancelled before posting", FailureReason.ABORTED)
-            return
         try:
             if peer.ring is None:
                 raise TransferError(f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring")
@@ -358,16 +316,16 @@ class TransferWorker:
             host = req.path == "host"
             self._buffer(host)[1].check_fits(nbytes)
         except StagingError as exc:
-            await job.on_done(False, str(exc), FailureReason.STAGING)
+            await self._done(job, False, str(exc), FailureReason.STAGING)
             return
         except TransferError as exc:
-            await job.on_done(False, str(exc), FailureReason.PROTOCOL)
+            await self._done(job, False, str(exc), FailureReason.PROTOCOL)
             return
         self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(job, src_slots, nbytes, host)
-        self._send(
+        self.outbox.send(
             peer.endpoint,
             m.StagingRequest(
-                agent=self.agent_name,
+                agent=self.me.agent_name,
                 room=job.room,
                 chunk_id=chunk.chunk_id,
                 sender=job.sender,
@@ -385,7 +343,8 @@ class TransferWorker:
         ring = staged.job.peer.ring
         assert ring is not None
         if grant.writer_bytes != staged.nbytes or grant.writer_offset + grant.writer_bytes > grant.length:
-            await staged.job.on_done(
+            await self._done(
+                staged.job,
                 False,
                 f"grant for room {grant.room} chunk {grant.chunk_id} gives {grant.writer_bytes} bytes at "
                 f"+{grant.writer_offset} of {grant.length}; this writer stages {staged.nbytes}",
@@ -406,9 +365,6 @@ class TransferWorker:
         waiting: list[_Staged] = []
         while parked:
             staged = parked.pop(0)
-            if staged.job.cancelled:
-                await staged.job.on_done(False, "cancelled before posting", FailureReason.ABORTED)
-                continue
             assert staged.allocation is not None
             if not tracker.admits(staged.allocation):
                 self.counters["watermark_waits"] += 1
@@ -430,11 +386,17 @@ class TransferWorker:
         job = staged.job
         chunk = job.chunk
         assert chunk is not None and staged.allocation is not None
-        spec = job.request.slices[0]
+        head_slice = job.request.slices[0]
         out = memory.view(offset, staged.nbytes)
         slots = torch.from_numpy(staged.src_slots)
         gather = functools.partial(
-            gather_heads, self._kv, slots, spec.src_head_start, spec.num_heads, out, stream=self.stream
+            gather_heads,
+            self._kv,
+            slots,
+            head_slice.src_head_start,
+            head_slice.num_heads,
+            out,
+            stream=self.stream,
         )
         leases = self._buffers[staged.host][1]
         try:
@@ -448,40 +410,40 @@ class TransferWorker:
         except Exception as exc:  # a kernel error fails the room, never the worker
             log.exception("worker %d: gather for room %d failed", self.index, job.room)
             leases.release(offset)
-            await job.on_done(False, f"gather failed: {exc}", FailureReason.TRANSPORT)
-            return
-        if job.cancelled:
-            leases.release(offset)
-            await job.on_done(False, "cancelled before posting", FailureReason.ABORTED)
+            await self._done(job, False, f"gather failed: {exc}", FailureReason.TRANSPORT)
             return
         notif = chunk_notification(job, staged.allocation.alloc_id)
-
-        async def written(ok: bool, detail: str) -> None:
-            await self.inbox.send(_Written(staged, offset, ok, detail))
-
+        spec = WriteSpec(
+            job.peer.agent_name,
+            memory.mem_type,
+            np.array([memory.addr + offset], dtype=np.uint64),
+            np.array([staged.dst], dtype=np.uint64),
+            np.array([staged.nbytes], dtype=np.uint64),
+            memory.device_id,
+            notif,
+        )
         try:
-            self.poller.post_write(
-                job.peer.agent_name,
-                memory.mem_type,
-                np.array([memory.addr + offset], dtype=np.uint64),
-                np.array([staged.dst], dtype=np.uint64),
-                np.array([staged.nbytes], dtype=np.uint64),
-                memory.device_id,
-                notif,
-                written,
-            )
+            self.poller.post_write(spec, self.inbox, _Lease(staged, offset))
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             leases.release(offset)
-            await job.on_done(False, str(exc), FailureReason.TRANSPORT)
+            await self._done(job, False, str(exc), FailureReason.TRANSPORT)
             return
         self.counters["staged_writes"] += 1
 
     async def _cancel(self, room: int) -> None:
+        """End every chunk of ``room`` not posted yet: waiting for a grant, or parked."""
         for key in [k for k in self._granting if k[1] == room]:
             staged = self._granting.pop(key)
-            await staged.job.on_done(
-                False, "cancelled while waiting for a ring region", FailureReason.ABORTED
+            await self._done(
+                staged.job, False, "cancelled while waiting for a ring region", FailureReason.ABORTED
             )
         for agent in list(self._parked):
-            await self._progress(agent)  # ends the room's cancelled chunks
+            ended = [staged for staged in self._parked[agent] if staged.job.room == room]
+            if not ended:
+                continue
+            self._parked[agent] = [staged for staged in self._parked[agent] if staged.job.room != room]
+            for staged in ended:
+                await self._done(staged.job, False, "cancelled before posting", FailureReason.ABORTED)
+            if not self._parked[agent]:
+                del self._parked[agent]

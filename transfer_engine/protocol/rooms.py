@@ -166,6 +166,11 @@ class _Room:
             self.history.append((now, nxt.name if self.failure is None else f"{nxt.name}:{event}"))
         return nxt
 
+    @property
+    def quiescent(self) -> bool:
+        """Nothing of the room is in flight any more (each side says what that means)."""
+        raise NotImplementedError
+
     def fail(self, reason: FailureReason, detail: str, now: float) -> bool:
         """Fail the room; returns False (and changes nothing) when it is already final."""
         if self.status.final:
@@ -223,9 +228,24 @@ class SenderRoom(_Room):
     done: set[tuple[int, int]] = field(default_factory=set)
     aux_done: set[int] = field(default_factory=set)
     in_flight: int = 0
-    """WRITEs posted and not yet finished; the room is quiescent only at 0."""
+    """Jobs handed to workers and not yet answered; the room is quiescent only at 0."""
 
     _table = SENDER_TRANSITIONS
+
+    def job_started(self) -> None:
+        """A job (one chunk or the aux item, to one decode rank) went to a worker."""
+        self.in_flight += 1
+
+    def job_ended(self) -> None:
+        """A job's one reply arrived (whatever its outcome)."""
+        if self.in_flight <= 0:
+            raise LocalProtocolError(f"room {self.room}: a job ended but none was in flight")
+        self.in_flight -= 1
+
+    @property
+    def quiescent(self) -> bool:
+        """No WRITE of this room can still be posted or land."""
+        return self.in_flight == 0
 
     @property
     def next_page(self) -> int:
@@ -337,8 +357,47 @@ class ReceiverRoom(_Room):
     aux_landed: bool = False
     awaiting_acks: set[int] = field(default_factory=set)
     """Writers whose AbortAck (or death) this room waits for before its pages are safe."""
+    aborting: bool = False
+    """Abort went out to every prefill rank; the room ends once ``awaiting_acks`` is empty."""
+    scattering: int = 0
+    """Chunks at the scatter actor, not yet reported back."""
 
     _table = RECEIVER_TRANSITIONS
+
+    @property
+    def quiescent(self) -> bool:
+        """No WRITE or scatter of this room can still touch its pages (or its ring regions)."""
+        if self.scattering:
+            return False
+        if self.status is _S.SUCCESS:
+            return True
+        return self.aborting and not self.awaiting_acks
+
+    def start_abort(self, live_writers: Iterable[int]) -> bool:
+        """The room failed: wait for an AbortAck from each live writer. False if already aborting."""
+        if self.aborting:
+            return False
+        self.aborting = True
+        self.awaiting_acks = set(live_writers)
+        return True
+
+    def on_abort_ack(self, writer: int) -> None:
+        self.awaiting_acks.discard(writer)
+
+    def on_writer_dead(self, writer: int) -> None:
+        """Writer ``writer`` was declared dead: nothing of it can land any more."""
+        self.awaiting_acks.discard(writer)
+
+    def scatter_started(self) -> None:
+        self.scattering += 1
+
+    def scatter_ended(self, chunk_id: int, ok: bool, now: float) -> None:
+        """The scatter actor answered for ``chunk_id`` (its region is free again)."""
+        if self.scattering <= 0:
+            raise LocalProtocolError(f"room {self.room}: chunk {chunk_id} scattered but none was running")
+        self.scattering -= 1
+        if ok:
+            self.on_scattered(chunk_id, now)
 
     def bootstrapped(self, writers: Iterable[int], wants_aux_from: int | None, now: float) -> None:
         """The writers are known and every TransferRequest went out."""
@@ -420,3 +479,33 @@ class ReceiverRoom(_Room):
         if self.staged and len(self.scattered) != self.chunks_expected():
             return
         self._apply(Completed(), now)
+
+
+def abort_reason(wire_reason: int) -> FailureReason:
+    """How a prefill room fails when a decode rank aborts it with ``wire_reason``.
+
+    A ring that could not place a chunk stays STAGING on this side too (it names ``ring_bytes``);
+    every other abort is ABORTED.
+    """
+    return FailureReason.STAGING if wire_reason == FailureReason.STAGING else FailureReason.ABORTED
+
+
+PASSED_ON = frozenset({FailureReason.ABORTED, FailureReason.STAGING, FailureReason.BOOTSTRAP_TIMEOUT})
+"""Reasons a decode room keeps when its prefill fails the room; anything else becomes REMOTE."""
+
+
+def remote_failure_reason(wire_reason: int) -> FailureReason:
+    """How a decode room fails when a prefill rank's ``RoomFailed`` says ``wire_reason``."""
+    try:
+        why = FailureReason(wire_reason)
+    except ValueError:
+        return FailureReason.REMOTE
+    return why if why in PASSED_ON else FailureReason.REMOTE
+
+
+def reason_name(wire_reason: int) -> str:
+    """``wire_reason``'s name, or the number when no FailureReason has it."""
+    try:
+        return FailureReason(wire_reason).name
+    except ValueError:
+        return str(wire_reason)

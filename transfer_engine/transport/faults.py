@@ -21,6 +21,7 @@ takes ``now`` as an argument. Nothing here is imported by the engine outside tes
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 import itertools
@@ -37,7 +38,7 @@ import numpy as np
 from transfer_engine.errors import RemoteProtocolError, TransportError
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.messages import MemRegion
-from transfer_engine.transport.nixl import RemotePeer, Transport, XferState
+from transfer_engine.transport.nixl import RemotePeer, Transport, WriteSpec, XferState
 
 __all__ = [
     "ControlFaults",
@@ -322,28 +323,21 @@ class FaultyTransport:
     def remove_peer(self, agent_name: str) -> None:
         self.inner.remove_peer(agent_name)
 
-    def post_write(
-        self,
-        peer: str,
-        local_mem: str,
-        src: np.ndarray,
-        dst: np.ndarray,
-        length: np.ndarray,
-        local_devices: np.ndarray | int,
-        notif: bytes,
-    ) -> int:
-        rule = self.write_rules.pick(notif)
+    def post_write(self, spec: WriteSpec) -> int:
+        rule = self.write_rules.pick(spec.notif)
         fault = rule.fault if rule is not None else None
         if fault is not None:
             self.fired[fault.value] += 1
-            log.info("injecting %s into a WRITE to %s", fault.name, peer)
+            log.info("injecting %s into a WRITE to %s", fault.name, spec.peer)
         if fault is Fault.FAIL_POST:
-            raise TransportError(f"injected fault: WRITE to {peer} refused ({len(src)} descriptors)")
+            raise TransportError(
+                f"injected fault: WRITE to {spec.peer} refused ({len(spec.src)} descriptors)"
+            )
         if fault is Fault.BAD_ADDRESS:
-            dst = dst + _OUT_OF_RANGE
-        handle = self.inner.post_write(
-            peer, local_mem, src, dst, length, local_devices, b"" if fault is Fault.ERROR else notif
-        )
+            spec = dataclasses.replace(spec, dst=spec.dst + _OUT_OF_RANGE)
+        if fault is Fault.ERROR:
+            spec = dataclasses.replace(spec, notif=b"")
+        handle = self.inner.post_write(spec)
         if fault is Fault.ERROR:
             self._overrides[handle] = _Override(error=True)
         elif fault is Fault.DELAY:

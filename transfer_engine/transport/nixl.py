@@ -36,6 +36,27 @@ class XferState(enum.Enum):
     ERR = "ERR"
 
 
+@dataclass(frozen=True, slots=True)
+class WriteSpec:
+    """One WRITE: uint64 ``(src, dst, length)`` descriptor arrays from local memory into ``peer``'s.
+
+    ``local_devices`` is one device id for every descriptor or one per descriptor; ``notif`` is the
+    encoded notification NIXL delivers to the peer once the bytes have landed.
+    """
+
+    peer: str
+    local_mem: str
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+    local_devices: np.ndarray | int
+    notif: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
 @dataclass
 class RemotePeer:
     """A remote agent this side may WRITE into: its name, memory type and registered regions.
@@ -104,16 +125,7 @@ class Transport(Protocol):
     def deregister(self, reg: int) -> None: ...
     def add_peer(self, peer: RemotePeer, metadata: bytes) -> None: ...
     def remove_peer(self, agent_name: str) -> None: ...
-    def post_write(
-        self,
-        peer: str,
-        local_mem: str,
-        src: np.ndarray,
-        dst: np.ndarray,
-        length: np.ndarray,
-        local_devices: np.ndarray | int,
-        notif: bytes,
-    ) -> int: ...
+    def post_write(self, spec: WriteSpec) -> int: ...
     def state(self, handle: int) -> XferState: ...
     def release(self, handle: int) -> None: ...
     def drain_notifs(self) -> dict[str, list[bytes]]: ...
@@ -203,21 +215,14 @@ class NixlTransport:
     def has_peer(self, agent_name: str) -> bool:
         return agent_name in self._peers
 
-    def post_write(
-        self,
-        peer: str,
-        local_mem: str,
-        src: np.ndarray,
-        dst: np.ndarray,
-        length: np.ndarray,
-        local_devices: np.ndarray | int,
-        notif: bytes,
-    ) -> int:
-        """Post one WRITE of ``len(src)`` descriptors with ``notif`` riding on it; returns a handle.
+    def post_write(self, spec: WriteSpec) -> int:
+        """Post one WRITE of ``len(spec.src)`` descriptors with ``spec.notif`` riding on it; returns a handle.
 
         Raises AddressRangeError (nothing posted) when a destination range is outside the peer's
         registered regions, and TransportError when NIXL refuses the transfer.
         """
+        peer, src, dst, length = spec.peer, spec.src, spec.dst, spec.length
+        local_devices, local_mem, notif = spec.local_devices, spec.local_mem, spec.notif
         remote = self._peers.get(peer)
         if remote is None:
             raise TransportError(f"no NIXL peer named {peer!r}")

@@ -1,0 +1,366 @@
+"""In-process mail: every message one actor sends another, and the mailbox they travel in.
+
+Actors never hold each other (docs/ARCHITECTURE.md). They exchange the frozen messages below
+through :class:`Mailbox` send ends handed to them at construction, and reply by addressing a room
+id, never by calling back into the sender. Wire messages live in :mod:`transfer_engine.protocol.messages`;
+these never leave the process.
+
+Two ways to put mail into a mailbox, and the rule that keeps the actor graph free of deadlock:
+
+- ``await send(mail)`` waits while the mailbox holds ``capacity`` items. Only actors that nobody
+  they send to can ever wait on may use it towards a room.
+- ``post(mail)`` never waits: it uses the mailbox's ``reserve`` beyond ``capacity`` and raises
+  :class:`MailboxOverflow` if even that is full. Room actors use only ``post`` (to workers, the
+  scatter actor and the ring), and bound what they have outstanding in each so that the reserve
+  can never be exceeded. A room therefore never waits on another actor, every other actor may wait
+  on a room, and no cycle of waits can form.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import anyio
+import numpy as np
+import torch
+
+from transfer_engine.errors import FailureReason
+from transfer_engine.peers import Peer
+from transfer_engine.protocol import heads
+from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.rooms import Chunk
+from transfer_engine.protocol.staging import Allocation, RegionLayout
+
+T = TypeVar("T")
+
+
+class MailboxOverflow(RuntimeError):
+    """A ``post`` found the mailbox's reserve full: a sender broke its bound (a bug, never load)."""
+
+
+class Mailbox(Generic[T]):
+    """A bounded FIFO mailbox with one receiver; see the module docstring for ``send`` vs ``post``.
+
+    Closing it (from either end) makes later sends raise ``anyio.ClosedResourceError``; the
+    receiver still gets what was queued, then ``anyio.EndOfStream``.
+    """
+
+    def __init__(self, capacity: int, reserve: int = 0) -> None:
+        if capacity < 1 or reserve < 0:
+            raise ValueError(f"mailbox capacity={capacity} reserve={reserve}")
+        self.capacity = capacity
+        self.reserve = reserve
+        self._items: deque[T] = deque()
+        self._closed = False
+        self._readable = anyio.Event()
+        self._writable = anyio.Event()
+        self.high_water = 0
+        """The most items it ever held (tests check bounds with it)."""
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _put(self, mail: T) -> None:
+        self._items.append(mail)
+        if len(self._items) > self.high_water:
+            self.high_water = len(self._items)
+        self._readable.set()
+
+    def post(self, mail: T) -> None:
+        """Queue ``mail`` now, using the reserve if need be (never waits)."""
+        if self._closed:
+            raise anyio.ClosedResourceError
+        if len(self._items) >= self.capacity + self.reserve:
+            raise MailboxOverflow(
+                f"mailbox full: {len(self._items)} items, capacity {self.capacity} + reserve {self.reserve}"
+            )
+        self._put(mail)
+
+    def send_nowait(self, mail: T) -> None:
+        """Queue ``mail`` if it is under ``capacity``; ``anyio.WouldBlock`` otherwise."""
+        if self._closed:
+            raise anyio.ClosedResourceError
+        if len(self._items) >= self.capacity:
+            raise anyio.WouldBlock
+        self._put(mail)
+
+    async def send(self, mail: T) -> None:
+        """Queue ``mail``, waiting while the mailbox holds ``capacity`` items or more."""
+        while True:
+            if self._closed:
+                raise anyio.ClosedResourceError
+            if len(self._items) < self.capacity:
+                self._put(mail)
+                return
+            if self._writable.is_set():
+                self._writable = anyio.Event()
+            await self._writable.wait()
+
+    def receive_nowait(self) -> T:
+        """The oldest item; ``anyio.WouldBlock`` when empty, ``anyio.EndOfStream`` when closed and empty."""
+        if not self._items:
+            if self._closed:
+                raise anyio.EndOfStream
+            raise anyio.WouldBlock
+        mail = self._items.popleft()
+        if len(self._items) < self.capacity:
+            self._writable.set()
+        return mail
+
+    async def receive(self) -> T:
+        """The oldest item, waiting for one; ``anyio.EndOfStream`` once closed and drained."""
+        while True:
+            try:
+                return self.receive_nowait()
+            except anyio.WouldBlock:
+                if self._readable.is_set():
+                    self._readable = anyio.Event()
+                await self._readable.wait()
+
+    def close(self) -> None:
+        """No more sends; queued mail can still be received. Wakes every waiter."""
+        self._closed = True
+        self._readable.set()
+        self._writable.set()
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[T]:
+        while True:
+            try:
+                yield await self.receive()
+            except anyio.EndOfStream:
+                return
+
+
+# --- user -> room ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QueueChunk:
+    """``Sender.send()``: the next chunk's prefill pages, in request order."""
+
+    pages: np.ndarray
+    last: bool
+    aux_slot: int | None
+    ready: torch.cuda.Event | None = None
+    """Recorded on the caller's CUDA stream at ``send()``: the chunk's KV is written once it completes."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalAbort:
+    """``abort()`` on this side."""
+
+    detail: str
+
+
+# --- engine -> room -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDead:
+    """The heartbeat lease of ``agent`` expired."""
+
+    agent: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """The engine is closing."""
+
+
+# --- room <-> workers ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WriteJob:
+    """Room -> worker: one chunk of one room to one decode rank, or the room's aux item (``chunk`` None).
+
+    The worker answers with exactly one :class:`WriteDone` to room ``room``.
+    """
+
+    room: int
+    sender: int
+    peer: Peer
+    request: m.TransferRequest
+    chunk: Chunk | None
+    src_pages: np.ndarray
+    aux_slot: int | None = None
+    ready: torch.cuda.Event | None = None
+    """CUDA event after which the chunk's KV is written (recorded at ``send()``); None on CPU."""
+
+    @property
+    def chunk_id(self) -> int | None:
+        return None if self.chunk is None else self.chunk.chunk_id
+
+    @property
+    def decode_rank(self) -> int:
+        return self.request.decode_rank
+
+    @property
+    def key(self) -> JobKey:
+        return JobKey(self.chunk_id, self.request.decode_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class JobKey:
+    """Which job of a room a reply is for: a chunk (or the aux item, ``chunk_id`` None) to a decode rank."""
+
+    chunk_id: int | None
+    decode_rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRoom:
+    """Room -> worker: the room failed; end its chunks that are not posted yet."""
+
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """Worker or poller -> room: the job of (``chunk_id``, ``decode_rank``) ended."""
+
+    chunk_id: int | None
+    """None for the aux WRITE."""
+    decode_rank: int
+    ok: bool
+    detail: str
+    reason: FailureReason = FailureReason.TRANSPORT
+    """What the room fails with when not ``ok``."""
+
+
+# --- poller --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WriteEnded:
+    """Poller -> whoever posted: the WRITE posted with ``token`` ended (``ok``) and its handle is released."""
+
+    token: object
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """Poller -> room: a full poll-and-drain cycle ran since the room asked (deadline checks wait for it)."""
+
+
+# --- decode: room, ring and scatter ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RoomOpened:
+    """Room -> ring, before the room's first TransferRequest leaves: a staged room exists.
+
+    ``slices`` are the writers' head slices in ``dst_head_start`` order (their block order in a
+    region); ``writer_page_size`` each writer's page size; ``capacity`` the tokens the room's
+    pages hold on this rank.
+    """
+
+    room: int
+    slices: tuple[heads.HeadSlice, ...]
+    writer_page_size: dict[int, int]
+    capacity: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomClosed:
+    """Room -> ring: the room is final; grant it no more regions."""
+
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class FreeRegions:
+    """Room or scatter -> ring: release these ring allocations (no WRITE into them can land any more).
+
+    ``done`` is set once they are released, so a room reports itself quiescent only after the ring
+    really is (a leak check right after ``wait()`` sees the true state).
+    """
+
+    alloc_ids: tuple[int, ...]
+    done: anyio.Event | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """Engine -> ring: a prefill peer connected; send it the current watermark."""
+
+    peer: Peer
+
+
+@dataclass(frozen=True, slots=True)
+class RegionGranted:
+    """Ring -> room: chunk ``chunk_id`` has region ``allocation`` with these writer blocks."""
+
+    chunk_id: int
+    allocation: Allocation
+    layout: RegionLayout
+    page_start: int
+    num_pages: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StagingFailed:
+    """Ring -> room: a chunk of the room cannot be placed; the room fails with ``detail``."""
+
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class ScatterJob:
+    """Room -> scatter: copy region ``[offset, offset + length)`` of the ring into ``slots``.
+
+    Answered with one :class:`Scattered` to room ``room``, after the region was freed.
+    """
+
+    room: int
+    chunk_id: int
+    alloc_id: int
+    offset: int
+    length: int
+    blocks: list[tuple[int, int, int]]
+    """(byte offset inside the region, dst_head_start, num_heads) per writer."""
+    slots: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Scattered:
+    """Scatter -> room: chunk ``chunk_id`` is in the KV pages (``ok``), or the scatter failed."""
+
+    chunk_id: int
+    ok: bool
+    detail: str = ""
+
+
+RoomMail = (
+    QueueChunk
+    | WriteDone
+    | WriteEnded
+    | Drained
+    | RegionGranted
+    | StagingFailed
+    | Scattered
+    | LocalAbort
+    | PeerDead
+    | Shutdown
+    | m.TransferRequest
+    | m.Abort
+    | m.AbortAck
+    | m.RoomFailed
+    | m.ChunkLanded
+    | m.AuxLanded
+)
+RingMail = m.StagingRequest | FreeRegions | Subscribe | RoomOpened | RoomClosed

@@ -1,0 +1,159 @@
+"""Ports: what an actor is handed at construction instead of the engine.
+
+- :class:`RankIdentity`: who this rank is, and the one ``stamp()`` every outgoing message carries.
+- :class:`Outbox`: one-way control messages to a peer's endpoint (the Control actor implements it).
+- :class:`PeerBook`: the remote ranks this rank knows, by NIXL agent name (the engine writes it;
+  actors read it).
+- :class:`RoomBoard`: the live rooms' mailboxes by room id. Actors address replies to a room id
+  here; they never hold a room.
+- :class:`WorkerShards`: the prefill workers' mailboxes, sharded by destination decode agent.
+- :class:`DrainPort`: asks the NIXL poller for a :class:`~transfer_engine.mail.Drained` reply.
+
+Per-room bounds (:data:`JOBS_PER_ROOM`, :data:`SCATTERS_PER_ROOM`, :data:`RING_POSTS_PER_ROOM`)
+size the mailbox reserves that rooms ``post`` into (see :mod:`transfer_engine.mail`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+
+from transfer_engine.layout import KVPool
+from transfer_engine.mail import Mailbox, RingMail, RoomMail, ScatterJob
+from transfer_engine.peers import Peer
+from transfer_engine.protocol import messages as m
+
+JOBS_PER_ROOM = 32
+"""WriteJobs a prefill room has at its workers at once; more wait in the room until one ends."""
+SCATTERS_PER_ROOM = 4
+"""ScatterJobs a decode room has at the scatter actor at once."""
+RING_POSTS_PER_ROOM = 3
+"""Mails a decode room ever posts to the ring: RoomOpened, RoomClosed, FreeRegions."""
+ROOM_MAILBOX = 256
+"""Ordinary capacity of a room's mailbox (senders wait beyond it)."""
+ROOM_RESERVE = 8
+"""Reserve of a room's mailbox; rooms receive only ``send``s, so it is spare."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankIdentity:
+    """This rank: NIXL agent name, role, TP rank and size."""
+
+    agent_name: str
+    role: str
+    rank: int
+    tp_size: int
+
+    def stamp(self) -> dict[str, Any]:
+        """The sender fields of an outgoing wire message: ``m.AbortAck(room=r, **me.stamp())``."""
+        return {"agent": self.agent_name, "rank": self.rank}
+
+
+class Outbox(Protocol):
+    """One-way control messages; never raises and never waits (drops are counted)."""
+
+    def send(self, endpoint: str, message: m.Message) -> bool:
+        """Queue ``message`` for ``endpoint``; False when it was dropped."""
+        ...
+
+    def count_drop(self, kind: str, ident: bytes, detail: str) -> None:
+        """Count (and log) a message of ``kind`` that was refused."""
+        ...
+
+
+class DrainPort(Protocol):
+    def request_drain(self, room: int) -> None:
+        """After the next full poll-and-drain cycle, send :class:`~transfer_engine.mail.Drained` to ``room``."""
+        ...
+
+
+class PeerBook(dict[str, Peer]):
+    """Remote ranks by NIXL agent name. The engine adds and removes them; actors only read."""
+
+    def live(self) -> list[Peer]:
+        return [peer for peer in self.values() if peer.alive]
+
+
+class RoomBoard:
+    """Mailboxes of the live rooms, by room id.
+
+    ``deliver`` waits for room to take the mail (rooms never wait on anyone, so it cannot
+    deadlock). ``close`` is called once by the room itself as it ends; ``on_closed`` (the
+    supervisor's bookkeeping) runs then.
+    """
+
+    def __init__(self, on_closed: Callable[[int], None] = lambda room: None) -> None:
+        self._boxes: dict[int, Mailbox[RoomMail]] = {}
+        self._on_closed = on_closed
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._boxes
+
+    def __len__(self) -> int:
+        return len(self._boxes)
+
+    def ids(self) -> list[int]:
+        return list(self._boxes)
+
+    def open(self, room: int, box: Mailbox[RoomMail]) -> None:
+        if room in self._boxes:
+            raise KeyError(f"room {room} is already on the board")
+        self._boxes[room] = box
+
+    def get(self, room: int) -> Mailbox[RoomMail] | None:
+        return self._boxes.get(room)
+
+    async def deliver(self, room: int, mail: RoomMail) -> bool:
+        """Hand ``mail`` to live room ``room``; False when no such room takes mail any more."""
+        box = self._boxes.get(room)
+        if box is None or box.closed:
+            return False
+        try:
+            await box.send(mail)
+        except anyio.ClosedResourceError:
+            return False
+        return True
+
+    def close(self, room: int, box: Mailbox[RoomMail]) -> None:
+        """Room ``room`` (owning ``box``) ended: take it off the board."""
+        if self._boxes.get(room) is box:
+            del self._boxes[room]
+            self._on_closed(room)
+
+
+class WorkerShards:
+    """The prefill workers' mailboxes; every job to one decode agent goes through the same worker."""
+
+    def __init__(self, boxes: list[Mailbox[Any]]) -> None:
+        self.boxes = boxes
+
+    def for_agent(self, agent_name: str) -> Mailbox[Any]:
+        return self.boxes[zlib.crc32(agent_name.encode()) % len(self.boxes)]
+
+    def index_for(self, agent_name: str) -> int:
+        return zlib.crc32(agent_name.encode()) % len(self.boxes)
+
+
+@dataclass
+class RoomPorts:
+    """Everything a room actor is handed: the same object for every room of an engine.
+
+    ``workers`` exist on prefill ranks; ``ring`` and ``scatter`` on decode ranks with a staging
+    ring. ``counters`` is the engine's stats sink (rooms only add to it).
+    """
+
+    me: RankIdentity
+    pool: KVPool
+    outbox: Outbox
+    peers: PeerBook
+    rooms: RoomBoard
+    drain: DrainPort
+    counters: Counter[str]
+    workers: WorkerShards | None = None
+    ring: Mailbox[RingMail] | None = None
+    scatter: Mailbox[ScatterJob] | None = None
