@@ -180,6 +180,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         max_tokens=max(args.long + 4, args.short + args.decode_tokens),
         device=args.device,
         torch_threads=args.torch_threads,
+        pin=args.pin if args.pin is not None else args.device == "cpu",
     )
     out: dict[str, Any] = {"spec": {k: str(v) for k, v in vars(args).items()}}
     async with Cluster(spec) as cluster:
@@ -215,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--window", type=float, default=2.0, help="seconds per lag window (default 2)")
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pin prefill ranks to the first half of the CPUs, decode ranks to the second (default: on for cpu)",
+    )
     parser.add_argument("--json-out", default="")
     d = ModelConfig()
     for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn"):

@@ -82,6 +82,9 @@ class ClusterSpec:
     torch_threads: int = 1
     log_level: str = "WARNING"
     engine: dict[str, Any] = field(default_factory=dict)
+    pin: bool = False
+    """Pin the prefill's ranks to the first half of this machine's CPUs and the decodes' to the
+    second half (a benchmark on a small machine: see docs/DECISIONS.md, "Benchmark method")."""
 
     def check(self) -> None:
         """ConfigError naming the first bad value."""
@@ -145,6 +148,10 @@ class Cluster:
             log_level=spec.log_level,
             engine=dict(spec.engine),
         )
+        cpus = sorted(os.sched_getaffinity(0))
+        half = max(1, len(cpus) // 2)
+        prefill_cpus = tuple(cpus[:half]) if spec.pin else ()
+        decode_cpus = tuple(cpus[half:] or cpus) if spec.pin else ()
         self.specs = [
             ServerSpec(
                 "prefill",
@@ -152,6 +159,7 @@ class Cluster:
                 spec.prefill_tp,
                 dist_port=free_port(),
                 control_port=free_port(),
+                cpus=prefill_cpus,
                 **common_fields,
             )
         ]  # type: ignore[arg-type]
@@ -163,6 +171,7 @@ class Cluster:
                     spec.decode_tp,
                     dist_port=free_port(),
                     control_port=free_port(),
+                    cpus=decode_cpus,
                     gpu_offset=spec.prefill_tp + i * spec.decode_tp,  # decode ranks on the next GPUs
                     **common_fields,
                 )  # type: ignore[arg-type]

@@ -84,6 +84,8 @@ class ServerSpec:
     torch_threads: int = 1
     log_level: str = "WARNING"
     engine: dict[str, Any] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()
+    """CPUs the rank processes are pinned to (empty: not pinned)."""
     gpu_offset: int = 0
     """With ``device="cuda"``, rank ``r`` uses GPU ``(gpu_offset + r) % device_count``."""
 
@@ -620,6 +622,8 @@ async def follow(rank: Rank, group: TPGroup) -> None:
 
 
 async def serve(spec: ServerSpec, rank: int, events: Any) -> int:
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
     if spec.device == "cuda":
         index = (spec.gpu_offset + rank) % torch.cuda.device_count()
         torch.cuda.set_device(index)
