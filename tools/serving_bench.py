@@ -18,9 +18,9 @@ Phases, all through the HTTP front door of one :class:`examples.serving.run.Clus
 2. Event-loop lag of the decode leader (a 1 ms ticker in its serving loop: how late each tick
    wakes) and decode tokens/s, in windows of ``--window`` s: ``idle`` (nothing to do), ``transfers
    only`` (long prompts with max_new_tokens=1 landing, no decode batch), ``decode alone``
-   (``--batch`` requests generating), ``decode + transfers`` (the same batch while long prompts land).
-   Two rounds, each with a fresh batch and its windows in A B B A order: contexts grow during a
-   round, and that order cancels a linear drift.
+   (``--batch`` closed-loop clients, each sending one ``--decode-tokens`` request after another, so
+   the batch and its contexts stay in a steady range), ``decode + transfers`` (the same while long
+   prompts land). The two alternate for ``--rounds`` rounds.
 
 Prints one line per measurement; ``--json-out`` writes them all.
 """
@@ -42,6 +42,22 @@ from examples.common import percentile  # noqa: E402
 from examples.serving import client  # noqa: E402
 from examples.serving.model import ModelConfig  # noqa: E402
 from examples.serving.run import Cluster, ClusterSpec  # noqa: E402
+
+
+def engine_options(pairs: list[str]) -> list[tuple[str, Any]]:
+    """``--engine poll_interval=0.001`` -> EngineConfig fields for every rank (numbers parsed)."""
+    out: list[tuple[str, Any]] = []
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        value: Any = text
+        for kind in (int, float):
+            try:
+                value = kind(text)
+                break
+            except ValueError:
+                continue
+        out.append((key.strip(), value))
+    return out
 
 
 def pct(values: list[float]) -> str:
@@ -88,6 +104,8 @@ async def window(cluster: Cluster, seconds: float) -> dict[str, Any]:
         "decode_lag_ms": d["lag_ms"],
         "prefill_lag_ms": p["lag_ms"],
         "decode_tokens": d["decode_tokens"],
+        "decode_steps": d["decode_steps"],
+        "decode_step_s": d["decode_step_s"],
         "window_s": d["window_s"],
     }
 
@@ -115,10 +133,13 @@ async def transfer_stream(cluster: Cluster, args: argparse.Namespace, vocab: int
 
 def report(label: str, w: dict[str, Any], out: dict[str, Any], transfers: int = 0) -> None:
     tps = w["decode_tokens"] / w["window_s"] if w["window_s"] else 0.0
-    out[label] = {**w, "decode_tokens_per_s": tps, "transfers": transfers}
+    steps = w["decode_steps"]
+    batch = w["decode_tokens"] / steps if steps else 0.0
+    step_ms = 1e3 * w["decode_step_s"] / steps if steps else 0.0
+    out[label] = {**w, "decode_tokens_per_s": tps, "batch": batch, "step_ms": step_ms, "transfers": transfers}
     print(
-        f"{label:24} decode loop lag ms {pct(w['decode_lag_ms'])} | prefill loop lag ms {pct(w['prefill_lag_ms'])} "
-        f"| decode {tps:8.1f} tok/s | {transfers} transfers landed",
+        f"{label:22} decode loop lag ms {pct(w['decode_lag_ms'])} | prefill loop lag ms {pct(w['prefill_lag_ms'])} "
+        f"| decode {tps:7.1f} tok/s, batch {batch:4.1f}, step {step_ms:5.2f} ms | {transfers} transfers landed",
         flush=True,
     )
 
@@ -141,27 +162,37 @@ async def lag_phase(cluster: Cluster, args: argparse.Namespace, vocab: int, out:
         report(label, w, out, result[0] if result else 0)
 
     await with_transfers("transfers only")
-    for rnd in (1, 2):  # a fresh batch per round; windows in A B B A order cancel a linear drift
-        batch = client.make_workload(args.batch, 0.0, [args.short], args.decode_tokens, 0, vocab, seed=rnd)
-        async with client_session() as session, anyio.create_task_group() as tg:
-            for it in batch:
-                tg.start_soon(client.generate, session, cluster.url, it)
-            await cluster.stats(reset=True)
-            with anyio.fail_after(120):
-                while (await cluster.stats())["decode"][0]["decode_tokens"] < 2 * args.batch:  # noqa: ASYNC110 (polling a server)
-                    await anyio.sleep(0.05)
-            report(f"decode alone #{rnd}a", await window(cluster, args.window), out)
-            await with_transfers(f"decode + transfers #{rnd}a")
-            await with_transfers(f"decode + transfers #{rnd}b")
-            report(f"decode alone #{rnd}b", await window(cluster, args.window), out)
-            tg.cancel_scope.cancel()  # closes the batch's connections: the front door cancels them
-        await anyio.sleep(1.0)
+    stop_lanes = anyio.Event()
+
+    async def lane(session: Any, k: int) -> None:
+        """A closed-loop client: one generating request after another, so contexts stay in a steady range."""
+        items = client.make_workload(16, 0.0, [args.short], args.decode_tokens, 0, vocab, seed=100 + k)
+        i = 0
+        while not stop_lanes.is_set():
+            await client.generate(session, cluster.url, items[i % len(items)])
+            i += 1
+
+    async with client_session() as session, anyio.create_task_group() as tg:
+        for k in range(args.batch):
+            tg.start_soon(lane, session, k)
+        await anyio.sleep(args.window)  # warm-up: every lane generating, contexts spread out
+        for rnd in range(1, args.rounds + 1):
+            report(f"decode alone #{rnd}", await window(cluster, args.window), out)
+            await with_transfers(f"decode + transfers #{rnd}")
+        stop_lanes.set()
+        tg.cancel_scope.cancel()  # closes the lanes' connections: the front door cancels them
     alone = [v["decode_tokens_per_s"] for k, v in out.items() if k.startswith("decode alone")]
     loaded = [v["decode_tokens_per_s"] for k, v in out.items() if k.startswith("decode + transfers")]
     out["decode_tokens_per_s"] = {"alone": alone, "with_transfers": loaded}
+    per_token = {
+        name: [v["step_ms"] / v["batch"] for k, v in out.items() if k.startswith(prefix) and v.get("batch")]
+        for name, prefix in (("alone", "decode alone"), ("loaded", "decode + transfers"))
+    }
     print(
         f"decode tok/s: alone mean {sum(alone) / len(alone):.1f}, with transfers landing mean "
-        f"{sum(loaded) / len(loaded):.1f} ({sum(loaded) / sum(alone):.2f}x)",
+        f"{sum(loaded) / len(loaded):.1f} ({sum(loaded) / sum(alone):.2f}x); step ms per running request: "
+        f"alone {sum(per_token['alone']) / max(len(per_token['alone']), 1):.3f}, "
+        f"with transfers {sum(per_token['loaded']) / max(len(per_token['loaded']), 1):.3f}",
         flush=True,
     )
 
@@ -181,6 +212,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         torch_threads=args.torch_threads,
         pin=args.pin if args.pin is not None else args.device == "cpu",
+        engine=dict(engine_options(args.engine)),
     )
     out: dict[str, Any] = {"spec": {k: str(v) for k, v in vars(args).items()}}
     async with Cluster(spec) as cluster:
@@ -190,8 +222,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
         started = time.monotonic()
-        await ttft_phase(cluster, args, model.vocab, out)
-        await lag_phase(cluster, args, model.vocab, out)
+        if "ttft" in args.phases:
+            await ttft_phase(cluster, args, model.vocab, out)
+        if "lag" in args.phases:
+            await lag_phase(cluster, args, model.vocab, out)
         out["seconds"] = time.monotonic() - started
     return out
 
@@ -205,16 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tp", type=int, default=1)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--chunk-tokens", type=int, default=128)
-    parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--max-batch-tokens", type=int, default=384)
     parser.add_argument("--short", type=int, default=16, help="short prompt tokens (default 16)")
     parser.add_argument("--long", type=int, default=1024, help="long prompt tokens (default 1024)")
     parser.add_argument("--samples", type=int, default=20, help="requests per TTFT phase (default 20)")
     parser.add_argument("--batch", type=int, default=8, help="decode batch of the lag phase (default 8)")
-    parser.add_argument("--decode-tokens", type=int, default=2500, help="tokens each batch request asks for")
+    parser.add_argument(
+        "--decode-tokens", type=int, default=200, help="tokens each batch request asks for (default 200)"
+    )
     parser.add_argument(
         "--stream", type=int, default=2, help="long transfer-only requests in flight (default 2)"
     )
     parser.add_argument("--window", type=float, default=2.0, help="seconds per lag window (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="decode alone / + transfers rounds (default 3)")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument(
         "--pin",
@@ -222,7 +259,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="pin prefill ranks to the first half of the CPUs, decode ranks to the second (default: on for cpu)",
     )
+    parser.add_argument("--phases", default="ttft,lag", help="which phases to run (default ttft,lag)")
     parser.add_argument("--json-out", default="")
+    parser.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="EngineConfig field for every rank",
+    )
     d = ModelConfig()
     for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn"):
         parser.add_argument(

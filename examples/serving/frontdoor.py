@@ -197,6 +197,8 @@ class FrontDoor:
                     break
             await response.write_eof()
             return response
+        except ConnectionResetError:  # the client closed the stream (aiohttp's ClientConnectionResetError)
+            return response
         finally:
             if not finished:  # the client went away (or the request failed to start): cancel everywhere
                 with contextlib.suppress(Exception):

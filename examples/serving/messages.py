@@ -97,6 +97,9 @@ class Stats(msgspec.Struct, frozen=True, tag=True):
     """Requests cancelled while they held pages (since start)."""
     lag_ms: list[float]
     decode_tokens: int
+    decode_steps: int
+    decode_step_s: float
+    """Wall time of the window's decode steps (plan broadcast to logits), summed."""
     window_s: float
 
 

@@ -375,6 +375,8 @@ class Leader:
         self.max_leaks = 0
         self.max_handles = 0
         self.decode_tokens = 0
+        self.decode_steps = 0
+        self.decode_step_s = 0.0
         self.cancelled = 0
 
     # --- messages ---------------------------------------------------------------------------------
@@ -536,7 +538,8 @@ class Leader:
             await self.link.send(self.stats())
             if q.reset:
                 self.ticker.reset()
-                self.decode_tokens = 0
+                self.decode_tokens = self.decode_steps = 0
+                self.decode_step_s = 0.0
         self.stats_wanted = []
 
     async def _settled_ok(self, r: Request, t_landed: float) -> None:
@@ -590,6 +593,8 @@ class Leader:
             cancelled=self.cancelled,
             lag_ms=list(self.ticker.samples),
             decode_tokens=self.decode_tokens,
+            decode_steps=self.decode_steps,
+            decode_step_s=self.decode_step_s,
             window_s=time.monotonic() - self.ticker.window_start,
         )
 
@@ -601,8 +606,12 @@ class Leader:
             for m in await self.link.take(wait=not self.busy()):
                 await self.on_message(m)
             plan = self.make_plan()
+            t0 = time.monotonic()
             await self.group.broadcast(msg.encode(plan))
             logits = await self.rank.execute(plan)
+            if plan.steps:
+                self.decode_steps += 1
+                self.decode_step_s += time.monotonic() - t0
             reduced = await self.group.reduce_min(self.rank.report(plan.track))
             await self.on_step(plan, logits, reduced)
             if plan.stop:
