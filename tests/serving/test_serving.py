@@ -101,7 +101,9 @@ def check_first_logits(rec: dict[str, Any], results: list[client.Result], ref: l
 
 @pytest.mark.timeout(150)
 async def test_p_equals_d_tokens_identical_to_monolithic(tmp_path: Path) -> None:
-    s = spec(tmp_path, 2, 2)
+    # Three requests at a time and pages for three: later requests reuse freed pages (and aux slots).
+    s = spec(tmp_path, 2, 2, max_requests=3, max_tokens=112)
+    assert s.pool_pages == 3 * 14
     items = client.make_workload(10, 20.0, [9, 40, 100], 8, 2, MODEL.vocab, seed=1)
     results, stats = await serve(s, items)
     ref = await reference_for(s, items)
