@@ -22,6 +22,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check transfer_engine kernels tests tools examples
 	$(BIN)/ruff format --check transfer_engine kernels tests tools examples
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -754,11 +754,12 @@ class Epoch:
         except Exception as exc:  # an API call that should not have raised
             problems.extend(_errors(exc))
         decoded = await _outcomes(receivers)
+        verified = self._verify(plan, dst, aux_d, decoded)
         failed = any(reason is not None for reason, _ in decoded) or bool(problems) or len(receivers) < cfg.D
 
         async def prefill_side() -> None:
             prefilled = await _outcomes(senders)
-            self._judge(plan, src, dst, aux_d, decoded, prefilled, problems)
+            self._judge(plan, src, verified, decoded, prefilled, problems)
             self.injector.fail.pop(room, None)
             self.injector.writes_seen.pop(room, None)
             self.injector.held_rooms.discard(room)
@@ -812,12 +813,29 @@ class Epoch:
 
         return hook
 
+    def _verify(
+        self, plan: RoomPlan, dst: np.ndarray, aux_d: int, decoded: list[tuple[Outcome, str]]
+    ) -> list[str]:
+        """What differs on the decode ranks that succeeded: checked as soon as the decode side ended,
+        before its pages can go to a follow-up room."""
+        cfg = self.cfg
+        bad: list[str] = []
+        tokens = patterns.received_tokens(plan.pages, cfg.prefill_page_size, len(dst), cfg.decode_page_size)
+        for (reason, _), engine in zip(decoded, self.c.decode, strict=False):
+            if reason is not None:
+                continue
+            wrong = patterns.mismatches(engine.pool, plan.room, dst, tokens)
+            if wrong:
+                bad.append(f"decode rank {engine.config.tp_rank}: {wrong} elements differ")
+            if plan.aux and not patterns.aux_ok(engine.pool, plan.room, aux_d):
+                bad.append(f"decode rank {engine.config.tp_rank}: aux item differs")
+        return bad
+
     def _judge(
         self,
         plan: RoomPlan,
         src: np.ndarray,
-        dst: np.ndarray,
-        aux_d: int,
+        verified: list[str],
         decoded: list[tuple[Outcome, str]],
         prefilled: list[tuple[Outcome, str]],
         problems: list[str],
@@ -830,17 +848,7 @@ class Epoch:
         for reason, _ in decoded + prefilled:
             if reason is not None:
                 tally.reasons[reason.name] += 1
-        # every decode rank that succeeded holds every byte of the room
-        bad: list[str] = []
-        tokens = patterns.received_tokens(plan.pages, cfg.prefill_page_size, len(dst), cfg.decode_page_size)
-        for (reason, _), engine in zip(decoded, self.c.decode, strict=False):
-            if reason is not None:
-                continue
-            wrong = patterns.mismatches(engine.pool, plan.room, dst, tokens)
-            if wrong:
-                bad.append(f"decode rank {engine.config.tp_rank}: {wrong} elements differ")
-            if plan.aux and not patterns.aux_ok(engine.pool, plan.room, aux_d):
-                bad.append(f"decode rank {engine.config.tp_rank}: aux item differs")
+        bad = verified
         what = (
             f"room {plan.room} ({plan.pages} pages in {list(plan.chunks)}, aux={plan.aux}, "
             f"abort={abort.label + ' ranks ' + str(abort.ranks) + ' other ' + abort.other_side if abort else None}, "

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import zlib
-from collections import Counter, defaultdict, deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -52,6 +52,7 @@ from transfer_engine.mail import LocalAbort, PeerDead, QueueChunk, RoomMail, Shu
 from transfer_engine.memory import allocate_staging, chunk_region_bytes
 from transfer_engine.peers import Peer, PrefillInstance
 from transfer_engine.ports import (
+    ACTOR_MAILBOX,
     JOBS_PER_ROOM,
     RING_POSTS_PER_ROOM,
     SCATTERS_PER_ROOM,
@@ -61,10 +62,11 @@ from transfer_engine.ports import (
     RoomPorts,
     WorkerShards,
 )
-from transfer_engine.protocol import heads
+from transfer_engine.protocol import handshake, heads, leases
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.paths import is_staged
-from transfer_engine.protocol.rooms import Deadlines, RoomStatus, abort_reason
+from transfer_engine.protocol.rooms import Deadlines, RoomStatus
+from transfer_engine.protocol.stash import EarlyRequests
 from transfer_engine.security import Curve
 from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
 
@@ -72,10 +74,6 @@ log = logging.getLogger(__name__)
 
 MAX_ROOM_ID = (1 << 63) - 1
 SHUTDOWN_DRAIN_S = 10.0
-LEASE_SILENCE = 2.0
-"""Heartbeat intervals of silence after which a peer is dead (checked every quarter interval, so a
-dead peer's rooms fail within 2.25 intervals of its last heartbeat). 1.75 met DESIGN §9's 2 intervals
-but declared live peers dead on a loaded 2-core machine (one late heartbeat), which costs rooms."""
 
 
 def _pages_array(pages: Sequence[int] | np.ndarray | Any, pool: KVPool, what: str) -> np.ndarray:
@@ -193,7 +191,7 @@ class TransferEngine:
         self.peers = PeerBook()
         self.instances: dict[str, PrefillInstance] = {}
         self._connecting: dict[str, anyio.Event] = {}
-        self._stash: dict[int, list[tuple[float, RoomMail]]] = defaultdict(list)
+        self._stash = EarlyRequests()
         self.workers: list[TransferWorker] = []
         self.bootstrap: Bootstrap | None = None
         self.ring: RingActor | None = None
@@ -284,7 +282,7 @@ class TransferEngine:
             for i in range(cfg.num_workers):
                 worker = TransferWorker(
                     i, self.me, self.pool, self.poller, self.board, self.control,
-                    staging_bytes=staging_bytes, reserve=(JOBS_PER_ROOM + 1) * cfg.max_rooms,
+                    staging_bytes=staging_bytes, capacity=ACTOR_MAILBOX, reserve=(JOBS_PER_ROOM + 1) * cfg.max_rooms,
                 )  # fmt: skip
                 self.workers.append(worker)
                 await tg.start(worker.run)
@@ -319,11 +317,16 @@ class TransferEngine:
         self._transport.register([memory.region()], memory.mem_type)
         self.ring = RingActor(
             self.me, self.pool, memory, self.peers, self.control, self.board,
-            reserve=RING_POSTS_PER_ROOM * cfg.max_rooms,
+            capacity=ACTOR_MAILBOX, reserve=RING_POSTS_PER_ROOM * cfg.max_rooms,
         )  # fmt: skip
         await tg.start(self.ring.run)
         self.scatter = ScatterActor(
-            self.pool, memory, self.ring.inbox, self.board, reserve=SCATTERS_PER_ROOM * cfg.max_rooms
+            self.pool,
+            memory,
+            self.ring.inbox,
+            self.board,
+            capacity=ACTOR_MAILBOX,
+            reserve=SCATTERS_PER_ROOM * cfg.max_rooms,
         )
         await tg.start(self.scatter.run)
         log.info("decode rank %d: %s staging ring of %d bytes", cfg.tp_rank, memory.mem_type, size)
@@ -382,7 +385,7 @@ class TransferEngine:
         """What is still held: rooms, stashed messages, NIXL handles in flight. All 0 when idle."""
         return {
             "rooms": len(self.rooms),
-            "stashed": sum(len(v) for v in self._stash.values()),
+            "stashed": len(self._stash),
             "nixl_handles": self._transport.live_handles() if self._transport else 0,
             "writes_in_flight": self.poller.in_flight(),
             "ring_allocations": self.ring.live() if self.ring else 0,
@@ -402,8 +405,8 @@ class TransferEngine:
         self._check_capacity(room)
         actor = SenderRoomActor(self.room_ports, room, self.deadlines)
         self._start_room(actor)
-        for _, mail in self._stash.pop(room, []):
-            actor.inbox.send_nowait(mail)
+        for request in self._stash.take(room):
+            actor.inbox.send_nowait(request)
         return Sender(actor, self.pool)
 
     def _check_capacity(self, room: int) -> None:
@@ -606,20 +609,7 @@ class TransferEngine:
 
     def _on_peer_hello(self, hello: m.PeerHello) -> m.PeerHelloAck:
         """Prefill side of the handshake: validate, load the peer's agent and memory, answer."""
-        refuse = None
-        if hello.compat != self._compat or hello.layout.mla != self._info.mla:
-            refuse = f"layout mismatch: decode {hello.layout}, prefill {self._info}"
-        elif not self._info.mla:
-            try:
-                heads.validate_split(self._info.num_heads, self.config.tp_size, hello.tp_size)
-            except ConfigError as exc:
-                refuse = str(exc)
-        if (
-            refuse is None
-            and (hello.layout.aux_item_bytes and self._info.aux_item_bytes)
-            and (hello.layout.aux_item_bytes != self._info.aux_item_bytes)
-        ):
-            refuse = f"aux item bytes differ: decode {hello.layout.aux_item_bytes}, prefill {self._info.aux_item_bytes}"
+        refuse = handshake.refusal(hello, self._info, self._compat, self.config.tp_size)
         if refuse is None:
             try:
                 peer = Peer(
@@ -689,12 +679,14 @@ class TransferEngine:
                 )
             case m.TransferRequest(room=room) if self.config.role == "prefill":
                 if not await self._to_room(room, message):
-                    self._stash[room].append((time.monotonic(), message))
+                    self._stash.add(room, message, time.monotonic())
             case m.Abort(room=room, agent=agent, rank=rank) if self.config.role == "prefill":
                 if not await self._to_room(room, message):
                     peer = self.peers.get(agent)
                     if peer is not None:
-                        self._drop_stash(room, message)
+                        self._answer(
+                            self._stash.abort(room, message, agent=self.agent_name, rank=self.config.tp_rank)
+                        )
                         self.control.send(
                             peer.endpoint,
                             m.AbortAck(room=room, agent=self.agent_name, rank=self.config.tp_rank),
@@ -735,12 +727,11 @@ class TransferEngine:
         while True:
             await anyio.sleep(tick)
             now = time.monotonic()
-            if now - last_tick > tick + 0.5 * interval:
-                # This loop itself was stalled (a blocking call in the application): the peers'
-                # heartbeats are queued unread, so their silence is ours. Extend their leases.
-                log.warning("heartbeat loop stalled %.2f s; extending peer leases", now - last_tick - tick)
+            stall = leases.stalled(last_tick, now, tick, interval)
+            if stall is not None:
+                log.warning("heartbeat loop stalled %.2f s; extending peer leases", stall)
                 for peer in self.peers.values():
-                    peer.last_seen = max(peer.last_seen, now - interval)
+                    peer.last_seen = leases.extended(peer.last_seen, now, interval)
             last_tick = now
             if now - last_beat >= interval - tick / 2:
                 last_beat = now
@@ -754,58 +745,34 @@ class TransferEngine:
                 for peer in list(self.peers.values()):
                     if peer.alive:
                         self.control.send(peer.endpoint, beat)
-            for peer in list(self.peers.values()):
-                if peer.alive and now - peer.last_seen > LEASE_SILENCE * interval:
-                    await self._peer_dead(
-                        peer, f"no heartbeat from {peer.agent_name} for {now - peer.last_seen:.2f} s"
-                    )
-            stale = now - self.config.bootstrap_timeout
-            for room in [r for r, items in self._stash.items() if items and items[0][0] < stale]:
-                self._expire_stash(room)
-
-    def _drop_stash(self, room: int, abort: m.Abort) -> None:
-        """``room`` is not open here and a decode rank aborted it: drop the requests stashed for it.
-
-        The other decode ranks that asked for it are told: the room can no longer complete (its
-        aborting rank's request is gone), and they would otherwise wait for chunks that never come.
-        """
-        why = abort_reason(abort.reason)
-        for _, mail in self._stash.pop(room, []):
-            if not isinstance(mail, m.TransferRequest) or mail.agent == abort.agent:
-                continue
-            peer = self.peers.get(mail.agent)
-            if peer is None:
-                continue
-            self.control.send(
-                peer.endpoint,
-                m.RoomFailed(
-                    room=room, agent=self.agent_name, rank=self.config.tp_rank, reason=int(why),
-                    detail=f"aborted by decode {abort.agent} before prefill rank {self.config.tp_rank} "
-                    f"opened the room: {abort.detail}",
-                ),
-            )  # fmt: skip
-
-    def _expire_stash(self, room: int) -> None:
-        """No sender opened ``room`` within bootstrap_timeout: tell each decode rank that asked for it."""
-        self.counters["stash_expired"] += 1
-        for _, mail in self._stash.pop(room):
-            if not isinstance(mail, m.TransferRequest):
-                continue
-            peer = self.peers.get(mail.agent)
-            if peer is None:
-                continue
-            detail = (
-                f"prefill rank {self.config.tp_rank} did not open room {room} within bootstrap_timeout="
-                f"{self.config.bootstrap_timeout} s of the request"
+            silent = leases.dead(
+                {p.agent_name: p.last_seen for p in self.peers.values() if p.alive}, now, interval
             )
-            log.warning("%s", detail)
-            self.control.send(
-                peer.endpoint,
-                m.RoomFailed(
-                    room=room, agent=self.agent_name, rank=self.config.tp_rank,
-                    reason=int(FailureReason.BOOTSTRAP_TIMEOUT), detail=detail,
-                ),
-            )  # fmt: skip
+            for agent in silent:
+                gone = self.peers.get(agent)
+                if gone is not None and gone.alive:
+                    await self._peer_dead(gone, f"no heartbeat from {agent} for {now - gone.last_seen:.2f} s")
+            for room in self._stash.stale(now, self.config.bootstrap_timeout):
+                self.counters["stash_expired"] += 1
+                answers = self._stash.expire(
+                    room,
+                    agent=self.agent_name,
+                    rank=self.config.tp_rank,
+                    timeout=self.config.bootstrap_timeout,
+                )
+                log.warning(
+                    "room %d: no sender() within bootstrap_timeout; %d decode rank(s) told",
+                    room,
+                    len(answers),
+                )
+                self._answer(answers)
+
+    def _answer(self, answers: list[tuple[str, m.RoomFailed]]) -> None:
+        """Send each (decode agent, RoomFailed) the stash owes; agents no longer known are skipped."""
+        for agent, message in answers:
+            peer = self.peers.get(agent)
+            if peer is not None:
+                self.control.send(peer.endpoint, message)
 
     async def _peer_dead(self, peer: Peer, detail: str) -> None:
         log.warning("%s rank %d: peer %s (rank %d) declared dead: %s", self.config.role, self.config.tp_rank,

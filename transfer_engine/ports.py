@@ -7,6 +7,7 @@
 - :class:`RoomBoard`: the live rooms' mailboxes by room id. Actors address replies to a room id
   here; they never hold a room.
 - :class:`WorkerShards`: the prefill workers' mailboxes, sharded by destination decode agent.
+- :class:`WritePort`: posts WRITEs (the NIXL poller implements it).
 - :class:`DrainPort`: asks the NIXL poller for a :class:`~transfer_engine.mail.Drained` reply.
 
 Per-room bounds (:data:`JOBS_PER_ROOM`, :data:`SCATTERS_PER_ROOM`, :data:`RING_POSTS_PER_ROOM`)
@@ -27,6 +28,8 @@ from transfer_engine.layout import KVPool
 from transfer_engine.mail import Mailbox, RingMail, RoomMail, ScatterJob
 from transfer_engine.peers import Peer
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.messages import MemRegion
+from transfer_engine.transport.nixl import WriteSpec
 
 JOBS_PER_ROOM = 32
 """WriteJobs a prefill room has at its workers at once; more wait in the room until one ends."""
@@ -38,6 +41,8 @@ ROOM_MAILBOX = 256
 """Ordinary capacity of a room's mailbox (senders wait beyond it)."""
 ROOM_RESERVE = 8
 """Reserve of a room's mailbox; rooms receive only ``send``s, so it is spare."""
+ACTOR_MAILBOX = 4096
+"""Ordinary capacity of the worker, ring and scatter mailboxes (their reserves come on top)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,21 @@ class Outbox(Protocol):
 
     def count_drop(self, kind: str, ident: bytes, detail: str) -> None:
         """Count (and log) a message of ``kind`` that was refused."""
+        ...
+
+
+class WritePort(Protocol):
+    """Posting WRITEs and registering staging memory (the NIXL poller implements it)."""
+
+    def post_write(self, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+        """Post ``spec`` now; ``WriteEnded(token, ...)`` goes to ``reply_to`` when it ends.
+
+        Raises AddressRangeError / TransportError when it cannot be posted (no reply comes then).
+        """
+        ...
+
+    def register(self, regions: list[MemRegion], mem_type: str) -> int:
+        """Register local memory (a staging buffer) with the NIXL agent."""
         ...
 
 

@@ -41,7 +41,7 @@ from transfer_engine.memory import (
     run_cpu_copy,
     stream_reached,
 )
-from transfer_engine.ports import Outbox, RankIdentity, RoomBoard
+from transfer_engine.ports import Outbox, RankIdentity, RoomBoard, WritePort
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.paths import is_staged
@@ -55,7 +55,6 @@ from transfer_engine.protocol.staging import (
 from transfer_engine.transport.nixl import WriteSpec
 
 from .base import Actor
-from .nixl_poller import NixlPoller
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +181,7 @@ class TransferWorker(Actor["WorkerMail"]):
         index: int,
         me: RankIdentity,
         pool: KVPool,
-        poller: NixlPoller,
+        poller: WritePort,
         rooms: RoomBoard,
         outbox: Outbox,
         *,

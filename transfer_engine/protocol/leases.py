@@ -1,0 +1,35 @@
+"""Heartbeat leases: when a peer is dead, and when the silence is our own.
+
+Pure decisions on monotonic times; the engine's heartbeat loop applies them every quarter
+``heartbeat_interval``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+LEASE_SILENCE = 2.0
+"""Heartbeat intervals of silence after which a peer is dead (checked every quarter interval, so a
+dead peer's rooms fail within 2.25 intervals of its last heartbeat). 1.75 met the original bound of
+2 intervals but declared live peers dead on a loaded 2-core machine (one late heartbeat), which
+costs rooms (docs/DECISIONS.md, "Leases")."""
+
+
+def stalled(last_tick: float, now: float, tick: float, interval: float) -> float | None:
+    """How long the loop itself was stalled (seconds), or None when it ran on time.
+
+    A tick late by more than half an interval means a blocking call held the event loop: the
+    peers' heartbeats are queued unread, so their silence is ours.
+    """
+    late = now - last_tick - tick
+    return late if now - last_tick > tick + 0.5 * interval else None
+
+
+def extended(last_seen: float, now: float, interval: float) -> float:
+    """A peer's ``last_seen`` after our own stall: as if it had beaten one interval ago."""
+    return max(last_seen, now - interval)
+
+
+def dead(last_seen: Mapping[str, float], now: float, interval: float) -> list[str]:
+    """The peers (by agent) silent for more than ``LEASE_SILENCE`` intervals at ``now``."""
+    return [agent for agent, seen in last_seen.items() if now - seen > LEASE_SILENCE * interval]
