@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+import msgspec
 import zmq
 import zmq.asyncio
 from aiohttp import web
@@ -40,6 +42,7 @@ from examples.serving import messages as msg
 
 log = logging.getLogger("serving.frontdoor")
 PREFILL_DONE_WAIT_S = 10.0
+STATS_TIMEOUT_S = 30.0
 
 
 class LeaderLink:
@@ -63,7 +66,7 @@ class LeaderLink:
             payload = await self.sock.recv()
             try:
                 message = msg.client_decoder.decode(payload)
-            except Exception as exc:  # noqa: BLE001 (msgspec raises several kinds; log and drop)
+            except msgspec.MsgspecError as exc:
                 log.warning("dropped a malformed server message: %s", exc)
                 continue
             if isinstance(message, msg.Stats):
@@ -72,11 +75,13 @@ class LeaderLink:
             else:
                 self.on_message(message)
 
-    async def stats(self, reset: bool, timeout: float = 30.0) -> msg.Stats:
+    async def stats(self, reset: bool) -> msg.Stats:
+        """The leader's Stats (TimeoutError after ``STATS_TIMEOUT_S``)."""
         async with self.stats_lock:
             self.stats_reply = asyncio.get_running_loop().create_future()
             await self.send(msg.StatsQuery(reset))
-            return await asyncio.wait_for(self.stats_reply, timeout)
+            with anyio.fail_after(STATS_TIMEOUT_S):
+                return await self.stats_reply
 
 
 @dataclass
@@ -116,6 +121,8 @@ class FrontDoor:
         self.turn = 0
         self.rng = random.Random()
         self.tasks: list[asyncio.Task[None]] = []
+        """The links' receive loops and the watcher: asyncio tasks (aiohttp is asyncio-only), started
+        by :meth:`start`, cancelled and awaited by :meth:`close`."""
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -238,8 +245,6 @@ class FrontDoor:
         """Every live server's Stats, as dicts: ``{"prefill": {...}, "decode": [{...} or None, ...]}``."""
         prefill = await self.prefill.stats(reset)
         decode = [None if i in self.dead else await d.stats(reset) for i, d in enumerate(self.decode)]
-        import msgspec
-
         return msgspec.to_builtins({"prefill": prefill, "decode": decode})
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -274,8 +279,9 @@ class FrontDoor:
         for t in self.tasks:
             t.cancel()
         for t in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError):
                 await t
+        self.tasks = []
         for link in (self.prefill, *self.decode):
             link.sock.close(0)
         self.ctx.term()

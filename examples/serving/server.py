@@ -39,6 +39,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 import torch
 import zmq
 import zmq.asyncio
@@ -292,7 +293,7 @@ class Link:
             self.peer = frames[0]
             try:
                 self.inbox.append(msg.server_decoder.decode(frames[1]))
-            except Exception as exc:  # noqa: BLE001 (msgspec raises several kinds; log and drop)
+            except msgspec.MsgspecError as exc:
                 log.warning("dropped a malformed front-door message: %s", exc)
                 continue
             self.arrived.set()
@@ -496,7 +497,7 @@ class Leader:
     async def on_step(self, plan: msg.Plan, logits: torch.Tensor | None, reduced: list[float]) -> None:
         now = time.monotonic()
         for c in plan.chunks:
-            r = self.live[c.rid]
+            r = self.live[c.rid]  # chunks are planned for live requests, and only on_step ends them
             if c.last:
                 r.t_kernels_done = self.rank.kernels_done.get(c.rid, 0.0)
         if plan.steps and logits is not None:
