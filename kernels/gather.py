@@ -1,7 +1,7 @@
 """Prefill gather: a head slice of a chunk's tokens, from every layer's K and V, into one buffer.
 
 ``out[t, i, j, :] = kv[t][slots[i], head_start + j, :]`` for every tensor ``t`` of ``kv``, token
-``i`` and head ``j < num_heads``: the staging layout of DESIGN.md §4 (``[K_0..K_{L-1},
+``i`` and head ``j < num_heads``: the staging layout (``[K_0..K_{L-1},
 V_0..V_{L-1}]``, each ``[tokens, n, head_dim]``), or, for MLA, ``[L, tokens, 1, kv_dim]``.
 
 One launch covers every tensor: the grid is (pieces / BLOCK, tensors). A token's row

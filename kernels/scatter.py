@@ -3,7 +3,7 @@
 For each block ``b = (offset, dst_head_start, n)`` of ``blocks``, the bytes of ``region`` from
 ``offset`` on hold ``[T, tokens, n, head_dim]`` (T = len(kv)), and
 ``kv[t][slots[i], dst_head_start + j, :] = block[t, i, j, :]`` for every tensor, token and head.
-This is the inverse of ``gather_heads`` (DESIGN.md §4, staged path: writers ordered by
+This is the inverse of ``gather_heads`` (staged path: writers ordered by
 ``dst_head_start``, each its own block in the ring region).
 
 One launch covers every block and tensor: the grid is (pieces / BLOCK, tensors, blocks). Each

@@ -1,4 +1,4 @@
-"""Benchmark the staging kernels against their ceilings, measured in the same run (DESIGN.md §11).
+"""Benchmark the staging kernels against their ceilings, measured in the same run (docs/PERF.md).
 
 For each layout (Qwen3-32B: 64 layers x 8 KV heads x 128, Llama-3-70B: 80 x 8 x 128, an MLA
 model: 61 layers x 576 latent; all bf16) and each P:D head split (4:2, 2:4, 8:1; MLA: whole

@@ -33,7 +33,6 @@ import math
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -50,6 +49,7 @@ from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine.testing import free_port
 
 
 def _layout(args: argparse.Namespace) -> KVLayout:
@@ -69,12 +69,6 @@ WARMUP_ROOM = 2_000_000
 
 def _chunk_pages(args: argparse.Namespace) -> int:
     return math.ceil(math.ceil(args.tokens / args.page_size) / args.chunks)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _room_pages(args: argparse.Namespace, slot: int) -> np.ndarray:
@@ -438,7 +432,7 @@ def main() -> int:
     args.rounds = max(1, min(args.rounds, args.rooms))
     if args.pin is None:
         args.pin = args.device == "cpu" and len(os.sched_getaffinity(0)) >= 2
-    port = _free_port()
+    port = free_port()
     layout = _layout(args)
     room_bytes = (
         math.ceil(args.tokens / args.page_size) * args.page_size * layout.heads_local(args.decode_tp)

@@ -44,7 +44,6 @@ import logging
 import os
 import random
 import re
-import socket
 import sys
 import time
 from collections import Counter, defaultdict
@@ -57,13 +56,12 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
-from transfer_engine import patterns
+from transfer_engine import patterns, testing
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine
 from transfer_engine.errors import (
     FailureReason,
     LocalProtocolError,
-    PeerUnreachableError,
     RemoteProtocolError,
     TransferFailed,
 )
@@ -358,12 +356,6 @@ class Injector:
 _names = itertools.count()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Cluster:
     prefill: list[TransferEngine]
@@ -409,34 +401,19 @@ def _engine(
 @contextlib.asynccontextmanager
 async def open_cluster(cfg: EpochConfig, injector: Injector, seed: int) -> AsyncIterator[Cluster]:
     """P prefill and D decode engines of ``cfg`` in this process, entered (prefill rank 0 first)."""
-    async with contextlib.AsyncExitStack() as stack:
-        for attempt in range(3):  # the free port may be taken (by a control socket) before we bind it
-            port = _free_port()
-            first = _engine(cfg, "prefill", 0, port, injector, seed)
-            try:
-                prefill = [await stack.enter_async_context(first)]
-                break
-            except PeerUnreachableError as exc:
-                if "cannot bind" not in str(exc) or attempt == 2:
-                    raise
-        for rank in range(1, cfg.P):
-            prefill.append(
-                await stack.enter_async_context(_engine(cfg, "prefill", rank, port, injector, seed))
-            )
-        decode = [
-            await stack.enter_async_context(_engine(cfg, "decode", rank, port, injector, seed + 100))
-            for rank in range(cfg.D)
-        ]
+
+    def make(role: str, rank: int, port: int) -> TransferEngine:
+        return _engine(cfg, role, rank, port, injector, seed if role == "prefill" else seed + 100)
+
+    async with testing.open_cluster(make, cfg.P, cfg.D) as opened:
+        prefill, decode = opened.prefill, opened.decode
         engines = prefill + decode
         if cfg.random_faults:
             for i, engine in enumerate(engines):
                 engine.control.faults = ControlFaults(Injector.control_rules(), seed=seed + 200 + i)
         transports = [e._transport for e in engines]
         yield Cluster(
-            prefill,
-            decode,
-            f"tcp://127.0.0.1:{port}",
-            [t for t in transports if isinstance(t, FaultyTransport)],
+            prefill, decode, opened.bootstrap, [t for t in transports if isinstance(t, FaultyTransport)]
         )
         for engine in engines:  # held control messages are not worth keeping alive the epoch's end
             engine.control.faults = None

@@ -27,7 +27,7 @@ INITIAL = RoomStatus.BOOTSTRAPPING
 
 
 def state_name(status: RoomStatus) -> str:
-    """``WAITING_FOR_INPUT`` -> ``WaitingForInput``, the spelling DESIGN §7 uses."""
+    """``WAITING_FOR_INPUT`` -> ``WaitingForInput``, the spelling SGLang's KVPoll docs use."""
     return "".join(part.capitalize() for part in status.name.split("_"))
 
 

@@ -1,4 +1,4 @@
-"""The public API (DESIGN §8): :class:`TransferEngine`, its :class:`Sender` and :class:`Receiver`.
+"""The engine, the supervisor of one rank's actors (docs/ARCHITECTURE.md): :class:`TransferEngine`, its :class:`Sender` and :class:`Receiver`.
 
 ``TransferEngine`` is the supervisor actor. Entering it starts every other actor under one task
 group (each reports ready through ``tg.start`` only once its resources exist): the NixlPoller with
@@ -177,6 +177,11 @@ class TransferEngine:
                 f"config tp_size/tp_rank={config.tp_size}/{config.tp_rank} but the KV pool is for "
                 f"{kv.tp_size}/{kv.tp_rank}"
             )
+        if kv.strides is not None and is_staged(config.path):
+            raise ConfigError(
+                f"path={config.path} gathers contiguous [slots, H, D] KV but this pool is strided "
+                "(KVPool.from_views): use path=auto, direct or slice"
+            )
         self.config = config
         self.pool = kv
         self.agent_name = config.agent_name or f"te-{config.role}-{config.tp_rank}-{os.getpid()}-{id(self):x}"
@@ -287,8 +292,8 @@ class TransferEngine:
                 self.workers.append(worker)
                 await tg.start(worker.run)
             await self._register()
-        elif cfg.path in ("auto", "staged", "host"):
-            await self._start_ring(tg)
+        elif cfg.path in ("auto", "staged", "host") and self.pool.strides is None:
+            await self._start_ring(tg)  # strided pools (KVPool.from_views) take the direct and slice paths
         self.room_ports = RoomPorts(
             self.me, self.pool, self.control, self.peers, self.board, self.poller, self.counters,
             workers=WorkerShards([w.inbox for w in self.workers]) if self.workers else None,
@@ -514,10 +519,11 @@ class TransferEngine:
         same_pages = all(p.layout.page_size == layout.page_size for p in instance.ranks)
         equal = instance.tp_size == self.config.tp_size or layout.mla
         staged = "host" if self.host_staging else "staged"
+        strided = self.pool.strides is not None or any(p.layout.strides is not None for p in instance.ranks)
         if policy == "auto":
             if equal and same_pages:
                 return "direct"
-            return staged if self.ring is not None else "slice"
+            return staged if self.ring is not None and not strided else "slice"
         if policy == "direct":
             if not equal:
                 raise ConfigError(
@@ -528,6 +534,10 @@ class TransferEngine:
             return "direct"
         if policy == "slice":
             return "slice"
+        if strided:
+            raise ConfigError(
+                f"path={policy} gathers contiguous [slots, H, D] KV; a side's KV is strided: use direct or slice"
+            )
         assert is_staged(policy) and self.ring is not None  # the ring exists for these policies
         return staged
 

@@ -1,4 +1,4 @@
-"""Staging memory: the prefill workers' staging buffers and the decode ring (DESIGN §4.2, §4.3).
+"""Staging memory: the prefill workers' staging buffers and the decode ring.
 
 Both are flat uint8 tensors registered with NIXL. Device staging puts them next to the KV (VRAM on a
 GPU); host staging puts them in pinned host memory, which the gather and scatter kernels read and

@@ -15,11 +15,11 @@ from typing import Any
 
 import zmq.auth
 
-from tests.integration.harness import Cluster, free_port, small_layout
+from tests.integration.harness import Cluster, small_layout
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
-from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine.testing import open_cluster
 from transfer_engine.transport.nixl import NixlTransport, Transport
 
 TransportFactory = Callable[[str], Transport]
@@ -83,24 +83,14 @@ async def engines(
     ``config`` goes to every engine, ``prefill_config``/``decode_config`` to one side.
     """
     p_cfg, d_cfg = config | (prefill_config or {}), config | (decode_config or {})
-    async with contextlib.AsyncExitStack() as stack:
-        for attempt in range(3):  # the free port may be taken (by a control socket) before we bind it
-            port = free_port()
-            first = make_engine("prefill", P, 0, port, layout, transport=prefill_transport, **p_cfg)
-            try:
-                prefill = [await stack.enter_async_context(first)]
-                break
-            except PeerUnreachableError as exc:
-                if "cannot bind" not in str(exc) or attempt == 2:
-                    raise
-        for rank in range(1, P):
-            engine = make_engine("prefill", P, rank, port, layout, transport=prefill_transport, **p_cfg)
-            prefill.append(await stack.enter_async_context(engine))
-        decode = []
-        for rank in range(D):
-            engine = make_engine("decode", D, rank, port, layout, transport=decode_transport, **d_cfg)
-            decode.append(await stack.enter_async_context(engine))
-        yield Cluster(prefill, decode, f"tcp://127.0.0.1:{port}")
+
+    def make(role: str, rank: int, port: int) -> TransferEngine:
+        if role == "prefill":
+            return make_engine(role, P, rank, port, layout, transport=prefill_transport, **p_cfg)
+        return make_engine(role, D, rank, port, layout, transport=decode_transport, **d_cfg)
+
+    async with open_cluster(make, P, D) as c:
+        yield c
 
 
 def certificate(directory: Path, name: str) -> tuple[Path, Path]:

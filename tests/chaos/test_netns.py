@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 HEARTBEAT = 0.5
 BOUND = 2 * HEARTBEAT + 1.0
-"""DESIGN §9's 2 heartbeat intervals after the cut, plus slack for two processes on 2 cores."""
+"""The lease bound, 2 heartbeat intervals after the cut (docs/DECISIONS.md, "Leases"),, plus slack for two processes on 2 cores."""
 PORT = 18998
 ROOM_BYTES = 4 * 4 * 6 * 8 * 16 * 2
 """One room of rank.py: 4 pages of 4 tokens, small_layout (3 layers, K and V, 8 heads of 16 bf16)."""

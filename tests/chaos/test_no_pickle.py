@@ -1,4 +1,4 @@
-"""Nothing on the engine's path pickles (DESIGN §6): checked in the source, and at run time.
+"""Nothing on the engine's path pickles: checked in the source, and at run time.
 
 Pickle-family modules turn bytes from a peer into arbitrary code; NIXL's ``get_serialized_descs`` /
 ``deserialize_descs`` pickle under the hood. The AST scan covers every Python file we ship or run

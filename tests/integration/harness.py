@@ -1,13 +1,15 @@
-"""Shared set-up for integration tests: P prefill and D decode engines in one process, real NIXL and ZMQ."""
+"""Shared set-up for integration tests: P prefill and D decode engines in one process, real NIXL and ZMQ.
+
+The cluster itself comes from :mod:`transfer_engine.testing` (shared with tools/ and examples/);
+this module adds the tests' pools, room runner and layouts.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import random
-import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import anyio
 import numpy as np
@@ -17,27 +19,12 @@ from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
 from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine.testing import Cluster, free_port, open_cluster
+
+__all__ = ["Cluster", "cluster", "free_port", "run_room", "shuffled_pages", "small_layout"]
 
 DEVICE = os.environ.get("TE_TEST_DEVICE", "cpu")
 """Where the integration tests put their KV pools: ``cpu`` (CI), or ``cuda`` on a GPU machine."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Cluster:
-    prefill: list[TransferEngine]
-    decode: list[TransferEngine]
-    bootstrap: str
-
-    def assert_no_leaks(self) -> None:
-        for engine in self.prefill + self.decode:
-            leaks = engine.leaks()
-            assert all(v == 0 for v in leaks.values()), f"{engine.agent_name} leaked {leaks}"
 
 
 @contextlib.asynccontextmanager
@@ -51,28 +38,18 @@ async def cluster(
     aux: int = 8,
     **config: object,
 ) -> AsyncIterator[Cluster]:
-    port = free_port()
-    async with contextlib.AsyncExitStack() as stack:
-        prefill = []
-        for rank in range(P):
-            cfg = EngineConfig(
-                role="prefill", tp_size=P, tp_rank=rank, bootstrap_port=port, num_workers=2, **config
-            )  # type: ignore[arg-type]
-            pool = KVPool.allocate(
-                layout, P, rank, num_pages, device=DEVICE, aux_slots=aux, aux_item_bytes=16 if aux else 0
-            )
-            prefill.append(TransferEngine(cfg, pool))
-        for engine in prefill:  # rank 0 first: it hosts the bootstrap the others register with
-            await stack.enter_async_context(engine)
-        decode = []
-        for rank in range(D):
-            cfg = EngineConfig(role="decode", tp_size=D, tp_rank=rank, bootstrap_port=port, **config)  # type: ignore[arg-type]
-            pool = KVPool.allocate(
-                decode_layout or layout, D, rank, num_pages, device=DEVICE, aux_slots=aux,
-                aux_item_bytes=16 if aux else 0,
-            )  # fmt: skip
-            decode.append(await stack.enter_async_context(TransferEngine(cfg, pool)))
-        yield Cluster(prefill, decode, f"tcp://127.0.0.1:{port}")
+    def make(role: str, rank: int, port: int) -> TransferEngine:
+        tp = P if role == "prefill" else D
+        extra = {"num_workers": 2} if role == "prefill" else {}
+        cfg = EngineConfig(role=role, tp_size=tp, tp_rank=rank, bootstrap_port=port, **extra, **config)  # type: ignore[arg-type]
+        pool = KVPool.allocate(
+            (decode_layout or layout) if role == "decode" else layout, tp, rank, num_pages, device=DEVICE,
+            aux_slots=aux, aux_item_bytes=16 if aux else 0,
+        )  # fmt: skip
+        return TransferEngine(cfg, pool)
+
+    async with open_cluster(make, P, D) as c:
+        yield c
 
 
 async def run_room(

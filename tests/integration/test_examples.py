@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from transfer_engine.testing import free_port
+
 pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SMALL = ["--layers", "4", "--min-tokens", "16", "--max-tokens", "128", "--inflight", "8", "--seed", "7"]
 TIMEOUT = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(script: str, *args: str) -> subprocess.Popen[str]:

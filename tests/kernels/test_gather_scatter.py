@@ -228,7 +228,7 @@ def test_scatter_layouts(backend: Backend, name: str) -> None:
 
 
 def test_prefill4_to_decode2_round_trip(backend: Backend) -> None:
-    """H=8, P=4, D=2 (DESIGN.md §3): decode rank d's writers are p=2d, 2d+1 with dst starts 0 and 2.
+    """H=8, P=4, D=2: decode rank d's writers are p=2d, 2d+1 with dst starts 0 and 2.
 
     Prefill and decode use different page sizes (4 and 16); each writer gathers its 2 heads into
     its own place of one region, and one scatter rebuilds decode rank d's 4 heads.

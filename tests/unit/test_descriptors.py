@@ -1,4 +1,4 @@
-"""Descriptor arithmetic (DESIGN §4.1, §4.4): hand-computed literals and naive-loop references."""
+"""Descriptor arithmetic: hand-computed literals and naive-loop references."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Head assignment (DESIGN §2, §3): literal hand-derived vectors, properties, and invalid splits.
+"""Head assignment: literal hand-derived vectors, properties, and invalid splits.
 
-Every expected vector below was derived by hand from the rules in DESIGN §3 and is written out
+Every expected vector below was derived by hand from the head-assignment rules in transfer_engine/protocol/heads.py and is written out
 literally; none is computed by the code under test. Rows are ``(prefill_rank, src, dst, n)``.
 """
 

@@ -1,4 +1,4 @@
-"""KV layout and pool validation (DESIGN §2), on CPU tensors; expected sizes are written out by hand."""
+"""KV layout and pool validation, on CPU tensors; expected sizes are written out by hand."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Wire messages (DESIGN §6): every type round-trips, and bad bytes only ever raise RemoteProtocolError.
+"""Wire messages: every type round-trips, and bad bytes only ever raise RemoteProtocolError.
 
 ``SAMPLES`` holds one instance of every message type with non-default values; a test fails when a
 type is added to the union without a sample here, so no message can go untested.

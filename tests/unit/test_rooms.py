@@ -1,6 +1,6 @@
-"""Room state machines (DESIGN §7): every (state, event) pair of both tables, bookkeeping, deadlines.
+"""Room state machines: every (state, event) pair of both tables, bookkeeping, deadlines.
 
-The expected transitions below are written out by hand from DESIGN §7 and the KVPoll states, never
+The expected transitions below are written out by hand from the room states (docs/states.md) and the KVPoll states, never
 read from the tables under test. Every test is synchronous and passes ``now`` explicitly.
 """
 

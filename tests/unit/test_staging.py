@@ -1,4 +1,4 @@
-"""Staging layout, ring allocator and watermark (DESIGN §4.2, §5): literal tables and properties."""
+"""Staging layout, ring allocator and watermark: literal tables and properties."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""Actors of the engine: one module per actor (DESIGN §7)."""
+"""Actors of the engine: one module per actor (docs/ARCHITECTURE.md)."""

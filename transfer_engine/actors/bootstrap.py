@@ -1,4 +1,4 @@
-"""Bootstrap actor: the prefill instance's registry of ranks (DESIGN §6).
+"""Bootstrap actor: the prefill instance's registry of ranks.
 
 A ZMQ ROUTER on ``bootstrap_port`` (hosted by prefill rank 0 unless configured otherwise). Prefill
 ranks announce themselves with ``RegisterRank``; decode ranks ask ``TopologyQuery`` and get the

@@ -102,7 +102,7 @@ class Control:
     async def _handle(self, message: m.AnyMessage, ident: bytes, source: str) -> None:
         try:
             await self._dispatch(message, ident)
-        except Exception:  # no message may take the rank down (DESIGN §9); the bug is in the log
+        except Exception:  # no message may take the rank down; the bug is in the log
             self.dropped["dispatch_error"] += 1
             log.exception(
                 "%s: %s from %s could not be handled; dropped", self.name, type(message).__name__, source

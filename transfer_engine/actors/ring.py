@@ -1,4 +1,4 @@
-"""Ring actor (decode): the only owner of this rank's staging ring (DESIGN §5).
+"""Ring actor (decode): the only owner of this rank's staging ring.
 
 A decode room on a staged path announces itself before its first TransferRequest leaves
 (:class:`~transfer_engine.mail.RoomOpened`: its writers' slices, page sizes and capacity) and says

@@ -1,4 +1,4 @@
-"""Scatter actor (decode): copies landed staged chunks from the ring into the KV pages (DESIGN §4.2).
+"""Scatter actor (decode): copies landed staged chunks from the ring into the KV pages.
 
 The room counts its writers' ``ChunkLanded`` notifications (in any order, in its core); when every
 writer of a chunk has landed it sends a :class:`~transfer_engine.mail.ScatterJob` here. The actor scatters all writer

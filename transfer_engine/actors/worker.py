@@ -10,7 +10,7 @@ chunk's notification on it; the poller tells the room directly when the WRITE en
 it is given ends in exactly one reply to its room: that WriteEnded, or a
 :class:`~transfer_engine.mail.WriteDone` from here (refused, cancelled, staged WRITE finished).
 
-Staged paths (DESIGN §4.2, §5): the worker asks the decode rank's ring for a region
+Staged paths (README, "Paths"; docs/DECISIONS.md, "Staged paths"): the worker asks the decode rank's ring for a region
 (``StagingRequest``) as soon as the chunk is known, and parks the chunk. Once granted, and once the
 peer's latest ``Watermark`` admits the region, it gathers the chunk's head slice — every layer, K
 then V — into a lease of its staging buffer (on its own CUDA stream; on CPU in a worker thread) and
@@ -32,7 +32,7 @@ import torch
 
 from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import as_kv_table, gather_heads
-from transfer_engine.layout import KVPool
+from transfer_engine.layout import KVPool, stride_rows_of
 from transfer_engine.mail import CancelRoom, WriteDone, WriteEnded, WriteJob
 from transfer_engine.memory import (
     StagingMemory,
@@ -141,6 +141,8 @@ def plan_write(
     dst_pages_all = np.asarray(req.dst_pages, dtype=np.int64)
     notif = chunk_notification(job, region=-1)
     spec = req.slices[0]
+    if pool.strides is not None or peer.layout.strides is not None:
+        return (*_strided_write(job, pool, bases, dst_pages_all, spec), notif)
     if req.path == "direct":
         dst_pages = dst_pages_all[chunk.page_start : chunk.page_start + chunk.num_pages]
         if len(dst_pages) != len(job.src_pages):
@@ -173,6 +175,36 @@ def plan_write(
     return src, dst, length, notif
 
 
+def _strided_write(
+    job: WriteJob, pool: KVPool, bases: np.ndarray, dst_pages: np.ndarray, spec: m.SliceSpec
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Direct or slice WRITE where either side is not contiguous ``[slots, H, D]``: byte runs from both
+    sides' strides, merged where both are contiguous (``descriptors.strided_descriptors``)."""
+    peer, chunk = job.peer, job.chunk
+    assert chunk is not None
+    src_ps, dst_ps = pool.layout.page_size, peer.layout.page_size
+    start = chunk.page_start * src_ps
+    tokens = descriptors.chunk_tokens(start, chunk.num_pages, src_ps, len(dst_pages) * dst_ps)
+    return descriptors.strided_descriptors(
+        bases,
+        pool.region_lengths,
+        pool.stride_rows,
+        peer.bases,
+        np.array([r.length for r in peer.regions], dtype=np.uint64),
+        stride_rows_of(peer.layout, peer.heads_local),
+        pool.head_bytes,
+        descriptors.slots_of(job.src_pages, src_ps, 0, tokens),
+        descriptors.slots_of(dst_pages, dst_ps, start, tokens),
+        src_ps,
+        dst_ps,
+        spec.src_head_start,
+        spec.dst_head_start,
+        spec.num_heads,
+        pool.heads_local,
+        peer.heads_local,
+    )
+
+
 class TransferWorker(Actor["WorkerMail"]):
     """See the module docstring. ``inbox`` takes :data:`WorkerMail`."""
 
@@ -198,7 +230,7 @@ class TransferWorker(Actor["WorkerMail"]):
         self.outbox = outbox
         self.staging_bytes = staging_bytes
         self._bases = np.array([t.data_ptr() for t in pool.tensors], dtype=np.uint64)
-        self._kv = as_kv_table(pool.tensors)
+        self._kv = as_kv_table(pool.tensors) if pool.strides is None else None
         self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._buffers: dict[bool, tuple[StagingMemory, BufferLeases]] = {}
         self._granting: dict[tuple[str, int, int], _Staged] = {}
@@ -302,6 +334,11 @@ class TransferWorker(Actor["WorkerMail"]):
         try:
             if peer.ring is None:
                 raise TransferError(f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring")
+            if self._kv is None:
+                raise TransferError(
+                    f"room {job.room}: path={req.path} gathers contiguous [slots, H, D] tensors; this "
+                    "prefill's KV is strided (KVPool.from_views): use path=direct or slice"
+                )
             spec = req.slices[0]
             src_slots = staged_slots(job, self.pool)
             if src_slots.size == 0:
@@ -388,6 +425,7 @@ class TransferWorker(Actor["WorkerMail"]):
         head_slice = job.request.slices[0]
         out = memory.view(offset, staged.nbytes)
         slots = torch.from_numpy(staged.src_slots)
+        assert self._kv is not None  # _request_region refused staged chunks of a strided pool
         gather = functools.partial(
             gather_heads,
             self._kv,

@@ -1,4 +1,4 @@
-"""NIXL descriptor arithmetic for the direct and slice paths, vectorized with numpy (DESIGN §4.1, §4.4).
+"""NIXL descriptor arithmetic for the direct and slice paths, vectorized with numpy.
 
 Conventions shared by every function here:
 
@@ -14,6 +14,10 @@ Conventions shared by every function here:
 
 No Python loop runs per page, token or tensor; cost is a handful of numpy passes per chunk. Bad input
 raises :class:`~transfer_engine.errors.ConfigError` naming the values.
+
+:func:`strided_descriptors` drops the contiguous-tensor convention: each side describes every KV
+tensor by a strides row (see :data:`STRIDE_FIELDS`), so the two sides may use different layouts (vLLM
+CPU's, FlashAttention's NHD or HND, SGLang's, ours) and the byte runs are computed from both rows.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ import numpy.typing as npt
 from transfer_engine.errors import ConfigError
 
 __all__ = [
+    "STRIDE_FIELDS",
     "chunk_tokens",
+    "contiguous_strides",
     "direct_descriptors",
     "page_runs",
     "slice_descriptors",
     "slots_of",
+    "strided_descriptors",
 ]
 
 U64Array = npt.NDArray[np.uint64]
@@ -210,3 +217,150 @@ def chunk_tokens(chunk_token_start: int, num_pages: int, src_page_size: int, dst
     _check_at_least("src_page_size", src_page_size, 1)
     _check_at_least("dst_capacity_tokens", dst_capacity_tokens, 0)
     return max(0, min(chunk_token_start + num_pages * src_page_size, dst_capacity_tokens) - chunk_token_start)
+
+
+STRIDE_FIELDS = ("region", "offset", "block", "head", "token")
+"""Columns of a strides table: one int64 row per KV tensor, in tensor order. Head ``h`` of token ``n``
+of block ``b`` of tensor ``t`` starts at ``bases[region] + offset + b * block + h * head + n * token``
+(bytes), and its ``head_dim`` elements are contiguous. Rows mirror ``messages.KVStrides``."""
+
+
+def contiguous_strides(num_tensors: int, heads_local: int, head_bytes: int, page_size: int) -> I64Array:
+    """The strides table of the contiguous ``[num_slots, heads_local, head_dim]`` layout, one region per tensor."""
+    _check_at_least("num_tensors", num_tensors, 1)
+    _check_at_least("heads_local", heads_local, 1)
+    _check_at_least("head_bytes", head_bytes, 1)
+    _check_at_least("page_size", page_size, 1)
+    slot = heads_local * head_bytes
+    table = np.empty((num_tensors, 5), dtype=np.int64)
+    table[:, 0] = np.arange(num_tensors)
+    table[:, 1] = 0
+    table[:, 2] = page_size * slot
+    table[:, 3] = head_bytes
+    table[:, 4] = slot
+    return table
+
+
+def _strides_table(strides: npt.ArrayLike, name: str) -> I64Array:
+    table = np.asarray(strides)
+    if table.ndim != 2 or table.shape[1] != len(STRIDE_FIELDS) or not np.issubdtype(table.dtype, np.integer):
+        raise ConfigError(
+            f"{name} must be an integer table of shape (num_tensors, {len(STRIDE_FIELDS)}), got "
+            f"{table.dtype} {table.shape}"
+        )
+    if table.size and int(table.min()) < 0:
+        row, col = np.argwhere(table < 0)[0]
+        raise ConfigError(f"{name}[{row}].{STRIDE_FIELDS[col]}={int(table[row, col])} must be >= 0")
+    return table.astype(np.int64, copy=False)
+
+
+def _run_addresses(
+    side: str,
+    bases: U64Array,
+    lengths: U64Array,
+    table: I64Array,
+    slots: I64Array,
+    page_size: int,
+    head_start: int,
+    num_heads: int,
+    head_bytes: int,
+) -> U64Array:
+    """Start address of every (tensor, token, head) run of ``head_bytes``, tensor-major then token then
+    head; ConfigError naming the tensor when a run leaves its region."""
+    regions = table[:, 0]
+    if regions.size and int(regions.max()) >= bases.size:
+        t = int(np.argmax(regions >= bases.size))
+        raise ConfigError(f"{side} tensor {t} names region {int(regions[t])} of {bases.size}")
+    blocks, tokens = np.divmod(slots, page_size)
+    heads = np.arange(head_start, head_start + num_heads, dtype=np.int64)
+    # offsets within each tensor: (token, head) grid, then per tensor
+    per_token = blocks[None, :] * table[:, 2:3] + tokens[None, :] * table[:, 4:5]  # (T, N)
+    offsets = per_token[:, :, None] + heads[None, None, :] * table[:, 3][:, None, None]  # (T, N, H)
+    offsets += table[:, 1][:, None, None]
+    if offsets.size:
+        last = offsets.reshape(offsets.shape[0], -1).max(axis=1) + head_bytes  # (T,)
+        over = last.astype(np.uint64) > lengths[regions]
+        if over.any():
+            t = int(np.argmax(over))
+            raise ConfigError(
+                f"{side} tensor {t}: a run ends {int(last[t])} bytes into region {int(regions[t])}, "
+                f"which has {int(lengths[regions[t]])} bytes"
+            )
+    return (bases[regions][:, None, None] + offsets.astype(np.uint64)).ravel()
+
+
+def strided_descriptors(
+    src_bases: npt.ArrayLike,
+    src_lengths: npt.ArrayLike,
+    src_strides: npt.ArrayLike,
+    dst_bases: npt.ArrayLike,
+    dst_lengths: npt.ArrayLike,
+    dst_strides: npt.ArrayLike,
+    head_bytes: int,
+    src_slots: npt.ArrayLike,
+    dst_slots: npt.ArrayLike,
+    src_page_size: int,
+    dst_page_size: int,
+    src_head_start: int,
+    dst_head_start: int,
+    num_heads: int,
+    src_heads_local: int,
+    dst_heads_local: int,
+) -> tuple[U64Array, U64Array, U64Array]:
+    """Descriptors moving heads ``[src_head_start, +num_heads)`` of every KV tensor and token to heads
+    ``[dst_head_start, +num_heads)`` on the other side, whatever the two layouts are.
+
+    ``*_bases``/``*_lengths`` are each side's registered regions (their counts may differ) and
+    ``*_strides`` its strides tables (:data:`STRIDE_FIELDS`; equal row counts, tensor ``t`` of one side goes to tensor ``t`` of the
+    other). ``src_slots[i]`` goes to ``dst_slots[i]``; slot ``s`` is token ``s % page_size`` of block
+    ``s // page_size`` on its side. Every ``head_bytes`` run is computed on both sides; runs are then
+    ordered by source address and merged wherever both sides continue contiguously, so a layout that
+    keeps a block (or a rank's head slice of it, or K beside V) in one piece moves as one descriptor
+    per such piece. ``*_heads_local`` are the heads each side holds. Raises :class:`ConfigError`
+    naming the value when the tables differ in size, a head slice does not fit a side's heads, a run
+    leaves its region, or the slot arrays differ in length.
+    """
+    src_b = _address_array(src_bases, "src_bases")
+    dst_b = _address_array(dst_bases, "dst_bases")
+    src_len = _address_array(src_lengths, "src_lengths")
+    dst_len = _address_array(dst_lengths, "dst_lengths")
+    for side, bases, lengths in (("src", src_b, src_len), ("dst", dst_b, dst_len)):
+        if bases.size != lengths.size:
+            raise ConfigError(f"{side}_bases has {bases.size} regions but {side}_lengths has {lengths.size}")
+    src_t = _strides_table(src_strides, "src_strides")
+    dst_t = _strides_table(dst_strides, "dst_strides")
+    if src_t.shape[0] != dst_t.shape[0]:
+        raise ConfigError(f"src_strides describes {src_t.shape[0]} tensors but dst_strides {dst_t.shape[0]}")
+    src_s = _index_array(src_slots, "src_slots")
+    dst_s = _index_array(dst_slots, "dst_slots")
+    if src_s.size != dst_s.size:
+        raise ConfigError(f"src_slots has {src_s.size} tokens but dst_slots has {dst_s.size}")
+    _check_at_least("head_bytes", head_bytes, 1)
+    _check_at_least("num_heads", num_heads, 1)
+    _check_at_least("src_page_size", src_page_size, 1)
+    _check_at_least("dst_page_size", dst_page_size, 1)
+    _check_at_least("src_head_start", src_head_start, 0)
+    _check_at_least("dst_head_start", dst_head_start, 0)
+    for side, start, held in (
+        ("src", src_head_start, src_heads_local),
+        ("dst", dst_head_start, dst_heads_local),
+    ):
+        if start + num_heads > held:
+            raise ConfigError(
+                f"{side} head slice [{start}, {start + num_heads}) does not fit in {held} heads"
+            )
+    src = _run_addresses(
+        "src", src_b, src_len, src_t, src_s, src_page_size, src_head_start, num_heads, head_bytes
+    )
+    dst = _run_addresses(
+        "dst", dst_b, dst_len, dst_t, dst_s, dst_page_size, dst_head_start, num_heads, head_bytes
+    )
+    if src.size == 0:
+        return src, dst, np.zeros(0, dtype=np.uint64)
+    order = np.argsort(src, kind="stable")
+    src, dst = src[order], dst[order]
+    step = np.uint64(head_bytes)
+    breaks = (np.diff(src) != step) | (np.diff(dst) != step)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    counts = np.diff(np.append(starts, src.size)).astype(np.uint64)
+    return src[starts], dst[starts], counts * step

@@ -29,8 +29,23 @@ class _Base(msgspec.Struct, frozen=True, array_like=True):
     pass
 
 
+class KVStrides(_Base, frozen=True):
+    """Where the entries of one KV tensor (K or V of a layer, or an MLA latent) live in memory.
+
+    Head ``h`` of token ``n`` of block (page) ``b`` starts ``offset + b * block + h * head + n *
+    token`` bytes past the start of registered region ``region``, and its ``head_dim`` elements are
+    contiguous. Any of the serving systems' layouts is a set of these (``transfer_engine.layout``).
+    """
+
+    region: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+    offset: Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
+    block: Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
+    head: Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
+    token: Annotated[int, msgspec.Meta(ge=0, le=(1 << 62))]
+
+
 class LayoutInfo(_Base, frozen=True):
-    """A rank's KV layout as its peers see it (DESIGN §2)."""
+    """A rank's KV layout as its peers see it."""
 
     num_layers: int
     num_heads: int
@@ -44,6 +59,10 @@ class LayoutInfo(_Base, frozen=True):
     num_pages: int
     aux_item_bytes: int = 0
     num_aux_slots: int = 0
+    strides: list[KVStrides] | None = None
+    """One entry per KV tensor, in tensor order, where the rank's KV is not the contiguous
+    ``[num_slots, heads_local, head_dim]`` tensor per K and V (``regions`` are then the memory the
+    views live in); None for that contiguous layout."""
 
     @property
     def num_kv_tensors(self) -> int:

@@ -1,4 +1,4 @@
-"""Staging layout, the decode ring allocator and its watermark (DESIGN §4.2, §5).
+"""Staging layout, the decode ring allocator and its watermark.
 
 Layout: a staged chunk occupies one ring *region*. Inside it the chunk's writers are packed back to
 back in ``dst_head_start`` order; writer ``w``'s block is ``[num_kv_tensors, tokens, n_w, head_dim]``

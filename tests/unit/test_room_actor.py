@@ -1,0 +1,113 @@
+"""A prefill room actor driven alone through its ports: an in-memory outbox, a worker mailbox the
+test reads, no sockets, no NIXL. Shows what the room decides and posts, message by message."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from transfer_engine.actors.room import SenderRoomActor
+from transfer_engine.errors import FailureReason
+from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine.mail import CancelRoom, LocalAbort, Mailbox, QueueChunk, WriteDone, WriteJob
+from transfer_engine.peers import Peer
+from transfer_engine.ports import JOBS_PER_ROOM, PeerBook, RankIdentity, RoomBoard, RoomPorts, WorkerShards
+from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.rooms import Deadlines, RoomStatus
+
+pytestmark = [pytest.mark.timeout(20), pytest.mark.anyio]
+
+
+class Outbox:
+    """Keeps what the room sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, m.Message]] = []
+
+    def send(self, endpoint: str, message: m.Message) -> bool:
+        self.sent.append((endpoint, message))
+        return True
+
+    def count_drop(self, kind: str, ident: bytes, detail: str) -> None:
+        raise AssertionError(f"unexpected drop of {kind}: {detail}")
+
+
+class NoDrain:
+    def request_drain(self, room: int) -> None:
+        raise AssertionError("no deadline should expire in this test")
+
+
+def _ports() -> tuple[RoomPorts, Outbox, Mailbox[object], Peer]:
+    layout = KVLayout(num_layers=1, num_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
+    pool = KVPool.allocate(layout, 1, 0, 64)
+    peer = Peer("decode-0", "tcp://decode:1", 0, 1, pool.info())
+    peers = PeerBook({peer.agent_name: peer})
+    outbox = Outbox()
+    worker: Mailbox[object] = Mailbox(4, reserve=JOBS_PER_ROOM + 1)
+    ports = RoomPorts(
+        RankIdentity("prefill-0", "prefill", 0, 1), pool, outbox, peers, RoomBoard(), NoDrain(), Counter(),
+        workers=WorkerShards([worker]),
+    )  # fmt: skip
+    return ports, outbox, worker, peer
+
+
+def _request(room: int) -> m.TransferRequest:
+    return m.TransferRequest(
+        room=room, agent="decode-0", decode_rank=0, decode_tp=1, path="direct", dst_pages=list(range(64)),
+        aux_slot=None, slices=[m.SliceSpec(0, 0, 0, 2)],
+    )  # fmt: skip
+
+
+def _jobs(box: Mailbox[object]) -> list[WriteJob]:
+    out = []
+    while True:
+        try:
+            mail = box.receive_nowait()
+        except anyio.WouldBlock:
+            return out
+        assert isinstance(mail, WriteJob)
+        out.append(mail)
+
+
+async def test_jobs_beyond_the_bound_wait_in_the_room_then_abort_waits_for_every_job() -> None:
+    ports, outbox, worker, peer = _ports()
+    room = SenderRoomActor(ports, 5, Deadlines(5.0, None, 5.0))
+    ports.rooms.open(5, room.inbox)
+    chunks = JOBS_PER_ROOM + 8
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(room.run)
+        await room.inbox.send(_request(5))
+        for i in range(chunks):
+            await room.inbox.send(
+                QueueChunk(np.array([i], dtype=np.int64), last=i == chunks - 1, aux_slot=None)
+            )
+        await anyio.wait_all_tasks_blocked()
+        first = _jobs(worker)
+        assert [j.chunk_id for j in first] == list(range(JOBS_PER_ROOM))  # the rest wait in the room
+        assert room.core.in_flight == JOBS_PER_ROOM and len(room.backlog) == 8
+
+        await room.inbox.send(WriteDone(0, 0, True, ""))
+        await anyio.wait_all_tasks_blocked()
+        assert [j.chunk_id for j in _jobs(worker)] == [JOBS_PER_ROOM]  # one answer, one more job
+
+        await room.inbox.send(LocalAbort("test"))
+        await anyio.wait_all_tasks_blocked()
+        assert room.status is RoomStatus.FAILED and not room.backlog
+        assert worker.receive_nowait() == CancelRoom(5)
+        failed = [msg for _, msg in outbox.sent if isinstance(msg, m.RoomFailed)]
+        assert [(f.room, f.reason) for f in failed] == [(5, int(FailureReason.ABORTED))]
+        assert not room.done.is_set()  # JOBS_PER_ROOM jobs are still out: not quiescent
+
+        await room.inbox.send(m.Abort(room=5, agent=peer.agent_name, rank=0, reason=3, detail="decode too"))
+        for chunk_id in range(1, JOBS_PER_ROOM + 1):
+            await room.inbox.send(WriteDone(chunk_id, 0, True, ""))
+        with anyio.fail_after(5):
+            await room.done.wait()
+    assert 5 not in ports.rooms
+    acks = [(endpoint, msg) for endpoint, msg in outbox.sent if isinstance(msg, m.AbortAck)]
+    assert acks == [(peer.endpoint, m.AbortAck(room=5, agent="prefill-0", rank=0))]  # only once quiescent
+    assert worker.high_water <= JOBS_PER_ROOM + 1

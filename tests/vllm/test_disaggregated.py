@@ -1,0 +1,310 @@
+"""Real vLLM, disaggregated with our connector: prefill and decode instances in separate processes.
+
+One module-wide set-up (about 2-3 minutes on the 2-core box, most of it vLLM starting): a tiny
+random-weight Llama made on the spot; a prefill with TP=1, a prefill with TP=2 and a decode with
+TP=1, each a ``vllm.entrypoints.openai.api_server`` process with
+``TransferEngineConnector``; and one of our routers per prefill. The reference is the decode
+instance itself answering without ``kv_transfer_params``: vLLM alone, computing the whole prompt
+(the decode runs without prefix caching, and its external-transfer counter must not move then).
+
+What is proven, by vLLM's own ``/metrics`` counters (``prompt_tokens_by_source``): the decode
+computed none of the disaggregated prompts (``local_compute`` did not move) and took every prompt
+token from the transfer (``external_kv_transfer``). Cancelled requests leave no blocks held
+(``kv_cache_usage_perc`` 0 on every instance) and no live room in any engine (``transfer-engine
+dump``), and the next requests still match the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+START_TIMEOUT = 420.0
+MODEL_CONFIG = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+)
+CONNECTOR = {
+    "kv_connector": "TransferEngineConnector",
+    "kv_connector_module_path": "transfer_engine.integrations.vllm.connector",
+}
+
+
+_taken: set[int] = set()
+
+
+def free_port() -> int:
+    """A free port outside Linux's ephemeral range (32768-60999), where the vLLM processes bind
+    their own random ports: a port picked there could be taken again before our process binds it."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        if port in _taken or port + 1 in _taken:
+            continue
+        with contextlib.suppress(OSError), socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+            _taken.add(port)
+            return port
+
+
+def make_model(path: Path) -> None:
+    """A random-weight Llama (fixed seed) saved where vLLM can load it; no hub needed."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG)).save_pretrained(path)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    port: int = 0
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+@dataclass
+class Setup:
+    decode: Proc
+    prefill1: Proc
+    prefill2: Proc
+    router1: Proc
+    router2: Proc
+    bootstrap1: int
+    introspect: list[int]
+
+
+def serve(
+    name: str, tmp: Path, model: Path, port: int, *args: str, env: dict[str, str] | None = None
+) -> Proc:
+    log = tmp / f"{name}.log"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+        "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+        "--block-size", "32", "--max-num-seqs", "8", "--served-model-name", "m", *args,
+    ]  # fmt: skip
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONWARNINGS="ignore", **(env or {}))
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+    return Proc(name, popen, log, port)
+
+
+def router(name: str, tmp: Path, port: int, prefill_port: int, bootstrap: int, decode_port: int) -> Proc:
+    log = tmp / f"{name}.log"
+    cmd = [
+        sys.executable, "-m", "transfer_engine.integrations.vllm.proxy", "--port", str(port),
+        "--prefill", f"http://127.0.0.1:{prefill_port}", f"tcp://127.0.0.1:{bootstrap}",
+        "--decode", f"http://127.0.0.1:{decode_port}",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return Proc(name, popen, log, port)
+
+
+def wait_healthy(procs: list[Proc], path: str = "/health") -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    for p in procs:
+        while True:
+            if p.popen.poll() is not None:
+                pytest.fail(f"{p.name} exited with {p.popen.returncode}:\n{p.tail()}")
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"http://127.0.0.1:{p.port}{path}", timeout=2).close()
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"{p.name} not healthy within {START_TIMEOUT} s:\n{p.tail()}")
+            time.sleep(1)
+
+
+def stop(procs: list[Proc]) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            os.killpg(p.popen.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.popen.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.popen.pid, signal.SIGKILL)
+            p.popen.wait(10)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = tmp / "model"
+    make_model(model)
+    b1, b2 = free_port(), free_port()
+    i_d, i_p1, i_p2 = free_port(), free_port(), free_port()  # i_p2 + 1 serves TP rank 1
+
+    def kv(role: str, **extra: object) -> str:
+        return json.dumps({**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra})
+
+    decode = serve(
+        "decode", tmp, model, free_port(), "--no-enable-prefix-caching",
+        "--kv-transfer-config", kv("kv_consumer", introspect_port=i_d),
+    )  # fmt: skip
+    prefill1 = serve(
+        "prefill1", tmp, model, free_port(),
+        "--kv-transfer-config", kv("kv_producer", bootstrap_port=b1, introspect_port=i_p1),
+    )  # fmt: skip
+    prefill2 = serve(
+        "prefill2", tmp, model, free_port(), "--tensor-parallel-size", "2",
+        "--kv-transfer-config", kv("kv_producer", bootstrap_port=b2, introspect_port=i_p2),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )  # fmt: skip
+    router1 = router("router1", tmp, free_port(), prefill1.port, b1, decode.port)
+    router2 = router("router2", tmp, free_port(), prefill2.port, b2, decode.port)
+    procs = [decode, prefill1, prefill2, router1, router2]
+    try:
+        wait_healthy([decode, prefill1, prefill2])
+        wait_healthy([router1, router2], "/healthz")
+        for p in (decode, prefill1, prefill2):  # the first forward of an instance is slow (TP=2: ~30 s)
+            complete(p.port, [1, 2, 3], 1)
+        yield Setup(decode, prefill1, prefill2, router1, router2, b1, [i_d, i_p1, i_p2, i_p2 + 1])
+    finally:
+        stop(procs)
+
+
+def complete(port: int, prompt: list[int], max_tokens: int, timeout: float = 120.0) -> list[int]:
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json.dumps(body).encode(),
+        {"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return list(json.loads(response.read())["choices"][0]["token_ids"])
+
+
+def metrics(port: int) -> dict[str, float]:
+    """vLLM's counters and gauges on ``port``, by metric name (plus ``{source=...}`` for by-source)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m:
+            source = re.search(r'source="([a-z_]+)"', m.group(2) or "")
+            name = m.group(1) + (f"[{source.group(1)}]" if source else "")
+            out[name] = out.get(name, 0.0) + float(m.group(3))
+    return out
+
+
+def live_rooms(port: int) -> int:
+    """Rooms live in the engine serving ``transfer-engine dump`` on ``port``."""
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "transfer-engine"), "dump", "--endpoint", f"tcp://127.0.0.1:{port}", "--json"],
+        capture_output=True, timeout=30, check=True,
+    )  # fmt: skip
+    return len(json.loads(out.stdout)["rooms"])
+
+
+def assert_nothing_held(s: Setup) -> None:
+    """No blocks held by any vLLM instance and no live room in any engine (waits up to 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        usage = {
+            p.name: metrics(p.port)["vllm:kv_cache_usage_perc"] for p in (s.decode, s.prefill1, s.prefill2)
+        }
+        rooms = {port: live_rooms(port) for port in s.introspect}
+        if not any(usage.values()) and not any(rooms.values()):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"still held after 30 s: KV cache usage {usage}, live rooms {rooms}")
+        time.sleep(0.5)
+
+
+def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1024) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("which", ["router1", "router2"], ids=["P1-D1", "P2-D1"])
+def test_decode_tokens_match_vllm_alone_and_decode_computes_no_prompt(setup: Setup, which: str) -> None:
+    route = getattr(setup, which)
+    batch = prompts(hash(which) & 0xFFFF, (37, 100, 333, 64))
+    before = metrics(setup.decode.port)
+    reference = [complete(setup.decode.port, p, 12) for p in batch]
+    alone = metrics(setup.decode.port)
+    assert alone["vllm:prompt_tokens_by_source_total[local_compute]"] - before[
+        "vllm:prompt_tokens_by_source_total[local_compute]"
+    ] == sum(map(len, batch)), "the reference run computed its prompts"
+    assert (
+        alone["vllm:prompt_tokens_by_source_total[external_kv_transfer]"]
+        == before["vllm:prompt_tokens_by_source_total[external_kv_transfer]"]
+    )
+    disaggregated = [complete(route.port, p, 12) for p in batch]
+    after = metrics(setup.decode.port)
+    assert disaggregated == reference
+    computed = (
+        after["vllm:prompt_tokens_by_source_total[local_compute]"]
+        - alone["vllm:prompt_tokens_by_source_total[local_compute]"]
+    )
+    external = (
+        after["vllm:prompt_tokens_by_source_total[external_kv_transfer]"]
+        - alone["vllm:prompt_tokens_by_source_total[external_kv_transfer]"]
+    )
+    assert computed == 0, f"the decode computed {computed} prompt tokens itself"
+    assert external == sum(map(len, batch))
+    assert_nothing_held(setup)
+
+
+def test_cancelled_requests_free_their_blocks_on_both_sides(setup: Setup) -> None:
+    long_prompt, *batch = prompts(7, (1500, 45, 200))
+    # 1. The decode holds blocks for a transfer whose prefill never comes, and is cancelled while waiting.
+    body = {
+        "model": "m", "prompt": long_prompt, "max_tokens": 4, "temperature": 0,
+        "kv_transfer_params": {
+            "do_remote_prefill": True, "transfer_id": "never-prefilled",
+            "bootstrap": f"tcp://127.0.0.1:{setup.bootstrap1}",
+        },
+    }  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{setup.decode.port}/v1/completions", json.dumps(body).encode(),
+        {"content-type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises((TimeoutError, urllib.error.URLError)):
+        urllib.request.urlopen(request, timeout=3)
+    # 2. A whole disaggregated request cancelled mid-way (long generation), through each router.
+    for route in (setup.router1, setup.router2):
+        with pytest.raises((TimeoutError, urllib.error.URLError)):
+            complete(route.port, long_prompt, 500, timeout=1.5)
+    assert_nothing_held(setup)
+    for route in (setup.router1, setup.router2):
+        assert [complete(route.port, p, 8) for p in batch] == [
+            complete(setup.decode.port, p, 8) for p in batch
+        ]
+    assert_nothing_held(setup)

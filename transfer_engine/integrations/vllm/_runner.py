@@ -1,0 +1,272 @@
+"""The connector's engine, on its own event loop in a thread: vLLM's hooks are synchronous.
+
+Private to the vLLM integration. vLLM's worker thread calls :meth:`EngineThread.send`,
+:meth:`~EngineThread.receive` and :meth:`~EngineThread.abort`, which only schedule work on the
+loop, and collects what ended with :meth:`~EngineThread.take_finished` and
+:meth:`~EngineThread.take_load_errors`. Each transfer is one task on the loop that reports its
+request exactly once, when its room has ended (no WRITE of it can still land).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from transfer_engine import EngineConfig, KVLayout, KVPool, TransferEngine
+from transfer_engine.engine import Receiver, Sender
+from transfer_engine.errors import ConfigError, TransferError
+from transfer_engine.layout import views_vllm_cpu
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 60.0
+
+
+def pool_from_vllm_cpu(
+    layers: list[torch.Tensor], head_dim: int, tp_size: int, tp_rank: int, aux: torch.Tensor
+) -> KVPool:
+    """A pool over vLLM CPU attention's KV: per layer ``[num_blocks, heads_local, block_size, 2 *
+    head_dim]`` (head-major blocks, K beside V). LayoutError/ConfigError name anything else."""
+    first = layers[0]
+    if first.dim() != 4 or first.shape[-1] != 2 * head_dim:
+        raise ConfigError(
+            f"vLLM KV cache layer of shape {tuple(first.shape)} is not the CPU backend's "
+            f"[num_blocks, heads, block_size, 2 * {head_dim}]"
+        )
+    _, heads_local, block_size, _ = first.shape
+    layout = KVLayout(
+        num_layers=len(layers),
+        num_heads=heads_local * tp_size,
+        head_dim=head_dim,
+        dtype=first.dtype,
+        page_size=block_size,
+    )
+    return KVPool.from_views(layout, tp_size, tp_rank, views_vllm_cpu(layers, head_dim), layers, aux)
+
+
+@dataclass
+class _Entry:
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]
+    handle: Sender | Receiver | None = None
+    aborted: bool = False
+
+
+class EngineThread:
+    """A TransferEngine on an asyncio loop in a daemon thread, driven from synchronous code."""
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        layers: list[torch.Tensor],
+        head_dim: int,
+        tp_size: int,
+        tp_rank: int,
+        host: str,
+        bootstrap_port: int,
+        max_rooms: int,
+        bootstrap_timeout: float,
+        introspect_port: int,
+        heartbeat_interval: float,
+        connect_timeout: float,
+    ) -> None:
+        self._aux = torch.zeros(max_rooms, 16, dtype=torch.uint8)
+        self._free_aux = list(range(max_rooms))
+        self.pool = pool_from_vllm_cpu(layers, head_dim, tp_size, tp_rank, self._aux)
+        self.config = EngineConfig(
+            role=role,  # type: ignore[arg-type]
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            host=host,
+            bootstrap_host=host,
+            bootstrap_port=bootstrap_port,
+            bootstrap_timeout=bootstrap_timeout,
+            introspect_port=introspect_port + tp_rank if introspect_port else 0,
+            heartbeat_interval=heartbeat_interval,
+            connect_timeout=connect_timeout,
+        )
+        self.engine: TransferEngine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=f"te-{role}-{tp_rank}", daemon=True)
+        self._lock = threading.Lock()
+        self._sent: set[str] = set()
+        self._received: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._live: dict[int, _Entry] = {}
+        """Rooms of this rank, by room (loop thread only)."""
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop and the engine; returns once the engine is up, or raises its error."""
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT):
+            raise TransferError(f"the {self.config.role} engine did not start within {START_TIMEOUT} s")
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """Stop the engine (its rooms end) and join the thread."""
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(START_TIMEOUT)
+
+    def _main(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            async with TransferEngine(self.config, self.pool) as engine:
+                self.engine = engine
+                self._ready.set()
+                await self._stop.wait()
+                for entry in list(self._live.values()):
+                    if entry.handle is not None:
+                        await entry.handle.abort("vLLM is shutting down")
+        except BaseException as exc:  # reported to start(), or logged once the engine was up
+            if not self._ready.is_set():
+                self._error = exc
+                self._ready.set()
+            else:
+                log.exception("transfer engine stopped")
+            raise
+
+    def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # ---- called from vLLM's worker thread ---------------------------------------------------------
+
+    def send(self, req_id: str, room: int, transfer_id: str, block_ids: list[int], digest: bytes) -> None:
+        """Prefill: send the request's blocks (and the ID digest) into whatever decode asks for ``room``."""
+        self._submit(self._send(req_id, room, transfer_id, block_ids, digest))
+
+    def receive(
+        self, req_id: str, room: int, transfer_id: str, block_ids: list[int], bootstrap: str, digest: bytes
+    ) -> None:
+        """Decode: open ``room`` into the request's blocks; report them loaded once the digest matched."""
+        self._submit(self._receive(req_id, room, transfer_id, block_ids, bootstrap, digest))
+
+    def abort(self, req_id: str, room: int) -> None:
+        """Abort the request's room; its task reports it once no WRITE can land (see the module doc)."""
+        self._submit(self._abort(req_id, room))
+
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        """Requests whose room ended since the last call: (prefill side, decode side)."""
+        with self._lock:
+            sent, received = self._sent, self._received
+            self._sent, self._received = set(), set()
+        return sent, received
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- on the loop ------------------------------------------------------------------------------------
+
+    def _claim(self, room: int, entry: _Entry) -> bool:
+        """Register ``entry`` for ``room``; False (and logged) when another transfer holds the room."""
+        other = self._live.get(room)
+        if other is not None:
+            log.error(
+                "room %d of transfer %r collides with live transfer %r; failing request %s",
+                room, entry.transfer_id, other.transfer_id, entry.req_id,
+            )  # fmt: skip
+            return False
+        if not self._free_aux:
+            log.error(
+                "no free aux slot for request %s (more live transfers than max_num_seqs * 2)", entry.req_id
+            )
+            return False
+        self._live[room] = entry
+        return True
+
+    def _report(self, entry: _Entry, ok: bool, prefill: bool) -> None:
+        with self._lock:
+            if prefill:
+                self._sent.add(entry.req_id)
+            else:
+                self._received.add(entry.req_id)
+                if not ok and not entry.aborted:
+                    self._load_errors.update(entry.block_ids)
+
+    async def _send(
+        self, req_id: str, room: int, transfer_id: str, block_ids: list[int], digest: bytes
+    ) -> None:
+        assert self.engine is not None
+        entry = _Entry(req_id, transfer_id, block_ids)
+        if not self._claim(room, entry):
+            self._report(entry, False, prefill=True)
+            return
+        slot = self._free_aux.pop()
+        ok = False
+        try:
+            self._aux[slot] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+            sender = entry.handle = self.engine.sender(room)
+            await sender.send(block_ids, last=True, aux_slot=slot)
+            await sender.wait()
+            ok = True
+        except TransferError as exc:
+            log.warning("request %s (room %d): send failed: %s", req_id, room, exc)
+        finally:
+            self._free_aux.append(slot)
+            del self._live[room]
+            self._report(entry, ok, prefill=True)
+
+    async def _receive(
+        self, req_id: str, room: int, transfer_id: str, block_ids: list[int], bootstrap: str, digest: bytes
+    ) -> None:
+        assert self.engine is not None
+        entry = _Entry(req_id, transfer_id, block_ids)
+        if not self._claim(room, entry):
+            self._report(entry, False, prefill=False)
+            return
+        slot = self._free_aux.pop()
+        ok = False
+        try:
+            self._aux[slot].zero_()
+            receiver = entry.handle = await self.engine.receiver(room, bootstrap, block_ids, aux_slot=slot)
+            if entry.aborted:
+                await receiver.abort("vLLM aborted the request")
+            await receiver.wait()
+            ok = bytes(self._aux[slot].tolist()) == digest
+            if not ok:
+                log.error(
+                    "request %s (room %d): the KV that landed is not transfer %r's", req_id, room, transfer_id
+                )
+        except TransferError as exc:
+            if not entry.aborted:
+                log.warning("request %s (room %d): receive failed: %s", req_id, room, exc)
+        finally:
+            self._free_aux.append(slot)
+            del self._live[room]
+            self._report(entry, ok, prefill=False)
+
+    async def _abort(self, req_id: str, room: int) -> None:
+        assert self.engine is not None
+        entry = self._live.get(room)
+        if entry is not None and entry.req_id == req_id:
+            entry.aborted = True
+            if entry.handle is not None:
+                await entry.handle.abort("vLLM aborted the request")
+            return
+        if self.config.role == "prefill" and entry is None:
+            # the request never finished: fail the room so a decode waiting on it learns at once
+            try:
+                await self.engine.sender(room).abort("vLLM aborted the request on the prefill")
+            except TransferError as exc:
+                log.warning("request %s (room %d): abort: %s", req_id, room, exc)

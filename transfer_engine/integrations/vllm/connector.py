@@ -1,0 +1,281 @@
+"""A vLLM KV connector (``KVConnectorBase_V1``) that moves each request's KV with this engine.
+
+Load it with::
+
+    KVTransferConfig(
+        kv_connector="TransferEngineConnector",
+        kv_connector_module_path="transfer_engine.integrations.vllm.connector",
+        kv_role="kv_producer",  # the prefill; "kv_consumer" on the decode
+        kv_connector_extra_config={"bootstrap_port": 8998},  # prefill: where its bootstrap listens
+    )
+
+``kv_connector_extra_config`` keys (all optional): ``bootstrap_port`` (prefill, default 8998),
+``host`` (where the engine binds, default 127.0.0.1), ``bootstrap_timeout`` (seconds a decode's
+request may wait for the prefill to reach it, default 120: it covers the prefill's queue), and
+``introspect_port`` (TP rank ``r`` serves ``transfer-engine dump`` on this port + ``r``; 0 picks one)
+and ``heartbeat_interval`` (default 5 s, a peer is dead after two silent intervals: the engine's
+thread shares the GIL with vLLM's worker, which can hold it for seconds on a loaded CPU box), and
+``connect_timeout`` (default 30 s, for the decode's first handshake with a prefill, for the same reason).
+
+Push model, as the engine is: the decode allocates blocks and the prefill WRITEs into them. A
+router (``transfer_engine.integrations.vllm.proxy``) gives both instances the same request at once,
+with ``kv_transfer_params``:
+
+- prefill: ``{"do_remote_decode": true, "transfer_id": ID}`` and ``max_tokens=1``;
+- decode: ``{"do_remote_prefill": true, "transfer_id": ID, "bootstrap": "tcp://HOST:PORT"}``.
+
+``ID`` is any string unique among live transfers; both sides turn it into the room (:func:`room_of`,
+a 63-bit hash). The prefill also WRITEs a 16-byte digest of the full ID with the KV (the engine's aux
+item) and the decode checks it, so a hash collision between two IDs can never hand one request
+another's KV: the decode reports its blocks as failed and vLLM recomputes them.
+
+Blocks: the prefill holds a finished request's blocks (``request_finished`` returns True) until its
+room ended on every TP rank, i.e. until no WRITE from them can still be in flight; the decode's
+blocks are reported loaded only once the room succeeded, and a decode request aborted while waiting
+holds its blocks until its room was aborted (no WRITE can land any more). A prefill request aborted
+before it finished aborts its room, which fails the decode's room at once.
+
+The decode must run without prefix caching (``enable_prefix_caching=False``): the transfer fills
+the request's blocks from token 0, and cached blocks are shared with other requests. Constructing
+the decode side with it on raises :class:`~transfer_engine.errors.ConfigError`.
+
+Layer-wise saving (``save_kv_layer``) is a no-op: the engine has no layer-wise send yet, so the
+prefill sends a request's KV once its last layer is computed (the step after it finished).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.request import RequestStatus
+
+from transfer_engine.errors import ConfigError
+
+from ._runner import EngineThread
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["TransferEngineConnector", "digest_of", "room_of"]
+
+log = logging.getLogger(__name__)
+
+DIGEST_BYTES = 16
+
+
+def room_of(transfer_id: str) -> int:
+    """The engine room of a transfer: a 63-bit hash of its ID (the same on both sides)."""
+    return int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def digest_of(transfer_id: str) -> bytes:
+    """The 16 bytes the prefill WRITEs beside the KV and the decode checks: the full ID's digest."""
+    return hashlib.blake2b(transfer_id.encode(), digest_size=DIGEST_BYTES, person=b"te-vllm").digest()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One request's transfer as the scheduler hands it to the workers."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    bootstrap: str = ""
+    """Decode only: the prefill instance's bootstrap endpoint."""
+
+
+@dataclass
+class TransferMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step: transfers to start and requests to abort."""
+
+    start: list[Transfer] = field(default_factory=list)
+    abort: list[Transfer] = field(default_factory=list)
+
+
+class TransferEngineConnector(KVConnectorBase_V1):
+    """See the module docstring. One instance per role: the scheduler's, and one per TP worker."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        tc = self._kv_transfer_config
+        if tc.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ConfigError(f"kv_role={tc.kv_role!r}: use kv_producer (prefill) or kv_consumer (decode)")
+        self.is_prefill = tc.kv_role == "kv_producer"
+        extra = dict(tc.kv_connector_extra_config or {})
+        self.bootstrap_port = int(extra.get("bootstrap_port", 8998))
+        self.host = str(extra.get("host", "127.0.0.1"))
+        self.bootstrap_timeout = float(extra.get("bootstrap_timeout", 120.0))
+        self.introspect_port = int(extra.get("introspect_port", 0))
+        self.heartbeat_interval = float(extra.get("heartbeat_interval", 5.0))
+        self.connect_timeout = float(extra.get("connect_timeout", 30.0))
+        self.block_size = vllm_config.cache_config.block_size
+        if not self.is_prefill and vllm_config.cache_config.enable_prefix_caching:
+            raise ConfigError(
+                "enable_prefix_caching=True on the decode (kv_consumer): transfers fill a request's blocks "
+                "from token 0, so run the decode with --no-enable-prefix-caching"
+            )
+        # scheduler side
+        self._pending: TransferMetadata = TransferMetadata()
+        self._in_flight: dict[str, Transfer] = {}
+        """Requests whose transfer the workers have not reported ended yet."""
+        self._asked: set[str] = set()
+        """Decode: requests whose blocks were already given to a transfer (never ask twice)."""
+        # worker side
+        self._runner: EngineThread | None = None
+        if role == KVConnectorRole.WORKER:
+            self._vllm_config = vllm_config
+
+    # ==== scheduler side ============================================================================
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Decode: the whole prompt comes from the prefill, loaded asynchronously. Prefill: nothing."""
+        params = request.kv_transfer_params or {}
+        if self.is_prefill or not params.get("do_remote_prefill") or request.request_id in self._asked:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Decode: the blocks for the prompt exist; the workers open the room next step."""
+        if self.is_prefill or num_external_tokens == 0:
+            return
+        params = request.kv_transfer_params or {}
+        transfer_id, bootstrap = params.get("transfer_id"), params.get("bootstrap")
+        if not isinstance(transfer_id, str) or not isinstance(bootstrap, str):
+            raise ConfigError(
+                f"request {request.request_id}: kv_transfer_params {params!r} need string transfer_id and bootstrap"
+            )
+        num_blocks = -(-len(request.prompt_token_ids or ()) // self.block_size)
+        block_ids = tuple(blocks.get_block_ids()[0][:num_blocks])
+        transfer = Transfer(request.request_id, transfer_id, block_ids, bootstrap)
+        self._asked.add(request.request_id)
+        self._in_flight[request.request_id] = transfer
+        self._pending.start.append(transfer)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta, self._pending = self._pending, TransferMetadata()
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in (
+            *(connector_output.finished_sending or ()),
+            *(connector_output.finished_recving or ()),
+        ):
+            self._in_flight.pop(req_id, None)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill: hold the blocks of a finished request until its KV went out (or failed); an
+        aborted one aborts its room. Decode: a request aborted while its KV was coming holds its
+        blocks until the room is aborted."""
+        req_id = request.request_id
+        self._asked.discard(req_id)
+        params = request.kv_transfer_params or {}
+        if self.is_prefill:
+            transfer_id = params.get("transfer_id")
+            if not params.get("do_remote_decode") or not isinstance(transfer_id, str):
+                return False, None
+            num_blocks = -(-len(request.prompt_token_ids or ()) // self.block_size)
+            transfer = Transfer(req_id, transfer_id, tuple(block_ids[:num_blocks]))
+            if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+                self._in_flight[req_id] = transfer
+                self._pending.start.append(transfer)
+                return True, {"transfer_id": transfer_id, "room": room_of(transfer_id)}
+            self._pending.abort.append(transfer)  # the workers fail the room; the blocks free now
+            return False, None
+        receiving = self._in_flight.get(req_id)
+        if receiving is None:
+            return False, None
+        self._pending.abort.append(receiving)
+        return True, None
+
+    def has_pending_push_work(self) -> bool:
+        """Keep vLLM stepping while transfers are out: their ends arrive through ``get_finished``."""
+        return bool(self._in_flight or self._pending.start or self._pending.abort)
+
+    # ==== worker side ===============================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Start this rank's engine over vLLM's KV (CPU layout: per layer ``[num_blocks, heads_local,
+        block_size, 2 * head_size]``)."""
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        self._runner = EngineThread(
+            role="prefill" if self.is_prefill else "decode",
+            layers=list(kv_caches.values()),
+            head_dim=self._vllm_config.model_config.get_head_size(),
+            tp_size=get_tensor_model_parallel_world_size(),
+            tp_rank=get_tensor_model_parallel_rank(),
+            host=self.host,
+            bootstrap_port=self.bootstrap_port,
+            max_rooms=2 * self._vllm_config.scheduler_config.max_num_seqs,
+            bootstrap_timeout=self.bootstrap_timeout,
+            introspect_port=self.introspect_port,
+            heartbeat_interval=self.heartbeat_interval,
+            connect_timeout=self.connect_timeout,
+        )
+        self._runner.start()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Hand this step's new transfers and aborts to the engine thread; never waits for them."""
+        if self._runner is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TransferMetadata)
+        for t in meta.abort:
+            self._runner.abort(t.req_id, room_of(t.transfer_id))
+        for t in meta.start:
+            room, digest = room_of(t.transfer_id), digest_of(t.transfer_id)
+            if self.is_prefill:
+                self._runner.send(t.req_id, room, t.transfer_id, list(t.block_ids), digest)
+            else:
+                self._runner.receive(t.req_id, room, t.transfer_id, list(t.block_ids), t.bootstrap, digest)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: a request runs only after its whole KV landed."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: the KV is sent once the request finished (see the module docstring)."""
+
+    def wait_for_save(self) -> None:
+        """Sends are asynchronous and hold their blocks until ``get_finished`` reports them."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose prefill room ended, requests whose decode room ended) since the last call."""
+        if self._runner is None:
+            return None, None
+        sent, received = self._runner.take_finished()
+        return sent or None, received or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of decode rooms that failed (or whose digest did not match): vLLM recomputes them."""
+        return self._runner.take_load_errors() if self._runner is not None else set()
+
+    def shutdown(self) -> None:
+        if self._runner is not None:
+            self._runner.stop()
+            self._runner = None
