@@ -24,6 +24,17 @@ notifications, and delay and reorder control messages (heartbeats included) at r
 fail a room. Faults come from :class:`~transfer_engine.transport.faults.FaultyTransport` and
 :class:`~transfer_engine.transport.faults.ControlFaults` around the real transport and sockets.
 
+**Loss** (``--loss P``, every epoch): each control message of every kind (requests, aborts, acks,
+room failures, staging requests, grants, refusals, watermarks, heartbeats) and each NIXL
+notification is lost with probability P (:class:`~transfer_engine.transport.faults.Loss`), and the
+input and transfer deadlines drop to ``LOSS_PHASE_TIMEOUT_S``. A room some of whose messages were
+lost must still end on both sides, Success with every byte right or Failed with a reason the loss
+explains (a timeout, or the other side's failure or abort that followed it) — so may a room of a
+staged epoch that lost nothing itself, since a decode ring is shared and a room whose notification
+was lost holds its region until its deadline (counted apart); PEER_DEAD only in an
+epoch where heartbeats were lost often enough in a row to break a lease. The summary says how many
+rooms lost messages, how many of those still completed, and how long the others took to fail.
+
 Outcomes. A room whose every decode rank succeeded is *completed* once every byte (and the aux
 item) verifies on every decode rank — a byte that differs makes it *corrupted*. A room with an abort
 or a fault that fired may fail (*failed as intended*), but every side's reason must be one that
@@ -69,7 +80,7 @@ from transfer_engine.layout import KVLayout, KVPool
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.staging import region_layout
-from transfer_engine.transport.faults import ControlFaults, Fault, FaultyTransport, Rule
+from transfer_engine.transport.faults import ControlFaults, Fault, FaultyTransport, Loss, Rule
 from transfer_engine.transport.nixl import NixlTransport
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -88,6 +99,9 @@ BOOTSTRAP_TIMEOUT_S = 2.0
 """Short, so a room whose other side never opens (an abort before bootstrap) ends soon."""
 PHASE_TIMEOUT_S = 20.0
 """Input and transfer deadlines: only a hang reaches them (a room takes milliseconds here)."""
+LOSS_PHASE_TIMEOUT_S = 5.0
+"""Input and transfer deadlines with ``--loss``: a lost notification or staging message leaves a room
+to them (nothing repeats those), and 20 s per such room would make the run mostly waiting."""
 ROOM_GUARD_S = 40.0
 """A room whose handles have not ended by then is counted as hung (failed unexpectedly)."""
 LEAK_WAIT_S = BOOTSTRAP_TIMEOUT_S + 5.0
@@ -100,6 +114,9 @@ that reached the prefill after the failed room had ended waits in the early-requ
 ``bootstrap_timeout``, like a request for a room not opened yet (the prefill cannot tell them apart)."""
 FAULT_REASONS = ABORT_REASONS | {FailureReason.TRANSPORT}
 """What a side may fail with when one of the room's WRITEs failed."""
+LOSS_REASONS = ABORT_REASONS | {FailureReason.INPUT_TIMEOUT, FailureReason.TRANSFER_TIMEOUT}
+"""What a side may fail with when some of the room's messages were lost: a deadline, or the other
+side's failure (REMOTE) or abort (ABORTED, sent by a decode room whose deadline passed)."""
 
 
 # --- plans ---------------------------------------------------------------------------------------
@@ -306,6 +323,8 @@ class Injector:
         self.failed_rooms: set[int] = set()
         self.held_rooms: set[int] = set()
         """Rooms aborted mid-transfer: their WRITE completions and notifications come 30 ms late."""
+        self.loss: Loss | None = None
+        """With ``--loss``: loses control messages and notifications, and records which."""
 
     def _fail_match(self, fault: Fault) -> Callable[[bytes], bool]:
         def match(payload: bytes) -> bool:
@@ -333,7 +352,8 @@ class Injector:
         return rules
 
     def notif_rules(self, cfg: EpochConfig) -> list[Rule]:
-        rules = [Rule(Fault.DELAY, match=self._held, times=None, delay_s=0.03)]
+        rules = self.loss.rules() if self.loss is not None else []
+        rules.append(Rule(Fault.DELAY, match=self._held, times=None, delay_s=0.03))
         if cfg.random_faults:
             rules += [
                 Rule(Fault.STALL, probability=0.01, times=None, delay_s=0.02),
@@ -383,8 +403,8 @@ def _engine(
         ring_bytes=cfg.ring_bytes(),
         num_workers=cfg.num_workers,
         bootstrap_timeout=BOOTSTRAP_TIMEOUT_S,
-        waiting_timeout=PHASE_TIMEOUT_S,
-        transfer_timeout=PHASE_TIMEOUT_S,
+        waiting_timeout=PHASE_TIMEOUT_S if injector.loss is None else LOSS_PHASE_TIMEOUT_S,
+        transfer_timeout=PHASE_TIMEOUT_S if injector.loss is None else LOSS_PHASE_TIMEOUT_S,
     )
     num_pages = 2 * cfg.concurrency * cfg.max_pages
     slots = 2 * cfg.concurrency
@@ -408,9 +428,12 @@ async def open_cluster(cfg: EpochConfig, injector: Injector, seed: int) -> Async
     async with testing.open_cluster(make, cfg.P, cfg.D) as opened:
         prefill, decode = opened.prefill, opened.decode
         engines = prefill + decode
-        if cfg.random_faults:
-            for i, engine in enumerate(engines):
-                engine.control.faults = ControlFaults(Injector.control_rules(), seed=seed + 200 + i)
+        for i, engine in enumerate(engines):
+            rules = injector.loss.rules() if injector.loss is not None else []
+            if cfg.random_faults:
+                rules += Injector.control_rules()
+            if rules:
+                engine.control.faults = ControlFaults(rules, seed=seed + 200 + i)
         transports = [e._transport for e in engines]
         yield Cluster(
             prefill, decode, opened.bootstrap, [t for t in transports if isinstance(t, FaultyTransport)]
@@ -429,6 +452,7 @@ class Tally:
     seed: int
     abort_rate: float
     fault_rate: float
+    loss: float = 0.0
     rooms: int = 0
     completed: int = 0
     failed_as_intended: int = 0
@@ -445,6 +469,15 @@ class Tally:
     reasons: Counter[str] = field(default_factory=Counter)
     faults_fired: Counter[str] = field(default_factory=Counter)
     engine_counters: Counter[str] = field(default_factory=Counter)
+    lost: Counter[str] = field(default_factory=Counter)
+    """Messages the loss mode lost, by kind."""
+    loss_rooms: Counter[str] = field(default_factory=Counter)
+    """Rooms that lost a message, by outcome."""
+    loss_fail_s: list[float] = field(default_factory=list)
+    """Of rooms that lost a message and failed: seconds from opening to both sides ended."""
+    loss_complete_s: list[float] = field(default_factory=list)
+    """Of rooms that lost a message and still completed: the same."""
+    lease_breaks: int = 0
     unexpected: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -488,9 +521,32 @@ class Tally:
             "failure_reasons": dict(sorted(self.reasons.items())),
             "faults_fired": dict(sorted(self.faults_fired.items())),
             "engine_counters": dict(sorted(self.engine_counters.items())),
+            **(
+                {
+                    "loss": self.loss,
+                    "lost": dict(sorted(self.lost.items())),
+                    "rooms_with_loss": dict(sorted(self.loss_rooms.items())),
+                    "loss_failed_seconds": _quantiles(self.loss_fail_s),
+                    "loss_completed_seconds": _quantiles(self.loss_complete_s),
+                    "lease_breaks": self.lease_breaks,
+                }
+                if self.loss
+                else {}
+            ),
             "unexpected": self.unexpected,
             "leaks": self.leaks,
         }
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def q(f: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(f * len(ordered)))], 2)
+
+    return {"n": len(ordered), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": round(ordered[-1], 2)}
 
 
 Outcome = FailureReason | None
@@ -642,6 +698,7 @@ class Epoch:
         be reused while the prefill's senders still end.
         """
         cfg, c, room, rng = self.cfg, self.c, plan.room, self.rng
+        opened = time.monotonic()
         abort = plan.abort
         if abort is not None:
             self.tally.aborts[abort.label] += 1
@@ -736,7 +793,7 @@ class Epoch:
 
         async def prefill_side() -> None:
             prefilled = await _outcomes(senders)
-            self._judge(plan, src, verified, decoded, prefilled, problems)
+            self._judge(plan, src, verified, decoded, prefilled, problems, time.monotonic() - opened)
             self.injector.fail.pop(room, None)
             self.injector.writes_seen.pop(room, None)
             self.injector.held_rooms.discard(room)
@@ -816,10 +873,13 @@ class Epoch:
         decoded: list[tuple[Outcome, str]],
         prefilled: list[tuple[Outcome, str]],
         problems: list[str],
+        seconds: float,
     ) -> None:
         cfg, tally = self.cfg, self.tally
         abort = plan.abort
         faulted = plan.room in self.injector.failed_rooms
+        loss = self.injector.loss
+        lost = sorted(loss.rooms.get(plan.room, ())) if loss is not None else []
         if faulted and plan.write_fault is not None:
             tally.write_faults[plan.write_fault[0].value] += 1
         for reason, _ in decoded + prefilled:
@@ -829,7 +889,8 @@ class Epoch:
         what = (
             f"room {plan.room} ({plan.pages} pages in {list(plan.chunks)}, aux={plan.aux}, "
             f"abort={abort.label + ' ranks ' + str(abort.ranks) + ' other ' + abort.other_side if abort else None}, "
-            f"fault={plan.write_fault[0].value if faulted and plan.write_fault else None}, follow_up={plan.follow_up})"
+            f"fault={plan.write_fault[0].value if faulted and plan.write_fault else None}, follow_up={plan.follow_up}"
+            f"{', lost ' + '+'.join(lost) if lost else ''})"
         )
         if bad:
             tally.count(cfg, "corrupted", f"{what}: {'; '.join(bad)}")
@@ -839,6 +900,13 @@ class Epoch:
             allowed |= ABORT_REASONS
         if faulted:
             allowed |= FAULT_REASONS
+        # A ring is shared by the rooms of a decode rank: a room whose notification was lost holds its
+        # region until its deadline, and the rooms queued behind it on the ring may reach theirs.
+        collateral = not lost and loss is not None and bool(loss.rooms) and cfg.path in ("staged", "host")
+        if lost or collateral:
+            allowed |= LOSS_REASONS
+        if loss is not None and loss.lease_breaks:
+            allowed |= {FailureReason.PEER_DEAD}
         failures = [
             f"{side} rank {rank}: {reason.name}: {detail}"
             for side, results in (("decode", decoded), ("prefill", prefilled))
@@ -851,6 +919,12 @@ class Epoch:
             for rank, (reason, detail) in enumerate(results)
             if reason is not None and not _explained(reason, detail, allowed)
         ]
+        if lost:
+            ok = not (problems or unexplained) and not failures and len(decoded) == cfg.D
+            tally.loss_rooms["completed" if ok else "failed"] += 1
+            (tally.loss_complete_s if ok else tally.loss_fail_s).append(seconds)
+        elif collateral and failures:
+            tally.loss_rooms["failed_behind_a_loss_on_the_ring"] += 1
         if problems or unexplained:
             tally.count(cfg, "failed_unexpectedly", f"{what}: {'; '.join(problems + unexplained)}")
         elif len(decoded) == cfg.D and all(reason is None for reason, _ in decoded):
@@ -911,7 +985,8 @@ def _collect(cluster: Cluster, tally: Tally) -> None:
         faults = engine.control.faults
         if isinstance(faults, ControlFaults):
             tally.faults_fired.update({f"control_{k}": v for k, v in faults.fired.items()})
-        for key in ("notifs_duplicate", "late_messages", "stash_expired", "peers_dead"):
+        for key in ("notifs_duplicate", "late_messages", "stash_expired", "peers_dead",
+                    "requests_repeated", "repeated_requests", "repeated_aborts"):  # fmt: skip
             tally.engine_counters[key] += engine.counters[key]
         tally.engine_counters["notifs_unrouted"] += engine.poller.counters["notifs_unrouted"]
         for worker in engine.workers:
@@ -924,6 +999,7 @@ async def soak(
     *,
     abort_rate: float = 0.1,
     fault_rate: float = 0.05,
+    loss: float = 0.0,
     seed: int = 0,
     min_epoch: int = 20,
     max_epoch: int = 50,
@@ -931,7 +1007,7 @@ async def soak(
 ) -> dict[str, Any]:
     """Run about ``rooms`` rooms (follow-ups included) in epochs; returns the summary object."""
     rng = random.Random(seed)
-    tally = Tally(seed, abort_rate, fault_rate)
+    tally = Tally(seed, abort_rate, fault_rate, loss)
     room_ids = itertools.count(seed * 1_000_000_000 + 1)
     started = time.monotonic()
     left = rooms
@@ -942,6 +1018,8 @@ async def soak(
         cfg = choose_epoch(tally.epochs, rng, fault_rate)
         before = tally.rooms
         injector = Injector()
+        if loss:
+            injector.loss = Loss(loss, seed=rng.randrange(1 << 30))
         epoch_started = time.monotonic()
         async with open_cluster(cfg, injector, seed=rng.randrange(1 << 30)) as cluster:
             epoch = Epoch(cfg, cluster, injector, tally, random.Random(rng.randrange(1 << 62)), size,
@@ -949,6 +1027,9 @@ async def soak(
             await epoch.run()
             await _settle(cluster, tally, cfg)
             _collect(cluster, tally)
+        if injector.loss is not None:
+            tally.lost.update(injector.loss.lost)
+            tally.lease_breaks += injector.loss.lease_breaks
         tally.epochs += 1
         left -= tally.rooms - before
         if progress:
@@ -981,6 +1062,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--abort-rate", type=float, default=0.1, help="fraction of rooms aborted")
     parser.add_argument("--fault-rate", type=float, default=0.05,
                         help="fraction of rooms with a failed WRITE; > 0 also turns random delays on in half the epochs")  # fmt: skip
+    parser.add_argument("--loss", type=float, default=0.0,
+                        help="probability that each control message and NIXL notification is lost")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-epoch", type=int, default=20, help="fewest rooms per cluster configuration")
     parser.add_argument("--max-epoch", type=int, default=50, help="most rooms per cluster configuration")
@@ -989,7 +1072,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no line per epoch on stderr")
     parser.add_argument("--log-level", default="CRITICAL", help="engine log level (default: silent)")
     args = parser.parse_args(argv)
-    if not (0 <= args.abort_rate <= 1 and 0 <= args.fault_rate <= 1 and args.rooms > 0):
+    if not (
+        0 <= args.abort_rate <= 1 and 0 <= args.fault_rate <= 1 and 0 <= args.loss <= 1 and args.rooms > 0
+    ):
         parser.error("--rooms must be > 0 and the rates in [0, 1]")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("soak").setLevel(logging.ERROR)
@@ -999,6 +1084,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.rooms,
             abort_rate=args.abort_rate,
             fault_rate=args.fault_rate,
+            loss=args.loss,
             seed=args.seed,
             min_epoch=args.min_epoch,
             max_epoch=args.max_epoch,

@@ -10,6 +10,7 @@ every socket, NIXL handle and registration.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -48,7 +49,15 @@ from transfer_engine.errors import (
 from transfer_engine.introspect import ENDED_ROOMS_KEPT, RoomSnapshot
 from transfer_engine.introspect.build import build_snapshot, record_ended
 from transfer_engine.layout import KVPool
-from transfer_engine.mail import LocalAbort, PeerDead, QueueChunk, RoomMail, Shutdown, Subscribe
+from transfer_engine.mail import (
+    LocalAbort,
+    PeerDead,
+    QueueChunk,
+    RepeatStaging,
+    RoomMail,
+    Shutdown,
+    Subscribe,
+)
 from transfer_engine.memory import allocate_staging, chunk_region_bytes
 from transfer_engine.peers import Peer, PrefillInstance
 from transfer_engine.ports import (
@@ -65,6 +74,7 @@ from transfer_engine.ports import (
 from transfer_engine.protocol import handshake, heads, leases
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.paths import is_staged
+from transfer_engine.protocol.retransmit import Ended, Late, Tombstones, answer_late_request
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
 from transfer_engine.protocol.stash import EarlyRequests
 from transfer_engine.security import Curve
@@ -197,6 +207,8 @@ class TransferEngine:
         self.instances: dict[str, PrefillInstance] = {}
         self._connecting: dict[str, anyio.Event] = {}
         self._stash = EarlyRequests()
+        self.tombstones = Tombstones(config.bootstrap_timeout + config.transfer_timeout)
+        """Prefill: outcomes of rooms no longer live, to answer repeated requests (protocol.retransmit)."""
         self.workers: list[TransferWorker] = []
         self.bootstrap: Bootstrap | None = None
         self.ring: RingActor | None = None
@@ -409,6 +421,7 @@ class TransferEngine:
             raise RoomInUseError(room)
         self._check_capacity(room)
         actor = SenderRoomActor(self.room_ports, room, self.deadlines)
+        self.tombstones.reopen(room)
         self._start_room(actor)
         for request in self._stash.take(room):
             actor.inbox.send_nowait(request)
@@ -488,19 +501,18 @@ class TransferEngine:
                 if w is None
                 else [m.SliceSpec(w.prefill_rank, w.src_head_start, w.dst_head_start, w.num_heads)]
             )
-            self.control.send(
-                peer.endpoint,
-                m.TransferRequest(
-                    room=room,
-                    agent=self.agent_name,
-                    decode_rank=d,
-                    decode_tp=D,
-                    path=path,
-                    dst_pages=pages_list,
-                    aux_slot=aux_slot if peer.rank == aux_writer else None,
-                    slices=slices,
-                ),
+            request = m.TransferRequest(
+                room=room,
+                agent=self.agent_name,
+                decode_rank=d,
+                decode_tp=D,
+                path=path,
+                dst_pages=pages_list,
+                aux_slot=aux_slot if peer.rank == aux_writer else None,
+                slices=slices,
             )
+            actor.requests.append((peer, request))  # repeated until the room is final
+            self.control.send(peer.endpoint, request)
         actor.core.bootstrapped(by_rank, aux_writer, time.monotonic())
         log.info(
             "decode room %d: requested from %s (%d writers, path %s)", room, bootstrap, len(writers), path
@@ -673,6 +685,13 @@ class TransferEngine:
         failure = actor.core.failure
         if failure is not None:
             self.counters[f"failed_{failure.reason.name.lower()}"] += 1
+        if isinstance(actor, SenderRoomActor):
+            self.tombstones.put(
+                actor.room,
+                Ended(actor.status, None if failure is None else failure.reason,
+                      "" if failure is None else failure.detail, time.monotonic(),
+                      aborted_by=frozenset(actor.failed_by)),
+            )  # fmt: skip
         record_ended(self, actor, self.ended_rooms)
 
     async def _to_room(self, room: int, mail: RoomMail) -> bool:
@@ -687,13 +706,24 @@ class TransferEngine:
                 self.control.count_drop(
                     "TransferRequest", ident, f"room {room} from {agent!r}, which never said PeerHello"
                 )
-            case m.TransferRequest(room=room) if self.config.role == "prefill":
-                if not await self._to_room(room, message):
-                    self._stash.add(room, message, time.monotonic())
+            case m.TransferRequest(room=room, agent=agent) if self.config.role == "prefill":
+                ended = self.tombstones.get(room, time.monotonic())
+                if ended is not None:  # a repeat, or a request overtaken by its room's end
+                    self._answer_late(room, agent, ended)
+                elif not await self._to_room(room, message) and not self._stash.add(
+                    room, message, time.monotonic()
+                ):
+                    self.counters["requests_repeated"] += 1
             case m.Abort(room=room, agent=agent, rank=rank) if self.config.role == "prefill":
                 if not await self._to_room(room, message):
                     peer = self.peers.get(agent)
                     if peer is not None:
+                        if self.tombstones.get(room, time.monotonic()) is None:
+                            self.tombstones.put(room, Ended(
+                                RoomStatus.FAILED, FailureReason.ABORTED, f"aborted by decode {agent} before "
+                                f"prefill rank {self.config.tp_rank} opened it: {message.detail}",
+                                time.monotonic(), opened=False, aborted_by=frozenset({agent}),
+                            ))  # fmt: skip
                         self._answer(
                             self._stash.abort(room, message, agent=self.agent_name, rank=self.config.tp_rank)
                         )
@@ -726,7 +756,7 @@ class TransferEngine:
     # --- liveness -----------------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        """Send a heartbeat every interval; check leases four times as often.
+        """Send a heartbeat every half interval; check leases every quarter interval.
 
         A peer silent for more than ``LEASE_SILENCE`` intervals is dead; checked every quarter interval,
         that fails its rooms within 2.25 x heartbeat_interval of its last heartbeat.
@@ -743,7 +773,7 @@ class TransferEngine:
                 for peer in self.peers.values():
                     peer.last_seen = leases.extended(peer.last_seen, now, interval)
             last_tick = now
-            if now - last_beat >= interval - tick / 2:
+            if now - last_beat >= interval / 2 - tick / 2:  # twice per interval: see leases.LEASE_SILENCE
                 last_beat = now
                 self._heartbeat_seq += 1
                 beat = m.Heartbeat(
@@ -755,6 +785,13 @@ class TransferEngine:
                 for peer in list(self.peers.values()):
                     if peer.alive:
                         self.control.send(peer.endpoint, beat)
+                        if self.ring is not None:  # the watermark is state: repeat it, a lost one heals
+                            with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+                                self.ring.inbox.send_nowait(Subscribe(peer))
+                for worker in self.workers:  # unanswered StagingRequests (protocol.retransmit)
+                    if worker.awaiting_grant:
+                        with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+                            worker.inbox.send_nowait(RepeatStaging(before=now - interval / 2))
             silent = leases.dead(
                 {p.agent_name: p.last_seen for p in self.peers.values() if p.alive}, now, interval
             )
@@ -776,6 +813,19 @@ class TransferEngine:
                     len(answers),
                 )
                 self._answer(answers)
+
+    def _answer_late(self, room: int, agent: str, ended: Ended) -> None:
+        """Answer a TransferRequest for ``room``, which is no longer live here (protocol.retransmit)."""
+        peer = self.peers.get(agent)
+        if answer_late_request(ended, agent) is not Late.TELL_FAILURE or peer is None:
+            self.counters["requests_repeated"] += 1
+            return
+        assert ended.reason is not None
+        self.control.send(
+            peer.endpoint,
+            m.RoomFailed(room=room, agent=self.agent_name, rank=self.config.tp_rank,
+                         reason=int(ended.reason), detail=ended.detail),
+        )  # fmt: skip
 
     def _answer(self, answers: list[tuple[str, m.RoomFailed]]) -> None:
         """Send each (decode agent, RoomFailed) the stash owes; agents no longer known are skipped."""

@@ -220,6 +220,15 @@ class JobKey:
 
 
 @dataclass(frozen=True, slots=True)
+class RepeatStaging:
+    """Engine -> worker, every half heartbeat interval: repeat the StagingRequests asked before
+    ``before`` and still unanswered (a lost request, grant or refusal; the ring answers a repeat
+    with the region it already placed, see ``protocol.retransmit``)."""
+
+    before: float
+
+
+@dataclass(frozen=True, slots=True)
 class CancelRoom:
     """Room -> worker: the room failed; end its chunks that are not posted yet."""
 

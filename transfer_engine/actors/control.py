@@ -104,9 +104,10 @@ class Control:
             await self._dispatch(message, ident)
         except Exception:  # no message may take the rank down; the bug is in the log
             self.dropped["dispatch_error"] += 1
-            log.exception(
-                "%s: %s from %s could not be handled; dropped", self.name, type(message).__name__, source
-            )
+            self._inbox.book.note(
+                "dispatch_error", "%s: %s from %s could not be handled; dropped",
+                self.name, type(message).__name__, source, exc_info=True,
+            )  # fmt: skip
 
     def count_drop(self, kind: str, ident: bytes, detail: str) -> None:
         """For dispatchers: record a decoded message that is not acceptable now."""

@@ -12,6 +12,7 @@ ConfigError that names it (there is no silent fallback when metrics were asked f
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ import anyio.abc
 from anyio.abc import SocketAttribute, TaskStatus
 
 from transfer_engine.errors import ConfigError, PeerUnreachableError
+from transfer_engine.logbook import LogBook
 
 if TYPE_CHECKING:
     from transfer_engine.introspect import Snapshot
@@ -57,6 +59,10 @@ class MetricsServer:
         self.metrics = metrics
         self.endpoint = ""
         self.served = 0
+        self.dropped: Counter[str] = Counter()
+        """Requests not served, by kind: ``timeout`` (no request head within REQUEST_TIMEOUT_S),
+        ``too_large`` (431), ``bad_method`` (405), ``not_found`` (404), ``disconnected``."""
+        self._book = LogBook(log, f"metrics {host}:{port}")
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Listen, report ready, then serve scrapes until cancelled."""
@@ -68,35 +74,52 @@ class MetricsServer:
             self.port = int(listener.extra(SocketAttribute.local_port))
             host = f"[{self.host}]" if ":" in self.host else self.host
             self.endpoint = f"http://{host}:{self.port}/metrics"
+            self._book.name = self.endpoint
             task_status.started()
-            await listener.serve(self._serve_one)
+            try:
+                await listener.serve(self._serve_one)
+            finally:
+                self._book.close()
+
+    def _drop(self, kind: str, client: str, detail: str) -> None:
+        self.dropped[kind] += 1
+        self._book.note(kind, "%s: dropped request from %s: %s", self.endpoint, client, detail)
 
     async def _serve_one(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:
+            client = _peer(stream)
+            self._book.flush()
             try:
                 with anyio.fail_after(REQUEST_TIMEOUT_S):
                     head = await _read_head(stream)
                 if head is None:
+                    self._drop("too_large", client, f"request head over {REQUEST_LIMIT} bytes")
                     await _respond(stream, 431, b"request head too large\n", "text/plain")
                     return
                 method, _, rest = head.partition(b" ")
                 path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
                 if method != b"GET":
+                    self._drop("bad_method", client, f"method {method[:32]!r}")
                     await _respond(stream, 405, b"only GET\n", "text/plain")
                 elif path not in (b"/metrics", b"/"):
+                    self._drop("not_found", client, f"path {path[:64]!r}")
                     await _respond(stream, 404, b"see /metrics\n", "text/plain")
                 else:
                     body, content_type = self.metrics.render()
                     await _respond(stream, 200, body, content_type)
                     self.served += 1
-            except (
-                TimeoutError,
-                anyio.EndOfStream,
-                anyio.BrokenResourceError,
-                anyio.ClosedResourceError,
-                OSError,
-            ):
-                return  # the client went away or stalled; nothing to answer
+            except TimeoutError:
+                self._drop("timeout", client, f"no request head within {REQUEST_TIMEOUT_S} s")
+            except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+                self._drop("disconnected", client, type(exc).__name__)  # nothing to answer
+
+
+def _peer(stream: anyio.abc.SocketStream) -> str:
+    try:
+        address = stream.extra(SocketAttribute.remote_address)
+    except (anyio.TypedAttributeLookupError, OSError):
+        return "?"
+    return address if isinstance(address, str) else f"{address[0]}:{address[1]}"
 
 
 async def _read_head(stream: anyio.abc.SocketStream) -> bytes | None:

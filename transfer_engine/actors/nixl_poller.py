@@ -27,6 +27,7 @@ import anyio.lowlevel
 from anyio.abc import TaskStatus
 
 from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransportError
+from transfer_engine.logbook import LogBook
 from transfer_engine.mail import Drained, Mailbox, WriteEnded
 from transfer_engine.ports import RoomBoard
 from transfer_engine.protocol import messages as m
@@ -80,6 +81,8 @@ class NixlPoller:
         self._posted: list[_Posted] = []
         self._wake = anyio.Event()
         self.counters: Counter[str] = Counter()
+        self.book = LogBook(log, transport.name)
+        """Bounded log of dropped notifications (``counters`` stays exact)."""
 
     @property
     def name(self) -> str:
@@ -208,14 +211,15 @@ class NixlPoller:
                     notif = m.decode_notification(raw)
                 except RemoteProtocolError as exc:
                     self.counters["notifs_dropped"] += 1
-                    log.warning("dropped notification from %s: %s", agent, exc)
+                    self.book.note("malformed notification", "dropped notification from %s: %s", agent, exc)
                     continue
                 self.counters["notifs"] += 1
                 if not (self._notifications and await self._rooms.deliver(notif.room, notif)):
                     self.counters["notifs_unrouted"] += 1
-                    log.warning(
-                        "%s: notification %s from %s for no live room dropped", self.name, notif, agent
-                    )
+                    self.book.note(
+                        "unrouted notification", "%s: notification %s from %s for no live room dropped",
+                        self.name, notif, agent,
+                    )  # fmt: skip
         return worked
 
     async def abandon(self, peer: str, detail: str) -> None:

@@ -72,6 +72,8 @@ class RingActor(Actor[RingMail]):
         """(room, chunk id) -> its region, as the room was told."""
         self._chunk_of: dict[int, tuple[int, int]] = {}
         """Allocation id -> (room, chunk id)."""
+        self._placed: dict[int, set[int]] = {}
+        """Chunk ids ever placed, per open room: a repeated request for one that was freed is refused."""
 
     async def handle(self, mail: RingMail) -> None:
         match mail:
@@ -86,6 +88,7 @@ class RingActor(Actor[RingMail]):
                 self._open[room] = mail
             case RoomClosed(room=room):
                 self._open.pop(room, None)
+                self._placed.pop(room, None)
             case Subscribe(peer=peer):
                 self._send_watermark([peer])
 
@@ -148,6 +151,10 @@ class RingActor(Actor[RingMail]):
             )
         key = (req.room, req.chunk_id)
         granted = self._by_chunk.get(key)
+        if granted is None and req.chunk_id in self._placed.get(req.room, ()):
+            # A repeat (protocol.retransmit) that came after the chunk's region was scattered and
+            # freed: placing it again would hand the room a region nobody writes.
+            return None, -1, f"room {req.room} chunk {req.chunk_id} was placed and scattered already"
         if granted is not None:
             if (granted.page_start, granted.num_pages) != (req.page_start, req.num_pages):
                 return (
@@ -178,6 +185,7 @@ class RingActor(Actor[RingMail]):
             return None, -1, f"room {req.room} ended"
         self._by_chunk[key] = granted
         self._chunk_of[allocation.alloc_id] = key
+        self._placed.setdefault(req.room, set()).add(req.chunk_id)
         return granted, index, ""
 
     # --- frees and the watermark ------------------------------------------------------------------

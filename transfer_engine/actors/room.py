@@ -48,6 +48,15 @@ from transfer_engine.ports import JOBS_PER_ROOM, ROOM_MAILBOX, ROOM_RESERVE, SCA
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.paths import TransferPath, is_staged
+from transfer_engine.protocol.retransmit import (
+    REPEAT_BASE_S,
+    REPEAT_CAP_S,
+    Backoff,
+    Repeat,
+    RequestAnswer,
+    answer_request,
+    decode_repeat,
+)
 from transfer_engine.protocol.rooms import (
     Deadlines,
     ReceiverRoom,
@@ -96,6 +105,13 @@ class _RoomActor:
     async def finish(self) -> None:
         """Runs once, when the room is final and quiescent, before it leaves the engine."""
 
+    def repeat_at(self) -> float | None:
+        """When the room next repeats an unanswered message (:mod:`~transfer_engine.protocol.retransmit`)."""
+        return None
+
+    def repeat(self, now: float) -> None:
+        """Repeat the unanswered messages (called once ``repeat_at`` has passed)."""
+
     async def run(self) -> None:
         """The room's life: mailbox loop until final and quiescent, then cleanup (always).
 
@@ -107,12 +123,18 @@ class _RoomActor:
         try:
             while not (self.core.status.final and self.core.quiescent):
                 deadline = None if self._drain_asked else self.core.deadline
-                wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                wakes = [t for t in (deadline, self.repeat_at()) if t is not None]
+                wait = None if not wakes else max(min(wakes) - time.monotonic(), 0.0)
                 with anyio.move_on_after(wait):
                     await self._apply(await self.inbox.receive())
                     continue
-                self._drain_asked = True
-                self.ports.drain.request_drain(self.room)
+                now = time.monotonic()
+                repeat_at = self.repeat_at()
+                if repeat_at is not None and now >= repeat_at:
+                    self.repeat(now)
+                if deadline is not None and now >= deadline:
+                    self._drain_asked = True
+                    self.ports.drain.request_drain(self.room)
             # Mail sent from now on finds the room gone, and the engine answers it (an Abort gets
             # its AbortAck there); mail already queued is still applied, so no Abort is lost.
             self.inbox.close()
@@ -260,11 +282,17 @@ class SenderRoomActor(_RoomActor):
         bad = [p for p in req.dst_pages if not 0 <= p < peer.layout.num_pages]
         if bad:
             raise ProtocolError(f"decode page {bad[0]} outside [0, {peer.layout.num_pages})")
-        if self.core.status is RoomStatus.FAILED:
-            # This decode rank asked after the room failed (an abort, a failed WRITE): the RoomFailed
-            # of that moment did not reach it, and no chunk ever will, so tell it now.
-            if peer.agent_name not in self.failed_by:
-                self._tell_failure(peer)
+        held = self.requests.get(req.decode_rank)
+        answer = answer_request(
+            self.core.status, None if held is None else held == req, peer.agent_name in self.failed_by
+        )
+        if answer is RequestAnswer.TELL_FAILURE:
+            # This decode rank asked after the room failed (an abort, a failed WRITE) or repeats its
+            # request: the RoomFailed of that moment did not reach it, and no chunk ever will.
+            self._tell_failure(peer)
+            return
+        if answer in (RequestAnswer.DUPLICATE, RequestAnswer.IGNORE):
+            self.ports.counters["requests_repeated"] += 1
             return
         self.core.on_request(req.decode_rank, req.decode_tp, got is not None, req.aux_slot is not None, now)
         self.requests[req.decode_rank] = req
@@ -395,6 +423,10 @@ class ReceiverRoomActor(_RoomActor):
         self.to_scatter: deque[int] = deque()
         """Complete chunks waiting for a scatter slot."""
         self.remote_failure = False
+        self.requests: list[tuple[Peer, m.TransferRequest]] = []
+        """The TransferRequest sent to each prefill rank (set by the engine), repeated until final."""
+        self._abort: m.Abort | None = None
+        self.backoff = Backoff.start(REPEAT_BASE_S, REPEAT_CAP_S, time.monotonic())
         if self.staged:
             ring = ports.ring
             assert ring is not None, "a staged room needs the ring"
@@ -509,17 +541,34 @@ class ReceiverRoomActor(_RoomActor):
             self.start_abort()
 
     def start_abort(self) -> None:
-        """Ask every writer to stop; the room becomes quiescent once all of them acknowledged."""
+        """Ask every writer to stop; the room becomes quiescent once all of them acknowledged.
+
+        Writers that do not acknowledge hear the Abort again (:meth:`repeat`) until they do or die.
+        """
         if not self.core.start_abort(rank for rank, peer in self.writers.items() if peer.alive):
             return
         failure = self.core.failure
         detail = failure.detail if failure else "aborted"
         reason = failure.reason if failure else FailureReason.ABORTED
+        self._abort = m.Abort(room=self.room, **self.ports.me.stamp(), reason=int(reason), detail=detail)
         for peer in self.everyone:
-            self.ports.outbox.send(
-                peer.endpoint,
-                m.Abort(room=self.room, **self.ports.me.stamp(), reason=int(reason), detail=detail),
-            )
+            self.ports.outbox.send(peer.endpoint, self._abort)
+        self.backoff.reset(time.monotonic())
+
+    def repeat_at(self) -> float | None:
+        kind = decode_repeat(self.core.status, self.core.aborting, self.core.awaiting_acks)
+        return None if kind is Repeat.NOTHING else self.backoff.next_at
+
+    def repeat(self, now: float) -> None:
+        kind = decode_repeat(self.core.status, self.core.aborting, self.core.awaiting_acks)
+        if kind is Repeat.REQUESTS:
+            for peer, request in self.requests:
+                self.ports.outbox.send(peer.endpoint, request)
+        elif kind is Repeat.ABORTS and self._abort is not None:
+            for rank in sorted(self.core.awaiting_acks):
+                self.ports.outbox.send(self.writers[rank].endpoint, self._abort)
+        self.ports.counters[f"repeated_{kind.value}"] += 1
+        self.backoff.sent(now)
 
     async def finish(self) -> None:
         if not self.core.status.final:

@@ -21,12 +21,19 @@ import zmq
 import zmq.asyncio
 
 from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransportError
+from transfer_engine.logbook import LogBook
 from transfer_engine.protocol import messages as m
 
 MAX_FRAME_BYTES = 4 * m.MAX_MESSAGE_BYTES
 """ROUTERs never read a frame larger than this: libzmq drops the connection that sends one, so a peer
 cannot make a rank allocate without bound. Frames between the message limit and this are read,
 counted as malformed and dropped."""
+
+INBOUND_HWM = 1000
+"""Most messages a ROUTER queues from one connected peer before libzmq stops reading that peer's
+socket (TCP then pushes back on the sender). It bounds what a peer that sends faster than the rank
+reads can make the rank hold: ``INBOUND_HWM`` messages per connection (flood figures in
+docs/RELIABILITY.md). Honest peers' bursts fit: a rank reads its ROUTER continuously."""
 
 Secure = Callable[[zmq.asyncio.Socket], None]
 """Configures a socket before it binds (ZMQ CURVE server options, see ``transfer_engine.security``)."""
@@ -47,7 +54,7 @@ def bind_router(
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
-        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, min(hwm, INBOUND_HWM))
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if secure is not None:
             secure(sock)
@@ -69,23 +76,35 @@ def source_of(endpoint: str, ident: bytes) -> str:
 class Inbox:
     """Reads one ROUTER and keeps its endpoint's ``dropped`` counts; see the module docstring.
 
-    Drops are logged on the owner's logger (``log``), so that each endpoint's stay under its name.
+    ``dropped`` is exact. The log is bounded (:class:`~transfer_engine.logbook.LogBook` on the
+    owner's logger ``log``, so each endpoint's lines stay under its name): the first drop of a kind
+    in full, then one "N more" line per kind and interval, however fast frames come.
     """
 
     def __init__(self, name: str, log: logging.Logger) -> None:
         self.name = name
         self.dropped: Counter[str] = Counter()
-        self._log = log
+        self.book = LogBook(log, name)
 
     def drop(self, kind: str, source: str, detail: str) -> None:
-        """Count one refused message under ``kind`` and log it with where it came from."""
+        """Count one refused message under ``kind``; log it (bounded) with where it came from."""
         self.dropped[kind] += 1
-        self._log.warning("%s: dropped %s message from %s: %s", self.name, kind, source, detail)
+        self.book.note(kind, "%s: dropped %s message from %s: %s", self.name, kind, source, detail)
 
     async def serve(self, router: zmq.asyncio.Socket, endpoint: str, handle: Handler) -> NoReturn:
-        """Hand every well-formed message on ``router`` to ``handle`` until cancelled; drop the rest."""
+        """Hand every well-formed message on ``router`` to ``handle`` until cancelled; drop the rest.
+
+        On the way out (cancelled) the drop summaries still pending are written.
+        """
+        try:
+            await self._serve(router, endpoint, handle)
+        finally:
+            self.book.close()
+
+    async def _serve(self, router: zmq.asyncio.Socket, endpoint: str, handle: Handler) -> NoReturn:
         while True:
             frames = await router.recv_multipart(copy=True)
+            self.book.flush()  # any traffic writes the summaries of windows that are over
             source = source_of(endpoint, frames[0]) if frames else f"{endpoint}<-?"
             if len(frames) != 2:
                 self.drop("bad_frames", source, f"{len(frames)} frames")

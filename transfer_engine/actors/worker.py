@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ import torch
 from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import as_kv_table, gather_heads
 from transfer_engine.layout import KVPool, stride_rows_of
-from transfer_engine.mail import CancelRoom, WriteDone, WriteEnded, WriteJob
+from transfer_engine.mail import CancelRoom, RepeatStaging, WriteDone, WriteEnded, WriteJob
 from transfer_engine.memory import (
     StagingMemory,
     allocate_staging,
@@ -69,6 +70,8 @@ class _Staged:
     host: bool
     allocation: Allocation | None = None
     dst: int = 0
+    request: m.StagingRequest | None = None
+    asked_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +82,9 @@ class _Lease:
     offset: int
 
 
-WorkerMail = WriteJob | CancelRoom | m.StagingGrant | m.StagingRefused | m.Watermark | WriteEnded
+WorkerMail = (
+    WriteJob | CancelRoom | RepeatStaging | m.StagingGrant | m.StagingRefused | m.Watermark | WriteEnded
+)
 
 
 def is_staged_job(job: WriteJob) -> bool:
@@ -287,6 +292,11 @@ class TransferWorker(Actor["WorkerMail"]):
                     await self._progress(agent)
             case CancelRoom(room=room):
                 await self._cancel(room)
+            case RepeatStaging(before=before):
+                for staged in list(self._granting.values()):
+                    if staged.request is not None and staged.asked_at < before:
+                        self.counters["staging_repeats"] += 1
+                        self.outbox.send(staged.job.peer.endpoint, staged.request)
 
     # --- direct and slice ----------------------------------------------------------------------
 
@@ -357,19 +367,19 @@ class TransferWorker(Actor["WorkerMail"]):
         except TransferError as exc:
             await self._done(job, False, str(exc), FailureReason.PROTOCOL)
             return
-        self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(job, src_slots, nbytes, host)
-        self.outbox.send(
-            peer.endpoint,
-            m.StagingRequest(
-                agent=self.me.agent_name,
-                room=job.room,
-                chunk_id=chunk.chunk_id,
-                sender=job.sender,
-                page_start=chunk.page_start,
-                num_pages=chunk.num_pages,
-                tokens=int(src_slots.size),
-            ),
+        request = m.StagingRequest(
+            agent=self.me.agent_name,
+            room=job.room,
+            chunk_id=chunk.chunk_id,
+            sender=job.sender,
+            page_start=chunk.page_start,
+            num_pages=chunk.num_pages,
+            tokens=int(src_slots.size),
         )
+        self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(
+            job, src_slots, nbytes, host, request=request, asked_at=time.monotonic()
+        )
+        self.outbox.send(peer.endpoint, request)
 
     async def _on_grant(self, grant: m.StagingGrant) -> None:
         staged = self._granting.pop((grant.agent, grant.room, grant.chunk_id), None)

@@ -81,6 +81,10 @@ class EngineState(Protocol):
     @property
     def introspect(self) -> Introspect | None: ...
     @property
+    def bootstrap(self) -> DropCounts | None: ...
+    @property
+    def metrics_server(self) -> DropCounts | None: ...
+    @property
     def room_ended(self) -> Callable[[RoomSnapshot], None] | None: ...
     @property
     def endpoint(self) -> str: ...
@@ -361,6 +365,10 @@ def _counters(engine: EngineState) -> Counters:
     dropped.update({f"control.{kind}": n for kind, n in engine.control.dropped.items()})
     if engine.introspect is not None:
         dropped.update({f"introspect.{kind}": n for kind, n in engine.introspect.dropped.items()})
+    if engine.bootstrap is not None:
+        dropped.update({f"bootstrap.{kind}": n for kind, n in engine.bootstrap.dropped.items()})
+    if engine.metrics_server is not None:
+        dropped.update({f"metrics.{kind}": n for kind, n in engine.metrics_server.dropped.items()})
     for key, kind, source in (
         ("notifs_dropped", "notification.malformed", poller),
         ("notifs_unrouted", "notification.unrouted", poller),

@@ -12,7 +12,8 @@ LEASE_SILENCE = 2.0
 """Heartbeat intervals of silence after which a peer is dead (checked every quarter interval, so a
 dead peer's rooms fail within 2.25 intervals of its last heartbeat). 1.75 met the original bound of
 2 intervals but declared live peers dead on a loaded 2-core machine (one late heartbeat), which
-costs rooms (docs/DECISIONS.md, "Leases")."""
+costs rooms (docs/DECISIONS.md, "Leases"). Heartbeats go out every half interval, so a lease
+survives two heartbeats lost in a row (protocol.retransmit)."""
 
 
 def stalled(last_tick: float, now: float, tick: float, interval: float) -> float | None:

@@ -32,8 +32,14 @@ class EarlyRequests:
     def __len__(self) -> int:
         return sum(len(items) for items in self._rooms.values())
 
-    def add(self, room: int, request: m.TransferRequest, now: float) -> None:
-        self._rooms[room].append((now, request))
+    def add(self, room: int, request: m.TransferRequest, now: float) -> bool:
+        """Keep ``request``; False (nothing kept) when the same request is already here (a repeat,
+        ``protocol.retransmit``), so that its age still counts from the first."""
+        items = self._rooms[room]
+        if any(held == request for _, held in items):
+            return False
+        items.append((now, request))
+        return True
 
     def take(self, room: int) -> list[m.TransferRequest]:
         """The room opened: its stashed requests, in arrival order (the stash forgets them)."""

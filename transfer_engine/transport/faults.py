@@ -14,6 +14,11 @@ and applies :class:`Rule`\\ s to two streams:
 :class:`ControlFaults` applies rules (DELAY, DROP, DUPLICATE, REORDER) to the one-way messages a
 :class:`~transfer_engine.actors.control.Control` sends (set ``control.faults``).
 
+:class:`Loss` is the lossy-network mode: a DROP matcher (:meth:`Loss.rules`) that loses control
+messages of every kind and NIXL notifications, each with its own probability, and records what it
+lost by room and kind (and runs of heartbeats lost in a row, which can break a lease), so that a
+soak can tell a room that failed because its messages were lost from one that failed for nothing.
+
 Every rule decides from a seeded ``random.Random`` and counts what it did, so a failing run is
 reproduced by its seed. Held payloads live in a :class:`DeliveryQueue`, a sans-IO scheduler that
 takes ``now`` as an argument. Nothing here is imported by the engine outside tests.
@@ -45,6 +50,7 @@ __all__ = [
     "DeliveryQueue",
     "Fault",
     "FaultyTransport",
+    "Loss",
     "Rule",
     "matching",
 ]
@@ -136,6 +142,77 @@ def matching(*types: type[m.Message], room: int | None = None) -> Callable[[byte
         return room is None or getattr(message, "room", None) == room
 
     return match
+
+
+def _decode_any(payload: bytes) -> m.AnyMessage | m.ChunkLanded | m.AuxLanded | None:
+    """A control message or a NIXL notification, or None for bytes that are neither."""
+    for decode in (m.decode, m.decode_notification):
+        try:
+            return decode(payload)
+        except RemoteProtocolError:
+            continue
+    return None
+
+
+class Loss:
+    """Loses messages at random and remembers which: the lossy-network fault mode.
+
+    ``probability`` is the chance that one message is lost; ``by_kind`` overrides it per message
+    type name (``{"Heartbeat": 0.0}``). Use it as the ``match`` of an always-firing DROP rule
+    (:meth:`rules`) placed first, on control sockets (``ControlFaults``) and on notifications
+    (``FaultyTransport(notifs=...)``); one instance may serve every engine of a cluster.
+
+    It records ``lost`` (count by kind), ``rooms`` (room -> kinds lost of it) and ``lease_breaks``:
+    ``lease_run`` heartbeats in a row of one agent of which at least one copy was lost, enough to make
+    a live peer look dead to some peer (counted generously: a rule sees the message, not its target).
+    Messages it cannot decode are never lost (they are not the protocol's).
+    """
+
+    def __init__(
+        self,
+        probability: float,
+        *,
+        seed: int = 0,
+        by_kind: dict[str, float] | None = None,
+        lease_run: int = 3,
+    ) -> None:
+        for kind, p in {"*": probability, **(by_kind or {})}.items():
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"loss probability {p} for {kind} must be in [0, 1]")
+        self.probability = probability
+        self.by_kind = dict(by_kind or {})
+        self.lease_run = lease_run
+        self._rng = random.Random(seed)
+        self.lost: Counter[str] = Counter()
+        self.rooms: dict[int, set[str]] = {}
+        self.lease_breaks = 0
+        self._beat_runs: dict[str, tuple[int, int]] = {}
+        """agent -> (last heartbeat seq with a lost copy, run of consecutive such seqs)."""
+
+    def __call__(self, payload: bytes) -> bool:
+        """Whether ``payload`` is lost; records it if so."""
+        message = _decode_any(payload)
+        if message is None:
+            return False
+        kind = type(message).__name__
+        lost = self._rng.random() < self.by_kind.get(kind, self.probability)
+        if lost and isinstance(message, m.Heartbeat):
+            last, run = self._beat_runs.get(message.agent, (-2, 0))
+            if message.seq != last:
+                run = run + 1 if message.seq == last + 1 else 1
+                self._beat_runs[message.agent] = (message.seq, run)
+                if run == self.lease_run:
+                    self.lease_breaks += 1
+        if lost:
+            self.lost[kind] += 1
+            room = getattr(message, "room", None)
+            if isinstance(room, int):
+                self.rooms.setdefault(room, set()).add(kind)
+        return lost
+
+    def rules(self) -> list[Rule]:
+        """The DROP rule to put first in a rule list (every loss decided by this instance)."""
+        return [Rule(Fault.DROP, match=self, times=None)]
 
 
 class _Rules:
