@@ -575,9 +575,10 @@ class Leader:
 
     async def _report(self, r: Request, ok: bool) -> None:
         if self.prefill:
-            await self.link.send(
-                msg.PrefillDone(r.rid, ok, r.detail, r.t_arrived, r.t_first_chunk, r.t_kernels_done)
-            )
+            # On CUDA the kernels-done time is stamped by a task polling the chunk's event, after the
+            # step that enqueued it: read it now (the room ended, so its WRITEs read finished KV).
+            done_at = self.rank.kernels_done.get(r.rid, r.t_kernels_done)
+            await self.link.send(msg.PrefillDone(r.rid, ok, r.detail, r.t_arrived, r.t_first_chunk, done_at))
         else:
             await self.link.send(msg.DecodeDone(r.rid, ok, r.detail, r.t_opened, r.t_landed, r.t_first_step))
 
