@@ -1,0 +1,5 @@
+import sys
+
+from examples.serving.run import main
+
+sys.exit(main())
