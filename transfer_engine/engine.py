@@ -845,7 +845,8 @@ class TransferEngine:
                 actor.room,
                 Ended(actor.status, None if failure is None else failure.reason,
                       "" if failure is None else failure.detail, time.monotonic(),
-                      aborted_by=frozenset(actor.failed_by)),
+                      aborted_by=frozenset(actor.failed_by),
+                      askers=frozenset(request.agent for request in actor.requests.values())),
             )  # fmt: skip
         record_ended(self, actor, self.ended_rooms)
 
@@ -863,7 +864,10 @@ class TransferEngine:
                 )
             case m.TransferRequest(room=room, agent=agent) if self.config.role == "prefill":
                 ended = self.tombstones.get(room, time.monotonic())
-                if ended is not None:  # a repeat, or a request overtaken by its room's end
+                if (
+                    answer_late_request(ended, agent) is not Late.STASH
+                ):  # a repeat, or overtaken by its room's end
+                    assert ended is not None
                     self._answer_late(room, agent, ended)
                 elif not await self._to_room(room, message) and not self._stash.add(
                     room, message, time.monotonic()
@@ -878,6 +882,7 @@ class TransferEngine:
                                 RoomStatus.FAILED, FailureReason.ABORTED, f"aborted by decode {agent} before "
                                 f"prefill rank {self.config.tp_rank} opened it: {message.detail}",
                                 time.monotonic(), opened=False, aborted_by=frozenset({agent}),
+                                askers=self._stash.agents(room) | {agent},
                             ))  # fmt: skip
                         self._answer(
                             self._stash.abort(room, message, agent=self.agent_name, rank=self.config.tp_rank)

@@ -99,10 +99,15 @@ def test_live_prefill_room_answers_a_request(
 
 
 def _ended(
-    status: RoomStatus, *, at: float = 0.0, opened: bool = True, by: frozenset[str] = frozenset()
+    status: RoomStatus,
+    *,
+    at: float = 0.0,
+    opened: bool = True,
+    by: frozenset[str] = frozenset(),
+    askers: frozenset[str] = frozenset({"d0", "d1"}),
 ) -> Ended:
     reason = None if status is S.SUCCESS else FailureReason.ABORTED
-    return Ended(status, reason, "why", at, opened=opened, aborted_by=by)
+    return Ended(status, reason, "why", at, opened=opened, aborted_by=by, askers=askers)
 
 
 @pytest.mark.parametrize(
@@ -114,6 +119,11 @@ def _ended(
         (_ended(S.FAILED, by=frozenset({"d0"})), "d0", Late.DROP),
         (_ended(S.FAILED, by=frozenset({"d0"})), "d1", Late.TELL_FAILURE),
         (_ended(S.FAILED, opened=False, by=frozenset({"d0"})), "d1", Late.TELL_FAILURE),
+        # the same room id asked for by a decode agent that was not part of the ended room: a new room
+        (_ended(S.FAILED), "d9", Late.STASH),
+        (_ended(S.SUCCESS), "d9", Late.STASH),
+        # a room that ended before any decode asked: every request is late for it
+        (_ended(S.FAILED, askers=frozenset()), "d9", Late.TELL_FAILURE),
     ],
 )
 def test_request_for_a_room_not_live_here(ended: Ended | None, agent: str, expected: Late) -> None:

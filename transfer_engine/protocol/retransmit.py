@@ -149,6 +149,10 @@ class Ended:
     """False for a room aborted by a decode rank before this rank opened it."""
     aborted_by: frozenset[str] = frozenset()
     """Decode agents that aborted or failed the room themselves (they need not be told)."""
+    askers: frozenset[str] = frozenset()
+    """Decode agents that asked for this room. When any did, a request from another agent is for a
+    new room under the same id; when none did (the room ended before any request), every request is
+    a late one for this room."""
 
 
 class Late(enum.Enum):
@@ -165,6 +169,10 @@ class Late(enum.Enum):
 def answer_late_request(ended: Ended | None, agent: str) -> Late:
     """The answer to a TransferRequest from ``agent`` for a room not live here (``ended``: its tombstone)."""
     if ended is None:
+        return Late.STASH
+    if ended.askers and agent not in ended.askers | ended.aborted_by:
+        # The room ended after other decode agents asked for it: this agent's request is for a new
+        # room under the same id (a decode process that replaced a dead one, say), not a late one.
         return Late.STASH
     if ended.status is RoomStatus.SUCCESS or agent in ended.aborted_by:
         return Late.DROP

@@ -41,6 +41,10 @@ class EarlyRequests:
         items.append((now, request))
         return True
 
+    def agents(self, room: int) -> frozenset[str]:
+        """The decode agents whose requests for ``room`` are kept."""
+        return frozenset(request.agent for _, request in self._rooms.get(room, []))
+
     def take(self, room: int) -> list[m.TransferRequest]:
         """The room opened: its stashed requests, in arrival order (the stash forgets them)."""
         return [request for _, request in self._rooms.pop(room, [])]
