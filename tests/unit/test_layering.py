@@ -115,6 +115,16 @@ def test_receiver_quiescence_table() -> None:
         room.scatter_ended(0, ok=True, now=2.0)
 
 
+def test_heard_from_a_writer_once_anything_of_it_landed() -> None:
+    room = ReceiverRoom(4, DEADLINES, 0.0)
+    room.bootstrapped([0, 1], 1, 0.0)
+    assert not room.heard_from(0) and not room.heard_from(1)
+    room.on_chunk(0, 0, False, 0.1)
+    room.on_aux(1, 0.1)
+    assert room.heard_from(0) and room.heard_from(1)
+    assert not room.heard_from(2)  # not a writer of this room
+
+
 def test_a_successful_receiver_is_quiescent_once_scatters_end() -> None:
     room = ReceiverRoom(3, DEADLINES, 0.0)
     room.staged = True

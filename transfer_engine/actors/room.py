@@ -588,7 +588,8 @@ class ReceiverRoomActor(_RoomActor):
         kind = decode_repeat(self.core.status, self.core.aborting, self.core.awaiting_acks)
         if kind is Repeat.REQUESTS:
             for peer, request in self.requests:
-                self.ports.outbox.send(peer.endpoint, request)
+                if not self.core.heard_from(peer.rank):  # a writer whose chunks land has the request
+                    self.ports.outbox.send(peer.endpoint, request)
         elif kind is Repeat.ABORTS and self._abort is not None:
             ranks = {peer.rank: peer for peer in [*self.everyone, *self.writers.values()]}
             for rank in sorted(self.core.awaiting_acks):

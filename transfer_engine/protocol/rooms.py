@@ -462,6 +462,10 @@ class ReceiverRoom(_Room):
         if not self.status.final:
             self._maybe_complete(now)
 
+    def heard_from(self, writer: int) -> bool:
+        """Whether anything of ``writer`` landed: it has this room's request (no need to repeat it)."""
+        return bool(self.landed.get(writer)) or (self.aux_landed and writer == self.wants_aux_from)
+
     def writer_done(self, writer: int) -> bool:
         last = self.last_chunk.get(writer)
         return last is not None and len(self.landed[writer]) == last + 1

@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from transfer_engine.errors import ConfigError
+from transfer_engine.room_ids import room_id
 
 from ._runner import EngineThread
 
@@ -80,8 +81,8 @@ DIGEST_BYTES = 16
 
 
 def room_of(transfer_id: str) -> int:
-    """The engine room of a transfer: a 63-bit hash of its ID (the same on both sides)."""
-    return int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=8).digest(), "little") >> 1
+    """The engine room of a transfer: :func:`transfer_engine.room_ids.room_id` of its ID (the same on both sides)."""
+    return room_id(transfer_id)
 
 
 def digest_of(transfer_id: str) -> bytes:
