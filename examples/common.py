@@ -442,7 +442,8 @@ def run_ranks(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGTERM)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     threading.Thread(target=_watch_launcher_parent, args=(os.getppid(),), daemon=True).start()
     escalated = 0
     try:
@@ -471,8 +472,9 @@ def run_ranks(
                     os.kill(p.pid, signal.SIGKILL)
             if p.pid is not None:
                 p.join(5)
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        # The graceful handler stays installed: a SIGTERM that arrives after the ranks ended (a
+        # supervisor stopping a server that already stopped by itself) must not kill the launcher
+        # with the default action and turn a clean exit into -15.
     return [p.exitcode if p.exitcode is not None else -9 for p in procs]
 
 
