@@ -472,9 +472,12 @@ def run_ranks(
                     os.kill(p.pid, signal.SIGKILL)
             if p.pid is not None:
                 p.join(5)
-        # The graceful handler stays installed: a SIGTERM that arrives after the ranks ended (a
-        # supervisor stopping a server that already stopped by itself) must not kill the launcher
-        # with the default action and turn a clean exit into -15.
+        # The ranks are gone: nothing is left to stop. A SIGTERM that arrives now (a supervisor
+        # stopping a server that already stopped by itself) is ignored. SIG_IGN, not a Python
+        # handler: CPython resets Python handlers to the default action while the interpreter
+        # shuts down (long, with torch loaded), which turned a clean exit into -15.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     return [p.exitcode if p.exitcode is not None else -9 for p in procs]
 
 
