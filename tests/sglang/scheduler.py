@@ -53,6 +53,20 @@ class Request:
     """"prefill": the prefill aborts after sending ``abort_step`` pages; "decode": the decode aborts
     ``abort_step`` steps after ``send_metadata``."""
     abort_step: int = 0
+    decode_aborted: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    """Set once every decode rank called ``abort()``. Until then the prefill holds back the last chunk
+    of a room the decode aborts, so the abort always lands mid-transfer: otherwise it races the room's
+    completion, and an abort after Success is rightly a no-op."""
+    _decode_aborts: set[int] = field(default_factory=set, repr=False, compare=False)
+
+    def note_decode_abort(self, rank: int, group_size: int) -> None:
+        with _ABORT_LOCK:
+            self._decode_aborts.add(rank)
+            if len(self._decode_aborts) == group_size:
+                self.decode_aborted.set()
+
+
+_ABORT_LOCK = threading.Lock()
 
 
 @dataclass
@@ -194,6 +208,9 @@ def run_prefill_rank(
                 inflight.append((req, sender, pages))
                 continue
             chunk = req.chunks[len([c for c in np.cumsum(req.chunks) if c <= sent])]
+            if req.abort_by == "decode" and sent + chunk == req.pages and not req.decode_aborted.is_set():
+                moving.append((req, sender, pages, sent))  # the last chunk waits for the decode's abort
+                continue
             sender.send(pages[sent : sent + chunk])  # a no-op once the room failed, as SGLang expects
             sent += chunk
             if sent == req.pages:
@@ -292,6 +309,7 @@ def run_decode_rank(
             else:
                 if req.abort_by == "decode" and age == req.abort_step:
                     receiver.abort()
+                    req.note_decode_abort(rank, group.size)
                 left.append((req, receiver, pages, age + 1))
         transfer = left
         time.sleep(STEP_S)
