@@ -52,6 +52,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Prefill staging buffer per worker; 0 sizes it to two chunks of ``staging_chunk_pages`` pages
     (double buffering: the next chunk is gathered while the previous one's WRITE is in flight)."""
     staging_chunk_pages: int = 64
+    layers_per_write: int = 4
+    """Layer-wise sending (``Sender.begin_chunk``/``layers_ready``): ready layers are gathered into
+    one WRITE per decode rank until a group holds at least this many (the chunk's last layer always
+    flushes). Fewer layers per WRITE shorten the tail after the forward; more cost fewer WRITEs
+    (``tools/bench_layerwise.py`` measures both)."""
     bootstrap_timeout: float = 30.0
     waiting_timeout: float | None = None
     transfer_timeout: float = 60.0
@@ -105,6 +110,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("ring_bytes", "staging_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 sizes it automatically)")
+        if not isinstance(self.layers_per_write, int) or self.layers_per_write < 1:
+            raise ConfigError(f"layers_per_write={self.layers_per_write!r} must be an integer >= 1")
         if self.staging_chunk_pages < 1:
             raise ConfigError(f"staging_chunk_pages={self.staging_chunk_pages} must be >= 1")
         for name in ("control_port", "bootstrap_port", "introspect_port"):

@@ -26,7 +26,12 @@ from transfer_engine.protocol.staging import writer_block_bytes
     [
         (4, 1, [(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 1, False), (1, 2, False), (2, 3, False), (3, 4, True)]),
         (4, 2, [(0, 1), (1, 2), (2, 3), (3, 4)], [None, (0, 2, False), None, (2, 4, True)]),
-        (5, 2, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)], [None, (0, 2, False), None, (2, 4, False), (4, 5, True)]),
+        (
+            5,
+            2,
+            [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)],
+            [None, (0, 2, False), None, (2, 4, False), (4, 5, True)],
+        ),
         (4, 8, [(0, 1), (1, 3), (3, 4)], [None, None, (0, 4, True)]),  # the closing range flushes
         (4, 2, [(0, 3), (3, 4)], [(0, 3, False), (3, 4, True)]),  # a wide range is one group
         (3, 1, [(0, 3)], [(0, 3, True)]),
@@ -102,7 +107,9 @@ def test_layers_per_write_must_be_a_positive_integer(value):
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 40), st.integers(1, 10), st.data())
 def test_groups_tile_every_layer_once_whatever_the_calls(num_layers, per_write, data):
-    cuts = sorted(data.draw(st.sets(st.integers(1, num_layers - 1), max_size=num_layers)) if num_layers > 1 else set())
+    cuts = sorted(
+        data.draw(st.sets(st.integers(1, num_layers - 1), max_size=num_layers)) if num_layers > 1 else set()
+    )
     bounds = [0, *cuts, num_layers]
     chunks = LayerChunks(num_layers, per_write)
     chunks.open(7)
@@ -122,7 +129,7 @@ def test_tally_completes_a_key_when_groups_cover_every_layer_in_any_order():
     assert not tally.add((0, 1), 4, 6)
     assert tally.partial((0, 1)) and tally.layers((0, 1)) == 2
     assert not tally.add((0, 1), 0, 2)
-    assert not tally.add((0, 2), 0, 6) is False  # another key completes alone
+    assert tally.add((0, 2), 0, 6) is not False  # another key completes alone
     assert tally.has((0, 1), 4, 6) and not tally.has((0, 1), 2, 4)
     assert tally.add((0, 1), 2, 4)
     assert tally.complete((0, 1)) and not tally.partial((0, 1)) and tally.layers((0, 1)) == 6

@@ -200,7 +200,9 @@ class LayerTally:
         ranges = self._ranges.get(key, [])
         for a, b in ranges:
             if start < b and a < end:
-                raise self.error(f"layers [{start}, {end}) of {key} overlap layers [{a}, {b}) recorded before")
+                raise self.error(
+                    f"layers [{start}, {end}) of {key} overlap layers [{a}, {b}) recorded before"
+                )
         ranges = [*ranges, (start, end)]
         if sum(b - a for a, b in ranges) == self.num_layers:
             self._ranges.pop(key, None)
