@@ -36,7 +36,7 @@ async def _first_layer_landed(c: Cluster, room: int, pages: np.ndarray) -> tuple
     await senders[0].layers_ready(1, 3, ready=later)  # never set before the room ends
     core = c.decode[0].rooms[room].core
     with anyio.fail_after(10):  # the decode room counted layer 0 (staged: it is in the ring region)
-        while core.layer_tally is None or core.layer_tally.layers((0, 0)) < 1:
+        while core.layer_tally is None or core.layer_tally.layers((0, 0)) < 1:  # noqa: ASYNC110 - engine state, no event
             await anyio.sleep(0.005)
     return senders, receivers, later
 
