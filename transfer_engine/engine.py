@@ -76,7 +76,7 @@ from transfer_engine.ports import (
 )
 from transfer_engine.protocol import handshake, heads, leases
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.layers import LayerChunks
+from transfer_engine.protocol.layers import LayerChunks, check_layers_per_write
 from transfer_engine.protocol.paths import is_staged
 from transfer_engine.protocol.polling import polled
 from transfer_engine.protocol.retransmit import Ended, Late, Tombstones, answer_late_request
@@ -625,11 +625,17 @@ class TransferEngine:
 
     # --- prefill API ----------------------------------------------------------------------------
 
-    def sender(self, room: int) -> Sender:
-        """Open ``room`` on this prefill rank. RoomInUseError while a room with that id is live."""
+    def sender(self, room: int, *, layers_per_write: int | None = None) -> Sender:
+        """Open ``room`` on this prefill rank. RoomInUseError while a room with that id is live.
+
+        ``layers_per_write``: this room's layer grouping for layer-wise chunks (None: the config's).
+        """
         if self.config.role != "prefill":
             raise ConfigError("sender() is for prefill engines; this one is decode")
         _check_room(room)
+        per_write = check_layers_per_write(
+            self.config.layers_per_write if layers_per_write is None else layers_per_write
+        )
         if room in self.rooms:
             raise RoomInUseError(room)
         self._check_capacity(room)
@@ -638,7 +644,7 @@ class TransferEngine:
         self._start_room(actor)
         for request in self._stash.take(room):
             actor.inbox.send_nowait(request)
-        return Sender(actor, self.pool, self.config.layers_per_write)
+        return Sender(actor, self.pool, per_write)
 
     def _check_capacity(self, room: int) -> None:
         if len(self.rooms) >= self.config.max_rooms:

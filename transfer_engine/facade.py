@@ -25,6 +25,7 @@ are reported only once the room has ended, so no WRITE can land in its pages aft
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections import deque
@@ -419,13 +420,16 @@ class BlockingEngine:
         """Where ``transfer-engine dump --endpoint`` reaches this rank."""
         return self._engine.introspect_endpoint
 
-    def sender(self, room: int | str) -> BlockingSender:
+    def sender(self, room: int | str, *, layers_per_write: int | None = None) -> BlockingSender:
         """Open ``room`` (an int, or a string request id) on this prefill rank.
 
-        Waits for one synchronous step of the loop. ConfigError for a decode engine or a bad id,
-        RoomInUseError while a room with that id is live.
+        Waits for one synchronous step of the loop. ConfigError for a decode engine, a bad id or a
+        bad ``layers_per_write`` (None: the config's), RoomInUseError while a room with that id is live.
         """
-        return BlockingSender(self, self._call(self._engine.sender, _room(room)))
+        opened = self._call(
+            functools.partial(self._engine.sender, _room(room), layers_per_write=layers_per_write)
+        )
+        return BlockingSender(self, opened)
 
     def receiver(
         self,
