@@ -69,6 +69,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """After NIXL activity (a WRITE posted, a room started, a notification) poll without sleeping for
     this long: a sleep costs at least 1 ms (epoll's resolution) and a small WRITE and its notification
     need several progress calls on both sides. 0 turns spinning off (for machines short of cores)."""
+    trace_steps: int = 0
+    """Keep the last this many step marks of rooms (:mod:`transfer_engine.steptrace`), for
+    benchmarks; 0 (the default) records nothing."""
     nixl_backend: str = "UCX"
     nixl_params: dict[str, str] = msgspec.field(default_factory=dict)
     nixl_progress_thread: bool = False
@@ -101,6 +104,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("bootstrap_timeout", "transfer_timeout", "heartbeat_interval", "connect_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.trace_steps < 0:
+            raise ConfigError(f"trace_steps={self.trace_steps} must be >= 0")
         if self.poll_spin < 0:
             raise ConfigError(f"poll_spin={self.poll_spin} must be >= 0")
         if self.poll_interval <= 0:

@@ -83,6 +83,7 @@ from transfer_engine.protocol.retransmit import Ended, Late, Tombstones, answer_
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
 from transfer_engine.protocol.stash import EarlyRequests
 from transfer_engine.security import Curve
+from transfer_engine.steptrace import StepTrace
 from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class _Handle:
     async def wait(self) -> None:
         """Return once the room succeeded and nothing of it is in flight; raise TransferFailed otherwise."""
         await self._actor.done.wait()
+        self._actor.ports.me.trace.mark(self.room, "waited")
         error = self._actor.error()
         if error is not None:
             raise error
@@ -347,6 +349,7 @@ class Sender(_Handle):
         expected total, and LocalProtocolError after the last chunk or once the room is final.
         Nothing is queued then.
         """
+        self._actor.ports.me.trace.mark(self.room, "send")
         chunk = self._prepare(pages, last, aux_slot, ready)
         try:
             await self._actor.inbox.send(chunk)
@@ -415,7 +418,13 @@ class TransferEngine:
         self.rooms: dict[int, _RoomActor] = {}
         self.board = RoomBoard(self._room_closed)
         """The live rooms' mailboxes: how every actor addresses a room."""
-        self.me = RankIdentity(self.agent_name, config.role, config.tp_rank, config.tp_size)
+        self.me = RankIdentity(
+            self.agent_name,
+            config.role,
+            config.tp_rank,
+            config.tp_size,
+            StepTrace(config.trace_steps, config.role),
+        )
         self.peers = PeerBook()
         self.instances: dict[str, PrefillInstance] = {}
         self._connecting: dict[str, anyio.Event] = {}
@@ -485,6 +494,7 @@ class TransferEngine:
             poll_interval=cfg.poll_interval,
             busy=(lambda: bool(self.rooms)) if cfg.role == "decode" else (lambda: False),
             spin=cfg.poll_spin,
+            trace=self.me.trace,
         )
         await tg.start(self.poller.run)
         self.control = Control(
@@ -693,6 +703,7 @@ class TransferEngine:
         """
         if self.config.role != "decode":
             raise ConfigError("receiver() is for decode engines; this one is prefill")
+        self.me.trace.mark(room, "receiver")
         _check_room(room)
         if pages is not None:
             _check_request(self.pool, pages, aux_slot, decode_prefix_len)
@@ -758,6 +769,7 @@ class TransferEngine:
             )
             actor.requests.append((peer, request))  # repeated until the room is final
             self.control.send(peer.endpoint, request)
+        self.me.trace.mark(actor.room, "requested")
 
     async def connect(self, bootstrap: str) -> None:
         """Handshake with the prefill instance behind ``bootstrap`` now, ahead of its first room."""
@@ -939,6 +951,9 @@ class TransferEngine:
         return await self.board.deliver(room, mail)
 
     async def _dispatch(self, message: m.AnyMessage, ident: bytes) -> None:
+        room = getattr(message, "room", None)
+        if room is not None:
+            self.me.trace.mark(room, f"in:{type(message).__name__}")
         match message:
             case m.PeerHello() if self.config.role == "prefill":
                 await self.control.reply_to(ident, self._on_peer_hello(message))

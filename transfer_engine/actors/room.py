@@ -163,6 +163,7 @@ class _RoomActor:
 
     async def _apply(self, mail: RoomMail) -> None:
         before = self.core.status
+        self.ports.me.trace.mark(self.room, f"room:{type(mail).__name__}")
         try:
             if isinstance(mail, Drained):
                 self._drain_asked = False
@@ -174,6 +175,7 @@ class _RoomActor:
         except ProtocolError as exc:
             self._fail(FailureReason.PROTOCOL, str(exc))
         if self.core.status is not before:
+            self.ports.me.trace.mark(self.room, self.core.status.name)
             log.info("%s room %d: %s -> %s", self.side, self.room, before.name, self.core.status.name)
             await self.on_status_change(before)
 
@@ -420,6 +422,7 @@ class SenderRoomActor(_RoomActor):
             self.core.job_started()
             self.worker_agents.add(job.peer.agent_name)
             workers.for_agent(job.peer.agent_name).post(job)
+            self.ports.me.trace.mark(self.room, "job_posted")
 
     async def on_status_change(self, before: RoomStatus) -> None:
         if self.core.status is not RoomStatus.FAILED:
@@ -615,6 +618,7 @@ class ReceiverRoomActor(_RoomActor):
         scatter = self.ports.scatter
         assert scatter is not None
         self.core.scatter_started()
+        self.ports.me.trace.mark(self.room, "scatter_posted")
         scatter.post(
             ScatterJob(
                 self.room,

@@ -370,6 +370,9 @@ class TransferWorker(Actor["WorkerMail"]):
                 await ticker.sleep(READY_POLL_S)
 
     async def handle(self, mail: WorkerMail) -> None:
+        room = getattr(mail, "room", None)
+        if room is not None:
+            self.me.trace.mark(room, f"worker:{type(mail).__name__}")
         match mail:
             case WriteJob(group=group) if group is not None:
                 await self._layer_job(mail)
@@ -404,6 +407,7 @@ class TransferWorker(Actor["WorkerMail"]):
                 if self._watermarks[agent].update(Watermark(rnd, tail)):
                     await self._progress(agent)
             case WriteEnded(token=_Lease(staged=staged, offset=offset), ok=ok, detail=detail):
+                self.me.trace.mark(staged.job.room, "write_ended")
                 self._buffers[staged.host][1].release(offset)
                 await self._done(staged.job, ok, detail, FailureReason.TRANSPORT)
                 for agent in list(self._parked):
@@ -431,6 +435,7 @@ class TransferWorker(Actor["WorkerMail"]):
     async def _execute(self, job: WriteJob) -> None:
         if job.ready is not None:
             await event_reached(job.ready)  # NIXL reads the KV itself: it must be written first
+            self.me.trace.mark(job.room, "ready")
         room = self.rooms.get(job.room)
         if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
             return
@@ -442,6 +447,7 @@ class TransferWorker(Actor["WorkerMail"]):
                 job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id, notif
             )
             self.poller.post_write(spec, room, job.key)
+            self.me.trace.mark(job.room, "posted")
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             await self._done(job, False, str(exc), FailureReason.TRANSPORT)
@@ -578,6 +584,7 @@ class TransferWorker(Actor["WorkerMail"]):
                     self.stream.wait_event(job.ready)  # the gather reads KV the caller's stream wrote
                 gather()
                 await stream_reached(self.stream)
+            self.me.trace.mark(job.room, "gathered")
         except Exception as exc:  # a kernel error fails the room, never the worker
             log.exception("worker %d: gather for room %d failed", self.index, job.room)
             leases.release(offset)
@@ -596,6 +603,7 @@ class TransferWorker(Actor["WorkerMail"]):
         )
         try:
             self.poller.post_write(spec, self.inbox, _Lease(staged, offset))
+            self.me.trace.mark(job.room, "posted")
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             leases.release(offset)
