@@ -1,0 +1,703 @@
+"""Mooncake's transfer engine as a measured peer: one room's bytes between two processes, in one run.
+
+On the GPU machine, from the project root, with ``.whl-mc/`` from ``tools/fetch_mooncake_wheel.sh``
+carried along (two device calls; the first is the self-test, a few seconds after the imports)::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-mc/*.whl && export PYTHONPATH=/tmp/site:$PWD && timeout 240 python3 -u tools/bench_mooncake.py --self-test
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-mc/*.whl && export PYTHONPATH=/tmp/site:$PWD && timeout 300 python3 -u tools/bench_mooncake.py --device cuda --transport nvlink_intra; timeout 240 python3 -u tools/bench_mooncake.py --device cuda --transport tcp --lat-samples 100
+
+Here (CPU memory, tiny sizes; the cp311 wheel of the same version, and a libcuda.so.1 on
+LD_LIBRARY_PATH, since engine.so links the driver library even when it moves host memory)::
+
+    python tools/bench_mooncake.py --device cpu
+
+What runs. Two spawned processes, each with one Mooncake ``TransferEngine`` (metadata by
+``P2PHANDSHAKE``, no metadata server): the *initiator* (GPU 0, the prefill's place) and the
+*target* (GPU 1, the decode's place; GPU 0 too when the machine has one GPU). Each registers
+one arena holding a room: a Qwen3-32B-shaped 4096-token chunk, 64 layers x K,V x 4096 tokens
+x 8 heads x 128 x bf16 = 1.07 GB, laid out as 128 tensors of 8 MiB. The initiator WRITEs it
+(``transfer_sync_write`` / ``batch_transfer_sync_write``, which return once the bytes landed):
+
+1. throughput, ``--rounds`` rounds each of the room as one buffer (1 descriptor) and as the
+   same bytes in 128 pieces (one batch of 128 descriptors). A round: the target zeroes its
+   arena, the initiator fills its own with the round's bytes (a seeded random base XOR a
+   per-round constant, so a stale or misplaced byte cannot pass), the clock runs around the
+   one call, then the target compares every byte with the bytes it expects (bit-exact). GB/s
+   is the median over rounds; the first call of each kind is an untimed warm-up (it opens the
+   peer's segment: a CUDA IPC mapping on ``nvlink_intra``);
+2. small-transfer latency, ``--lat-samples`` samples each of one page (16 tokens: one 32 KiB
+   piece per layer tensor, 128 pieces in one batch, as our one-page room) and of a single
+   32 KiB piece; p50 and p99 of the call's wall time, the pages checked after the last sample.
+   A Mooncake WRITE tells the target nothing; our small-room latency includes the notification,
+   so these figures are a floor for a comparable transfer;
+3. the ceiling, measured first, in the parent process: torch ``copy_`` of the room's bytes from
+   the initiator's GPU to the target's (a host memcpy on CPU), median of ``--rounds``. Every GB/s
+   is also printed as a share of it, so runs on different machines compare as ratios.
+
+Transports (``--transport``), each process installs the same one:
+
+* ``nvlink_intra`` (``MC_INTRANODE_NVLINK=1``, the default on CUDA): Mooncake's intra-node
+  transport. The target exports its arena with ``cudaIpcGetMemHandle``; the initiator opens it
+  and copies with the CUDA runtime (peer copy over NVLink, or PCIe, between the two GPUs). The
+  same physical path as our direct path's CUDA IPC: a fair anchor.
+* ``tcp`` (``MC_FORCE_TCP=1``, the default on CPU): Mooncake's TCP transport over loopback,
+  GPU memory staged through host buffers. Not a fair anchor for GPU memory (the output says so).
+
+Mooncake 0.3.14's ``rdma`` needs an RDMA NIC (the GPU machine has none) and ``nvlink`` (MNNVL,
+fabric handles) is not compiled into this wheel. ``mooncake/engine.so`` links libibverbs.so.1,
+libmlx5.so.1, libnuma.so.1, libcurl.so.4, libcuda.so.1 and libcudart.so.13: load_mooncake()
+loads each missing one from ``.whl-mc/lib`` (the system's copy first), libcudart.so.13 from
+PyTorch's CUDA 13 wheels. ``--self-test`` checks, for each transport, that the module imports,
+engines initialize, arenas register and small transfers verify.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+MOONCAKE_VERSION = "0.3.14"
+ROOT = Path(__file__).resolve().parent.parent
+BF16_BYTES = 2
+SEGMENT_ALIGN = 2 << 20
+MESSAGE_TIMEOUT_S = 300.0
+SELF_TEST_LAYERS, SELF_TEST_TOKENS = 2, 64
+
+TRANSPORT_ENV = {"nvlink_intra": "MC_INTRANODE_NVLINK", "tcp": "MC_FORCE_TCP"}
+TRANSPORT_MEANING = {
+    "nvlink_intra": "CUDA IPC + cudaMemcpy between the GPUs: the same path as ours, a fair anchor",
+    "tcp": "TCP over loopback",
+}
+
+
+class BenchError(RuntimeError):
+    """A side of the benchmark failed; the message names the side, the step and Mooncake's return code."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured pair of processes. Sizes in bytes; ``tensors`` pieces of ``tensor_bytes`` make a room."""
+
+    device: str
+    transport: str
+    initiator: str
+    target: str
+    layers: int
+    heads: int
+    head_dim: int
+    tokens: int
+    page_size: int
+    rounds: int
+    lat_samples: int
+    lib_dir: str
+    verbose: bool
+
+    @property
+    def tensors(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.tokens * self.heads * self.head_dim * BF16_BYTES
+
+    @property
+    def room_bytes(self) -> int:
+        return self.tensors * self.tensor_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.heads * self.head_dim * BF16_BYTES
+
+    @property
+    def pages_per_tensor(self) -> int:
+        return self.tokens // self.page_size
+
+
+# -- loading the wheel ------------------------------------------------------------------------------
+
+
+def _load_by_name_or_path(name: str, lib_dir: Path) -> str | None:
+    """Loads ``name`` as the system finds it, else from ``lib_dir``; returns where from, None if neither."""
+    try:
+        ctypes.CDLL(name, mode=os.RTLD_GLOBAL)
+        return "system"
+    except OSError:
+        pass
+    try:
+        ctypes.CDLL(str(lib_dir / name), mode=os.RTLD_GLOBAL)
+        return "bundled"
+    except OSError:
+        return None
+
+
+def _load_cudart() -> str:
+    """Makes libcudart.so.13 resident before engine.so asks for it by name; returns where it came from.
+
+    PyTorch's CUDA 13 build has loaded it already (``import torch``); otherwise the nvidia-* wheels
+    on ``sys.path`` and the CUDA toolkit folders are searched.
+    """
+    try:
+        ctypes.CDLL("libcudart.so.13", mode=os.RTLD_GLOBAL)
+        return "by name"
+    except OSError:
+        pass
+    patterns = [os.path.join(p, "nvidia", "*", "lib", "libcudart.so.13") for p in sys.path if p]
+    patterns += ["/usr/local/cuda*/lib*/libcudart.so.13", "/usr/local/cuda*/targets/*/lib/libcudart.so.13"]
+    for pattern in patterns:
+        for path in sorted(glob.glob(pattern)):
+            try:
+                ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+                return path
+            except OSError:
+                continue
+    return "not found"
+
+
+def load_mooncake(lib_dir: Path) -> tuple[ModuleType, dict[str, Any]]:
+    """Imports ``mooncake.engine``, loading the system libraries it links where the system lacks them.
+
+    Each library in ``lib_dir`` that the import needs is loaded by name first (the system's copy)
+    and from ``lib_dir`` only when that fails; passes repeat until no more load, so the order of
+    dependencies does not matter. Returns the module and what was loaded from where. Raises
+    BenchError naming every library still missing.
+    """
+    diag: dict[str, Any] = {"libcudart": _load_cudart(), "bundled": []}
+    try:
+        import mooncake.engine as engine
+    except ImportError as first:
+        pending = sorted(p.name for p in lib_dir.glob("*.so*")) if lib_dir.is_dir() else []
+        while pending:
+            remaining = []
+            for name in pending:
+                where = _load_by_name_or_path(name, lib_dir)
+                if where is None:
+                    remaining.append(name)
+                elif where == "bundled":
+                    diag["bundled"].append(name)
+            if len(remaining) == len(pending):
+                break
+            pending = remaining
+        try:
+            import mooncake.engine as engine
+        except ImportError as second:
+            raise BenchError(
+                f"import mooncake.engine failed: {second} (before loading from {lib_dir}: {first}); "
+                "libcuda.so.1 is the NVIDIA driver's and is never bundled"
+            ) from second
+    diag["module"] = engine.__file__
+    diag["support"] = {
+        name: bool(getattr(engine, name)) for name in dir(engine) if name.startswith("SUPPORT_")
+    }
+    with open("/proc/self/maps") as maps:
+        resident = {line.split()[-1] for line in maps if ".so" in line}
+    diag["resident"] = sorted(
+        p for p in resident if any(k in p for k in ("libcudart.so", "libcuda.so", "libibverbs"))
+    )
+    return engine, diag
+
+
+# -- one side ---------------------------------------------------------------------------------------
+
+
+def _send(conn: Connection, msg: dict[str, Any]) -> None:
+    conn.send_bytes(json.dumps(msg).encode())
+
+
+def _recv(conn: Connection, who: str) -> dict[str, Any]:
+    if not conn.poll(MESSAGE_TIMEOUT_S):
+        raise BenchError(f"no message from the {who} in {MESSAGE_TIMEOUT_S:.0f} s")
+    msg: dict[str, Any] = json.loads(conn.recv_bytes())
+    if "error" in msg:
+        raise BenchError(f"{who}: {msg['error']}")
+    return msg
+
+
+def _base_bytes(cfg: Config, device: torch.device) -> torch.Tensor:
+    """The room's seeded random bytes, identical in both processes (numpy PCG64, then moved to ``device``)."""
+    host = np.random.default_rng(20260417).integers(0, 256, size=cfg.room_bytes, dtype=np.uint8)
+    return torch.from_numpy(host).to(device)
+
+
+def _round_constant(step: int) -> int:
+    """A nonzero byte that differs between consecutive steps, XORed over the base for that step."""
+    return 1 + (step * 37) % 255
+
+
+class Side:
+    """One process's engine and registered arena. Built by :meth:`open`, released by :meth:`close`."""
+
+    def __init__(self, cfg: Config, role: str) -> None:
+        self.cfg = cfg
+        self.role = role
+        self.device = torch.device(cfg.initiator if role == "initiator" else cfg.target)
+        self.engine: Any = None
+        self.registered = False
+        self.diag: dict[str, Any] = {}
+
+    def open(self) -> None:
+        """Loads Mooncake, allocates the arena first (so that it starts its own cudaMalloc segment) and
+        registers it whole. Raises BenchError if any step fails."""
+        cfg = self.cfg
+        os.environ[TRANSPORT_ENV[cfg.transport]] = "1"
+        if not cfg.verbose:
+            os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        size = math.ceil(cfg.room_bytes / SEGMENT_ALIGN) * SEGMENT_ALIGN
+        self.arena = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        self.room = self.arena[: cfg.room_bytes]
+        self.addr = self.arena.data_ptr()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            segments = {s["address"]: s["total_size"] for s in torch.cuda.memory_snapshot()}
+            if segments.get(self.addr, 0) < size:
+                raise BenchError(
+                    f"{self.role}: the arena at {self.addr:#x} does not start its own CUDA allocation "
+                    "(CUDA IPC exports whole allocations); set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False"
+                )
+        engine_module, self.diag = load_mooncake(Path(cfg.lib_dir))
+        self.engine = engine_module.TransferEngine()
+        rc = self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", cfg.transport, "")
+        if rc != 0:
+            raise BenchError(f"{self.role}: TransferEngine.initialize(..., {cfg.transport!r}) returned {rc}")
+        self.session = f"127.0.0.1:{self.engine.get_rpc_port()}"
+        rc = self.engine.register_memory(self.addr, size)
+        if rc != 0:
+            raise BenchError(
+                f"{self.role}: register_memory({self.addr:#x}, {size}) on {self.device} returned {rc}"
+            )
+        self.registered = True
+        self.base = _base_bytes(cfg, self.device)
+
+    def close(self) -> None:
+        """Unregisters the arena; safe after a partial :meth:`open`."""
+        if self.registered:
+            self.engine.unregister_memory(self.addr)
+            self.registered = False
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def fill(self, step: int) -> None:
+        """The initiator's room holds the step's bytes when this returns."""
+        torch.bitwise_xor(self.base, _round_constant(step), out=self.room)
+        self.sync()
+
+    def check(self, step: int, tensors: int, tensor_bytes: int, prefix: int) -> int:
+        """Counts the bytes of ``room.view(tensors, tensor_bytes)[:, :prefix]`` that differ from the step's."""
+        expected = torch.bitwise_xor(self.base, _round_constant(step))
+        got = self.room.view(tensors, tensor_bytes)[:, :prefix]
+        want = expected.view(tensors, tensor_bytes)[:, :prefix]
+        bad = 0 if torch.equal(got, want) else int((got != want).sum().item())
+        del expected
+        return bad
+
+
+def _target_main(peer: Connection, cfg_json: str) -> None:
+    """The target process: answers ``prepare`` (zero the room), ``verify`` and ``close`` from the initiator."""
+    cfg = Config(**json.loads(cfg_json))
+    side = Side(cfg, "target")
+    try:
+        side.open()
+        _send(peer, {"session": side.session, "addr": side.addr, "diag": side.diag})
+        while True:
+            msg = _recv(peer, "initiator")
+            if msg["op"] == "prepare":
+                side.room.zero_()
+                side.sync()
+                _send(peer, {"ok": True})
+            elif msg["op"] == "verify":
+                bad = side.check(msg["step"], msg["tensors"], msg["tensor_bytes"], msg["prefix"])
+                _send(peer, {"mismatched": bad})
+            elif msg["op"] == "close":
+                break
+    except Exception as exc:
+        traceback.print_exc()
+        _send(peer, {"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        side.close()
+
+
+class Initiator:
+    """Drives the measurement from the initiator's side; every WRITE goes to the target's arena."""
+
+    def __init__(self, side: Side, peer: Connection, target: dict[str, Any]) -> None:
+        self.side = side
+        self.peer = peer
+        self.session: str = target["session"]
+        self.remote: int = target["addr"]
+        self.mismatched = 0
+        self.checks = 0
+
+    def ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        _send(self.peer, msg)
+        return _recv(self.peer, "target")
+
+    def verify(self, step: int, tensors: int, tensor_bytes: int, prefix: int, what: str) -> None:
+        bad = self.ask(
+            {"op": "verify", "step": step, "tensors": tensors, "tensor_bytes": tensor_bytes, "prefix": prefix}
+        )
+        self.checks += 1
+        self.mismatched += bad["mismatched"]
+        if bad["mismatched"]:
+            raise BenchError(f"{what}: {bad['mismatched']} bytes differ on the target after the transfer")
+
+    def write(self, offsets: list[int], lengths: list[int]) -> float:
+        """One synchronous WRITE of these pieces (same offsets on both sides); returns its wall seconds."""
+        engine, local = self.side.engine, self.side.addr
+        t0 = time.perf_counter()
+        if len(offsets) == 1:
+            rc = engine.transfer_sync_write(
+                self.session, local + offsets[0], self.remote + offsets[0], lengths[0]
+            )
+        else:
+            rc = engine.batch_transfer_sync_write(
+                self.session, [local + o for o in offsets], [self.remote + o for o in offsets], lengths
+            )
+        elapsed = time.perf_counter() - t0
+        if rc != 0:
+            raise BenchError(
+                f"initiator: WRITE of {len(offsets)} piece(s), {sum(lengths)} bytes, returned {rc}"
+            )
+        return elapsed
+
+    def room_rounds(self, pieces: int, first_step: int) -> list[float]:
+        """``rounds`` timed WRITEs of the room in ``pieces`` pieces, after an untimed warm-up; GB/s each."""
+        cfg = self.side.cfg
+        piece = cfg.room_bytes // pieces
+        offsets, lengths = [i * piece for i in range(pieces)], [piece] * pieces
+        self.write(offsets, lengths)
+        rates = []
+        for r in range(cfg.rounds):
+            step = first_step + r
+            self.ask({"op": "prepare"})
+            self.side.fill(step)
+            elapsed = self.write(offsets, lengths)
+            self.verify(step, 1, cfg.room_bytes, cfg.room_bytes, f"room in {pieces} piece(s), round {r}")
+            rates.append(cfg.room_bytes / elapsed / 1e9)
+        return rates
+
+    def latency(self, per_tensor: bool, step: int) -> list[float]:
+        """``lat_samples`` timed WRITEs of one page (a piece in every tensor, or a single piece); ms each.
+
+        Sample ``j`` writes page ``j`` (modulo the pages there are), so the pages checked afterwards
+        were each written by a sample of this run."""
+        cfg = self.side.cfg
+        tensors = cfg.tensors if per_tensor else 1
+        stride = cfg.tensor_bytes if per_tensor else cfg.room_bytes
+        pages = stride // cfg.page_bytes
+
+        def pieces(j: int) -> list[int]:
+            return [t * stride + (j % pages) * cfg.page_bytes for t in range(tensors)]
+
+        for j in range(5):
+            self.write(pieces(j), [cfg.page_bytes] * tensors)
+        self.ask({"op": "prepare"})
+        self.side.fill(step)
+        samples = [self.write(pieces(j), [cfg.page_bytes] * tensors) * 1e3 for j in range(cfg.lat_samples)]
+        prefix = min(cfg.lat_samples, pages) * cfg.page_bytes
+        self.verify(step, tensors, stride, prefix, f"latency ({tensors} piece(s) a sample)")
+        return samples
+
+
+def _initiator_main(peer: Connection, results: Connection, cfg_json: str) -> None:
+    """The initiator process: opens its side, measures, sends one result dict (or an error) to the parent."""
+    cfg = Config(**json.loads(cfg_json))
+    side = Side(cfg, "initiator")
+    try:
+        side.open()
+        target = _recv(peer, "target")
+        run = Initiator(side, peer, target)
+        one = run.room_rounds(1, first_step=0)
+        many = run.room_rounds(cfg.tensors, first_step=cfg.rounds)
+        page = run.latency(per_tensor=True, step=2 * cfg.rounds)
+        piece = run.latency(per_tensor=False, step=2 * cfg.rounds + 1)
+        _send(peer, {"op": "close"})
+        _send(
+            results,
+            {
+                "room_1": one,
+                "room_pieces": many,
+                "page_ms": page,
+                "piece_ms": piece,
+                "checks": run.checks,
+                "mismatched": run.mismatched,
+                "diag": {"initiator": side.diag, "target": target["diag"]},
+            },
+        )
+    except Exception as exc:
+        traceback.print_exc()
+        _send(results, {"error": f"{type(exc).__name__}: {exc}"})
+        try:
+            _send(peer, {"op": "close"})
+        except OSError:
+            pass
+    finally:
+        side.close()
+
+
+def run_pair(cfg: Config, timeout_s: float) -> dict[str, Any]:
+    """Spawns the target and the initiator, returns the initiator's result; raises BenchError on failure."""
+    ctx = mp.get_context("spawn")
+    to_target, to_initiator = ctx.Pipe()
+    results_read, results_write = ctx.Pipe(duplex=False)
+    cfg_json = json.dumps(asdict(cfg))
+    target = ctx.Process(target=_target_main, args=(to_initiator, cfg_json), name="mooncake-target")
+    initiator = ctx.Process(
+        target=_initiator_main, args=(to_target, results_write, cfg_json), name="mooncake-initiator"
+    )
+    target.start()
+    initiator.start()
+    for end in (to_target, to_initiator, results_write):
+        end.close()  # the children hold their own copies: a child that dies is an EOF here, not a hang
+    try:
+        if not results_read.poll(timeout_s):
+            raise BenchError(f"no result from the initiator in {timeout_s:.0f} s ({cfg.transport})")
+        result: dict[str, Any] = json.loads(results_read.recv_bytes())
+    except EOFError as exc:
+        raise BenchError(f"the initiator exited with code {initiator.exitcode} before its result") from exc
+    finally:
+        for proc in (initiator, target):
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(10)
+    if "error" in result:
+        raise BenchError(f"{cfg.transport}: {result['error']}")
+    return result
+
+
+# -- the ceiling and the report ---------------------------------------------------------------------
+
+
+def copy_ceiling(cfg: Config) -> list[float]:
+    """GB/s of torch ``copy_`` of the room's bytes, initiator device -> target device, ``rounds`` times."""
+    src = torch.randint(0, 256, (cfg.room_bytes,), dtype=torch.uint8, device=cfg.initiator)
+    dst = torch.empty(cfg.room_bytes, dtype=torch.uint8, device=cfg.target)
+
+    devices = {src.device, dst.device}
+
+    def sync() -> None:
+        for device in devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    dst.copy_(src)
+    sync()
+    rates = []
+    for _ in range(cfg.rounds):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        rates.append(cfg.room_bytes / (time.perf_counter() - t0) / 1e9)
+    if not torch.equal(dst.to(src.device), src):
+        raise BenchError("the ceiling's copy is not bit-exact")
+    del src, dst
+    if cfg.device == "cuda":
+        torch.cuda.empty_cache()
+    return rates
+
+
+def _pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(samples, q))
+
+
+def report(cfg: Config, ceiling: list[float], result: dict[str, Any]) -> dict[str, Any]:
+    """Prints the table; returns the JSON record."""
+    copy = statistics.median(ceiling)
+    one, many = statistics.median(result["room_1"]), statistics.median(result["room_pieces"])
+    fair = cfg.transport == "nvlink_intra" or cfg.device == "cpu"
+    same_gpu = cfg.device == "cuda" and cfg.initiator == cfg.target
+    record = {
+        "bench": "mooncake",
+        "mooncake": MOONCAKE_VERSION,
+        "transport": cfg.transport,
+        "fair_anchor": fair,
+        "device": cfg.device,
+        "initiator": cfg.initiator,
+        "target": cfg.target,
+        "room_bytes": cfg.room_bytes,
+        "pieces": cfg.tensors,
+        "rounds": cfg.rounds,
+        "room_1_gbps": round(one, 2),
+        "room_pieces_gbps": round(many, 2),
+        "copy_gbps": round(copy, 2),
+        "room_1_of_copy": round(one / copy, 3),
+        "room_pieces_of_copy": round(many / copy, 3),
+        "room_1_rounds": [round(x, 2) for x in result["room_1"]],
+        "room_pieces_rounds": [round(x, 2) for x in result["room_pieces"]],
+        "copy_rounds": [round(x, 2) for x in ceiling],
+        "page_bytes": cfg.page_bytes,
+        "lat_samples": cfg.lat_samples,
+        "page_p50_ms": round(_pct(result["page_ms"], 50), 4),
+        "page_p99_ms": round(_pct(result["page_ms"], 99), 4),
+        "piece_p50_ms": round(_pct(result["piece_ms"], 50), 4),
+        "piece_p99_ms": round(_pct(result["piece_ms"], 99), 4),
+        "verified_checks": result["checks"],
+        "mismatched_bytes": result["mismatched"],
+    }
+    mb = cfg.room_bytes / 1e6
+    print(
+        f"Mooncake {MOONCAKE_VERSION} transfer engine, transport {cfg.transport}: {TRANSPORT_MEANING[cfg.transport]}"
+    )
+    if not fair:
+        print("NOT A FAIR ANCHOR: GPU memory over Mooncake's TCP transport is staged through host memory and")
+        print(
+            "loopback sockets; our engine moves GPU memory by CUDA IPC. Compare nvlink_intra figures instead."
+        )
+    if same_gpu:
+        print(
+            f"ONE GPU: both processes on {cfg.initiator}; the ceiling is a copy within one GPU, not a link."
+        )
+    print(
+        f"initiator {cfg.initiator} -> target {cfg.target}; room {cfg.layers} layers x K,V x {cfg.tokens} tokens x "
+        f"{cfg.heads} heads x {cfg.head_dim} x bf16 = {mb:.1f} MB as {cfg.tensors} tensors"
+    )
+    ceiling_name = "host memcpy (torch copy_)" if cfg.device == "cpu" else "device copy (torch copy_)"
+    rows = [
+        ("room, 1 buffer", f"{one:.2f} GB/s", f"{one / copy:.3f}", record["room_1_rounds"]),
+        (
+            f"room, {cfg.tensors} pieces (1 batch)",
+            f"{many:.2f} GB/s",
+            f"{many / copy:.3f}",
+            record["room_pieces_rounds"],
+        ),
+        (ceiling_name, f"{copy:.2f} GB/s", "1.000", record["copy_rounds"]),
+    ]
+    print(f"\n| what | median of {cfg.rounds} | of the copy | rounds |\n|---|---|---|---|")
+    for name, figure, share, rounds in rows:
+        print(f"| {name} | {figure} | {share} | {', '.join(f'{x:.2f}' for x in rounds)} |")
+    kib = cfg.page_bytes // 1024
+    print(f"\n| small WRITE ({cfg.lat_samples} samples) | p50 ms | p99 ms |\n|---|---|---|")
+    print(
+        f"| one page: {cfg.tensors} x {kib} KiB (1 batch) | {record['page_p50_ms']:.4f} | {record['page_p99_ms']:.4f} |"
+    )
+    print(f"| one piece: 1 x {kib} KiB | {record['piece_p50_ms']:.4f} | {record['piece_p99_ms']:.4f} |")
+    print(f"\nverified after the clock: {result['checks']} checks, {result['mismatched']} bytes mismatched")
+    return record
+
+
+# -- command line -----------------------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace, transport: str, **sizes: int) -> Config:
+    if args.device == "cuda":
+        first, second = (int(x) for x in args.gpus.split(","))
+        if torch.cuda.device_count() < 2:
+            second = first
+        initiator, target = f"cuda:{first}", f"cuda:{second}"
+    else:
+        initiator = target = "cpu"
+    tiny = args.device == "cpu"
+    return Config(
+        device=args.device,
+        transport=transport,
+        initiator=initiator,
+        target=target,
+        layers=sizes.get("layers", args.layers or (4 if tiny else 64)),
+        heads=args.heads,
+        head_dim=args.head_dim,
+        tokens=sizes.get("tokens", args.tokens or (256 if tiny else 4096)),
+        page_size=args.page_size,
+        rounds=sizes.get("rounds", args.rounds or (3 if tiny else 5)),
+        lat_samples=sizes.get("lat_samples", args.lat_samples or (30 if tiny else 200)),
+        lib_dir=str(args.lib_dir),
+        verbose=args.verbose,
+    )
+
+
+def self_test(args: argparse.Namespace) -> int:
+    """Each transport the device has: import, initialize, register, tiny transfers verified. Exit code."""
+    transports = ["nvlink_intra", "tcp"] if args.device == "cuda" else ["tcp"]
+    failed = 0
+    for transport in transports:
+        cfg = _config(
+            args, transport, layers=SELF_TEST_LAYERS, tokens=SELF_TEST_TOKENS, rounds=1, lat_samples=3
+        )
+        t0 = time.perf_counter()
+        try:
+            result = run_pair(cfg, args.timeout)
+        except BenchError as exc:
+            failed += 1
+            print(f"self-test {transport}: FAILED: {exc}")
+            continue
+        diag = result["diag"]["initiator"]
+        print(
+            f"self-test {transport}: ok in {time.perf_counter() - t0:.1f} s, {cfg.initiator} -> {cfg.target}, "
+            f"{result['checks']} checks, {result['mismatched']} bytes mismatched, "
+            f"room {statistics.median(result['room_1']):.3f} GB/s, page p50 {statistics.median(result['page_ms']):.3f} ms"
+        )
+        print(
+            f"  module {diag['module']}; libcudart {diag['libcudart']}; loaded from {args.lib_dir}: {diag['bundled'] or 'none'}"
+        )
+        print(f"  resident {diag['resident']}; {diag['support']}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--transport", choices=["auto", "nvlink_intra", "tcp"], default="auto")
+    parser.add_argument(
+        "--gpus", default="0,1", help="initiator,target GPU indices (one GPU: both on the first)"
+    )
+    parser.add_argument("--layers", type=int, help="64 on cuda, 4 on cpu")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--tokens", type=int, help="4096 on cuda, 256 on cpu")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, help="5 on cuda, 3 on cpu")
+    parser.add_argument("--lat-samples", type=int, help="200 on cuda, 30 on cpu")
+    parser.add_argument("--lib-dir", type=Path, default=ROOT / ".whl-mc" / "lib")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for the initiator's result"
+    )
+    parser.add_argument("--self-test", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="Mooncake's INFO log lines too")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU")
+    if args.self_test:
+        return self_test(args)
+    transport = (
+        args.transport if args.transport != "auto" else ("nvlink_intra" if args.device == "cuda" else "tcp")
+    )
+    if transport == "nvlink_intra" and args.device == "cpu":
+        parser.error("--transport nvlink_intra moves GPU memory only")
+    cfg = _config(args, transport)
+    if cfg.tokens % cfg.page_size:
+        parser.error(f"--tokens {cfg.tokens} is not a multiple of --page-size {cfg.page_size}")
+    ceiling = copy_ceiling(cfg)
+    try:
+        result = run_pair(cfg, args.timeout)
+    except BenchError as exc:
+        print(f"bench_mooncake: {exc}", file=sys.stderr)
+        return 1
+    record = report(cfg, ceiling, result)
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
