@@ -171,30 +171,58 @@ def _load_cudart() -> str:
     return "not found"
 
 
-def load_mooncake(lib_dir: Path) -> tuple[ModuleType, dict[str, Any]]:
-    """Imports ``mooncake.engine``, loading the system libraries it links where the system lacks them.
+RDMA_CORE = ("libibverbs.so.1", "libmlx5.so.1")
 
-    Each library in ``lib_dir`` that the import needs is loaded by name first (the system's copy)
-    and from ``lib_dir`` only when that fails; passes repeat until no more load, so the order of
-    dependencies does not matter. Returns the module and what was loaded from where. Raises
-    BenchError naming every library still missing.
+
+def _load_bundle(lib_dir: Path) -> list[str]:
+    """Loads what ``lib_dir`` holds and the system lacks; returns the names taken from ``lib_dir``.
+
+    libibverbs.so.1 and libmlx5.so.1 must come from one rdma-core build (libmlx5 binds to a
+    versioned private symbol set of libibverbs): both from the system if it has libmlx5, else both
+    from ``lib_dir``. Every other library is taken from the system by name where it loads, from
+    ``lib_dir`` otherwise, in passes until no more load, so the order of dependencies does not matter.
+    """
+    names = sorted(p.name for p in lib_dir.glob("*.so*")) if lib_dir.is_dir() else []
+    bundled: list[str] = []
+    pending = [name for name in names if name not in RDMA_CORE]
+    while pending:
+        remaining = []
+        for name in pending:
+            where = _load_by_name_or_path(name, lib_dir)
+            if where is None:
+                remaining.append(name)
+            elif where == "bundled":
+                bundled.append(name)
+        if len(remaining) == len(pending):
+            break
+        pending = remaining
+    try:
+        ctypes.CDLL(RDMA_CORE[1], mode=os.RTLD_GLOBAL)
+    except OSError:
+        for name in RDMA_CORE:
+            if (lib_dir / name).exists():
+                ctypes.CDLL(str(lib_dir / name), mode=os.RTLD_GLOBAL)
+                bundled.append(name)
+    return bundled
+
+
+def load_mooncake(lib_dir: Path) -> tuple[ModuleType, dict[str, Any]]:
+    """Imports ``mooncake.engine``; where the import fails for a missing system library, loads the
+    libraries of ``lib_dir`` the system lacks (see :func:`_load_bundle`) and imports again.
+
+    Returns the module and where its libraries came from. Raises BenchError with both import
+    errors if the second import fails too.
     """
     diag: dict[str, Any] = {"libcudart": _load_cudart(), "bundled": []}
     try:
         import mooncake.engine as engine
     except ImportError as first:
-        pending = sorted(p.name for p in lib_dir.glob("*.so*")) if lib_dir.is_dir() else []
-        while pending:
-            remaining = []
-            for name in pending:
-                where = _load_by_name_or_path(name, lib_dir)
-                if where is None:
-                    remaining.append(name)
-                elif where == "bundled":
-                    diag["bundled"].append(name)
-            if len(remaining) == len(pending):
-                break
-            pending = remaining
+        try:
+            diag["bundled"] = _load_bundle(lib_dir)
+        except OSError as exc:
+            raise BenchError(
+                f"import mooncake.engine failed: {first}; loading from {lib_dir}: {exc}"
+            ) from exc
         try:
             import mooncake.engine as engine
         except ImportError as second:
@@ -525,7 +553,7 @@ def report(cfg: Config, ceiling: list[float], result: dict[str, Any]) -> dict[st
     """Prints the table; returns the JSON record."""
     copy = statistics.median(ceiling)
     one, many = statistics.median(result["room_1"]), statistics.median(result["room_pieces"])
-    fair = cfg.transport == "nvlink_intra" or cfg.device == "cpu"
+    fair = cfg.transport == "nvlink_intra"
     same_gpu = cfg.device == "cuda" and cfg.initiator == cfg.target
     record = {
         "bench": "mooncake",
@@ -559,11 +587,14 @@ def report(cfg: Config, ceiling: list[float], result: dict[str, Any]) -> dict[st
     print(
         f"Mooncake {MOONCAKE_VERSION} transfer engine, transport {cfg.transport}: {TRANSPORT_MEANING[cfg.transport]}"
     )
-    if not fair:
-        print("NOT A FAIR ANCHOR: GPU memory over Mooncake's TCP transport is staged through host memory and")
+    if cfg.device == "cpu":
         print(
-            "loopback sockets; our engine moves GPU memory by CUDA IPC. Compare nvlink_intra figures instead."
+            "CPU MEMORY: DRAM over Mooncake's TCP transport on loopback checks that this script works; it is no"
         )
+        print("anchor (our CPU figures move DRAM through UCX shared memory).")
+    elif not fair:
+        print("NOT A FAIR ANCHOR: GPU memory over Mooncake's TCP transport is staged through host memory in")
+        print("64 KiB pieces and sent over loopback sockets; our engine moves GPU memory by CUDA IPC.")
     if same_gpu:
         print(
             f"ONE GPU: both processes on {cfg.initiator}; the ceiling is a copy within one GPU, not a link."
