@@ -22,15 +22,17 @@ x 8 heads x 128 x bf16 = 1.07 GB, laid out as 128 tensors of 8 MiB. The initiato
 1. throughput, ``--rounds`` rounds each of the room as one buffer (1 descriptor) and as the
    same bytes in 128 pieces (one batch of 128 descriptors). A round: the target zeroes its
    arena, the initiator fills its own with the round's bytes (a seeded random base XOR a
-   per-round constant, so a stale or misplaced byte cannot pass), the clock runs around the
-   one call, then the target compares every byte with the bytes it expects (bit-exact). GB/s
-   is the median over rounds; the first call of each kind is an untimed warm-up (it opens the
-   peer's segment: a CUDA IPC mapping on ``nvlink_intra``);
-2. small-transfer latency, ``--lat-samples`` samples each of one page (16 tokens: one 32 KiB
-   piece per layer tensor, 128 pieces in one batch, as our one-page room) and of a single
-   32 KiB piece; p50 and p99 of the call's wall time, the pages checked after the last sample.
-   A Mooncake WRITE tells the target nothing; our small-room latency includes the notification,
-   so these figures are a floor for a comparable transfer;
+   per-round constant, so a stale or misplaced byte cannot pass); the clock runs from the call
+   until it has returned and the initiator's CUDA work on both GPUs is done (a copy still in
+   flight cannot count); then the target compares every byte with the bytes it expects
+   (bit-exact). GB/s is the median over rounds; the first call of each kind is an untimed
+   warm-up (it opens the peer's segment: a CUDA IPC mapping on ``nvlink_intra``);
+2. small-transfer latency, ``--lat-samples`` samples each of: one page (16 tokens: one 32 KiB
+   piece per layer tensor, 128 pieces in one batch, as our one-page room); a single 32 KiB
+   piece; and one page with a Mooncake notification (``batch_transfer_sync`` with a
+   ``TransferNotify``), timed until the target's ``get_notifies()`` returned it, the analogue
+   of our small room's WRITE plus notification. p50 and p99; the pages are checked after the
+   last sample. The plain WRITEs tell the target nothing: they are a floor;
 3. the ceiling, measured first, in the parent process: torch ``copy_`` of the room's bytes from
    the initiator's GPU to the target's (a host memcpy on CPU), median of ``--rounds``. Every GB/s
    is also printed as a share of it, so runs on different machines compare as ratios.
@@ -65,6 +67,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -80,6 +83,8 @@ BF16_BYTES = 2
 SEGMENT_ALIGN = 2 << 20
 MESSAGE_TIMEOUT_S = 300.0
 SELF_TEST_LAYERS, SELF_TEST_TOKENS = 2, 64
+WARMUP_SAMPLES = 5
+NOTIFY_TIMEOUT_S = 10.0
 
 TRANSPORT_ENV = {"nvlink_intra": "MC_INTRANODE_NVLINK", "tcp": "MC_FORCE_TCP"}
 TRANSPORT_MEANING = {
@@ -276,6 +281,11 @@ class Side:
         self.cfg = cfg
         self.role = role
         self.device = torch.device(cfg.initiator if role == "initiator" else cfg.target)
+        # The initiator's clock stops once its CUDA work on both GPUs is done, so that a copy still in
+        # flight when Mooncake's call returns cannot count as landed.
+        names = {cfg.initiator, cfg.target} if role == "initiator" else {cfg.target}
+        self.settled = [torch.device(n) for n in sorted(names) if torch.device(n).type == "cuda"]
+        self.mc: Any = None
         self.engine: Any = None
         self.registered = False
         self.diag: dict[str, Any] = {}
@@ -301,8 +311,8 @@ class Side:
                     f"{self.role}: the arena at {self.addr:#x} does not start its own CUDA allocation "
                     "(CUDA IPC exports whole allocations); set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False"
                 )
-        engine_module, self.diag = load_mooncake(Path(cfg.lib_dir))
-        self.engine = engine_module.TransferEngine()
+        self.mc, self.diag = load_mooncake(Path(cfg.lib_dir))
+        self.engine = self.mc.TransferEngine()
         rc = self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", cfg.transport, "")
         if rc != 0:
             raise BenchError(f"{self.role}: TransferEngine.initialize(..., {cfg.transport!r}) returned {rc}")
@@ -314,6 +324,7 @@ class Side:
             )
         self.registered = True
         self.base = _base_bytes(cfg, self.device)
+        self.settle()
 
     def close(self) -> None:
         """Unregisters the arena; safe after a partial :meth:`open`."""
@@ -321,27 +332,40 @@ class Side:
             self.engine.unregister_memory(self.addr)
             self.registered = False
 
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def settle(self) -> None:
+        """Returns once this process's CUDA work on its GPUs has finished (at once on CPU)."""
+        for device in self.settled:
+            torch.cuda.synchronize(device)
 
     def fill(self, step: int) -> None:
         """The initiator's room holds the step's bytes when this returns."""
         torch.bitwise_xor(self.base, _round_constant(step), out=self.room)
-        self.sync()
+        self.settle()
+
+    def zero(self) -> None:
+        self.room.zero_()
+        self.settle()
 
     def check(self, step: int, tensors: int, tensor_bytes: int, prefix: int) -> int:
         """Counts the bytes of ``room.view(tensors, tensor_bytes)[:, :prefix]`` that differ from the step's."""
         expected = torch.bitwise_xor(self.base, _round_constant(step))
         got = self.room.view(tensors, tensor_bytes)[:, :prefix]
         want = expected.view(tensors, tensor_bytes)[:, :prefix]
-        bad = 0 if torch.equal(got, want) else int((got != want).sum().item())
-        del expected
-        return bad
+        return 0 if torch.equal(got, want) else int((got != want).sum().item())
+
+    def watch(self, msg: str, timeout_s: float) -> float | None:
+        """Polls Mooncake's notifications until one carries ``msg``; returns when (perf_counter), or None."""
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            for notify in self.engine.get_notifies():
+                if notify.msg == msg:
+                    return time.perf_counter()
+        return None
 
 
 def _target_main(peer: Connection, cfg_json: str) -> None:
-    """The target process: answers ``prepare`` (zero the room), ``verify`` and ``close`` from the initiator."""
+    """The target process: answers the initiator's ``prepare`` (zero the room), ``verify``, ``watch``
+    (report when a notification arrives) and ``close``."""
     cfg = Config(**json.loads(cfg_json))
     side = Side(cfg, "target")
     try:
@@ -349,15 +373,20 @@ def _target_main(peer: Connection, cfg_json: str) -> None:
         _send(peer, {"session": side.session, "addr": side.addr, "diag": side.diag})
         while True:
             msg = _recv(peer, "initiator")
-            if msg["op"] == "prepare":
-                side.room.zero_()
-                side.sync()
-                _send(peer, {"ok": True})
-            elif msg["op"] == "verify":
-                bad = side.check(msg["step"], msg["tensors"], msg["tensor_bytes"], msg["prefix"])
-                _send(peer, {"mismatched": bad})
-            elif msg["op"] == "close":
-                break
+            match msg["op"]:
+                case "prepare":
+                    side.zero()
+                    _send(peer, {"ok": True})
+                case "verify":
+                    bad = side.check(msg["step"], msg["tensors"], msg["tensor_bytes"], msg["prefix"])
+                    _send(peer, {"mismatched": bad})
+                case "watch":
+                    _send(peer, {"ok": True})
+                    _send(peer, {"seen": side.watch(msg["msg"], NOTIFY_TIMEOUT_S)})
+                case "close":
+                    break
+                case op:
+                    raise BenchError(f"target: unknown op {op!r}")
     except Exception as exc:
         traceback.print_exc()
         _send(peer, {"error": f"{type(exc).__name__}: {exc}"})
@@ -389,18 +418,22 @@ class Initiator:
         if bad["mismatched"]:
             raise BenchError(f"{what}: {bad['mismatched']} bytes differ on the target after the transfer")
 
-    def write(self, offsets: list[int], lengths: list[int]) -> float:
-        """One synchronous WRITE of these pieces (same offsets on both sides); returns its wall seconds."""
-        engine, local = self.side.engine, self.side.addr
+    def write(self, offsets: list[int], lengths: list[int], notify: str | None = None) -> float:
+        """One synchronous WRITE of these pieces (same offsets on both sides), with a notification
+        carrying ``notify`` if given; returns the wall seconds until it landed."""
+        engine, mc, local = self.side.engine, self.side.mc, self.side.addr
+        sources, sinks = [local + o for o in offsets], [self.remote + o for o in offsets]
         t0 = time.perf_counter()
-        if len(offsets) == 1:
-            rc = engine.transfer_sync_write(
-                self.session, local + offsets[0], self.remote + offsets[0], lengths[0]
+        if notify is not None:
+            note = mc.TransferNotify("bench_mooncake", notify)
+            rc = engine.batch_transfer_sync(
+                self.session, sources, sinks, lengths, mc.TransferOpcode.Write, note
             )
+        elif len(offsets) == 1:
+            rc = engine.transfer_sync_write(self.session, sources[0], sinks[0], lengths[0])
         else:
-            rc = engine.batch_transfer_sync_write(
-                self.session, [local + o for o in offsets], [self.remote + o for o in offsets], lengths
-            )
+            rc = engine.batch_transfer_sync_write(self.session, sources, sinks, lengths)
+        self.side.settle()
         elapsed = time.perf_counter() - t0
         if rc != 0:
             raise BenchError(
@@ -424,26 +457,54 @@ class Initiator:
             rates.append(cfg.room_bytes / elapsed / 1e9)
         return rates
 
-    def latency(self, per_tensor: bool, step: int) -> list[float]:
-        """``lat_samples`` timed WRITEs of one page (a piece in every tensor, or a single piece); ms each.
-
-        Sample ``j`` writes page ``j`` (modulo the pages there are), so the pages checked afterwards
-        were each written by a sample of this run."""
+    def _page(self, per_tensor: bool) -> tuple[int, int, Callable[[int], list[int]]]:
+        """(tensors, stride, offsets of sample j): sample ``j`` writes page ``j`` modulo the pages there
+        are, in every tensor or in the room taken as one tensor."""
         cfg = self.side.cfg
         tensors = cfg.tensors if per_tensor else 1
         stride = cfg.tensor_bytes if per_tensor else cfg.room_bytes
         pages = stride // cfg.page_bytes
+        return tensors, stride, lambda j: [t * stride + (j % pages) * cfg.page_bytes for t in range(tensors)]
 
-        def pieces(j: int) -> list[int]:
-            return [t * stride + (j % pages) * cfg.page_bytes for t in range(tensors)]
-
-        for j in range(5):
-            self.write(pieces(j), [cfg.page_bytes] * tensors)
+    def latency(self, per_tensor: bool, step: int) -> list[float]:
+        """``lat_samples`` timed WRITEs of one page (a piece in every tensor, or a single piece); ms each.
+        The pages the samples wrote are checked after the last one."""
+        cfg = self.side.cfg
+        tensors, stride, offsets = self._page(per_tensor)
+        lengths = [cfg.page_bytes] * tensors
+        for j in range(WARMUP_SAMPLES):
+            self.write(offsets(j), lengths)
         self.ask({"op": "prepare"})
         self.side.fill(step)
-        samples = [self.write(pieces(j), [cfg.page_bytes] * tensors) * 1e3 for j in range(cfg.lat_samples)]
-        prefix = min(cfg.lat_samples, pages) * cfg.page_bytes
+        samples = [self.write(offsets(j), lengths) * 1e3 for j in range(cfg.lat_samples)]
+        prefix = min(cfg.lat_samples, stride // cfg.page_bytes) * cfg.page_bytes
         self.verify(step, tensors, stride, prefix, f"latency ({tensors} piece(s) a sample)")
+        return samples
+
+    def notified_latency(self, step: int) -> list[float]:
+        """``lat_samples`` one-page WRITEs with a notification: ms from the call to the target seeing
+        the notification (both clocks are the host's CLOCK_MONOTONIC). Raises BenchError if a
+        notification does not arrive."""
+        cfg = self.side.cfg
+        tensors, stride, offsets = self._page(per_tensor=True)
+        lengths = [cfg.page_bytes] * tensors
+
+        def sample(j: int) -> float:
+            self.ask({"op": "watch", "msg": f"{step}:{j}"})
+            t0 = time.perf_counter()
+            self.write(offsets(j), lengths, notify=f"{step}:{j}")
+            seen = _recv(self.peer, "target")["seen"]
+            if seen is None:
+                raise BenchError(f"the target saw no notification in {NOTIFY_TIMEOUT_S:.0f} s")
+            return (seen - t0) * 1e3
+
+        for j in range(WARMUP_SAMPLES):
+            sample(cfg.lat_samples + j)
+        self.ask({"op": "prepare"})
+        self.side.fill(step)
+        samples = [sample(j) for j in range(cfg.lat_samples)]
+        prefix = min(cfg.lat_samples, stride // cfg.page_bytes) * cfg.page_bytes
+        self.verify(step, tensors, stride, prefix, "latency with notification")
         return samples
 
 
@@ -455,23 +516,23 @@ def _initiator_main(peer: Connection, results: Connection, cfg_json: str) -> Non
         side.open()
         target = _recv(peer, "target")
         run = Initiator(side, peer, target)
-        one = run.room_rounds(1, first_step=0)
-        many = run.room_rounds(cfg.tensors, first_step=cfg.rounds)
-        page = run.latency(per_tensor=True, step=2 * cfg.rounds)
-        piece = run.latency(per_tensor=False, step=2 * cfg.rounds + 1)
+        result: dict[str, Any] = {
+            "room_1": run.room_rounds(1, first_step=0),
+            "room_pieces": run.room_rounds(cfg.tensors, first_step=cfg.rounds),
+            "page_ms": run.latency(per_tensor=True, step=2 * cfg.rounds),
+            "piece_ms": run.latency(per_tensor=False, step=2 * cfg.rounds + 1),
+        }
+        try:
+            result["notify_ms"] = run.notified_latency(step=2 * cfg.rounds + 2)
+        except BenchError as exc:
+            result["notify_error"] = str(exc)
         _send(peer, {"op": "close"})
-        _send(
-            results,
-            {
-                "room_1": one,
-                "room_pieces": many,
-                "page_ms": page,
-                "piece_ms": piece,
-                "checks": run.checks,
-                "mismatched": run.mismatched,
-                "diag": {"initiator": side.diag, "target": target["diag"]},
-            },
-        )
+        result |= {
+            "checks": run.checks,
+            "mismatched": run.mismatched,
+            "diag": {"initiator": side.diag, "target": target["diag"]},
+        }
+        _send(results, result)
     except Exception as exc:
         traceback.print_exc()
         _send(results, {"error": f"{type(exc).__name__}: {exc}"})
@@ -580,6 +641,10 @@ def report(cfg: Config, ceiling: list[float], result: dict[str, Any]) -> dict[st
         "page_p99_ms": round(_pct(result["page_ms"], 99), 4),
         "piece_p50_ms": round(_pct(result["piece_ms"], 50), 4),
         "piece_p99_ms": round(_pct(result["piece_ms"], 99), 4),
+        "page_notify_p50_ms": round(_pct(result["notify_ms"], 50), 4) if "notify_ms" in result else None,
+        "page_notify_p99_ms": round(_pct(result["notify_ms"], 99), 4) if "notify_ms" in result else None,
+        "notify_error": result.get("notify_error"),
+        "gpu": torch.cuda.get_device_name(torch.device(cfg.initiator)) if cfg.device == "cuda" else None,
         "verified_checks": result["checks"],
         "mismatched_bytes": result["mismatched"],
     }
@@ -623,6 +688,15 @@ def report(cfg: Config, ceiling: list[float], result: dict[str, Any]) -> dict[st
         f"| one page: {cfg.tensors} x {kib} KiB (1 batch) | {record['page_p50_ms']:.4f} | {record['page_p99_ms']:.4f} |"
     )
     print(f"| one piece: 1 x {kib} KiB | {record['piece_p50_ms']:.4f} | {record['piece_p99_ms']:.4f} |")
+    if "notify_ms" in result:
+        print(
+            f"| one page + notification, until the target saw it | {record['page_notify_p50_ms']:.4f} "
+            f"| {record['page_notify_p99_ms']:.4f} |"
+        )
+    else:
+        print(f"| one page + notification | failed: {result['notify_error']} | |")
+    if max(result["room_1"] + result["room_pieces"]) > 1.05 * copy:
+        print("\nA ROUND BEAT THE COPY CEILING by more than 5%: check how the ceiling ran on this machine.")
     print(f"\nverified after the clock: {result['checks']} checks, {result['mismatched']} bytes mismatched")
     return record
 
