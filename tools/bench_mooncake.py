@@ -254,6 +254,14 @@ def _send(conn: Connection, msg: dict[str, Any]) -> None:
     conn.send_bytes(json.dumps(msg).encode())
 
 
+def _send_last(conn: Connection, msg: dict[str, Any]) -> None:
+    """Sends a last message (an error, a close) to a peer that may have exited already."""
+    try:
+        _send(conn, msg)
+    except OSError:
+        pass
+
+
 def _recv(conn: Connection, who: str) -> dict[str, Any]:
     if not conn.poll(MESSAGE_TIMEOUT_S):
         raise BenchError(f"no message from the {who} in {MESSAGE_TIMEOUT_S:.0f} s")
@@ -389,7 +397,7 @@ def _target_main(peer: Connection, cfg_json: str) -> None:
                     raise BenchError(f"target: unknown op {op!r}")
     except Exception as exc:
         traceback.print_exc()
-        _send(peer, {"error": f"{type(exc).__name__}: {exc}"})
+        _send_last(peer, {"error": f"{type(exc).__name__}: {exc}"})
     finally:
         side.close()
 
@@ -535,11 +543,8 @@ def _initiator_main(peer: Connection, results: Connection, cfg_json: str) -> Non
         _send(results, result)
     except Exception as exc:
         traceback.print_exc()
-        _send(results, {"error": f"{type(exc).__name__}: {exc}"})
-        try:
-            _send(peer, {"op": "close"})
-        except OSError:
-            pass
+        _send_last(results, {"error": f"{type(exc).__name__}: {exc}"})
+        _send_last(peer, {"op": "close"})
     finally:
         side.close()
 
