@@ -5,7 +5,7 @@ carried along (two device calls; the first is the self-test, a few seconds after
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-mc/*.whl && export PYTHONPATH=/tmp/site:$PWD && timeout 240 python3 -u tools/bench_mooncake.py --self-test
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-mc/*.whl && export PYTHONPATH=/tmp/site:$PWD && timeout 300 python3 -u tools/bench_mooncake.py --device cuda --transport nvlink_intra; timeout 240 python3 -u tools/bench_mooncake.py --device cuda --transport tcp --lat-samples 100
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-mc/*.whl && export PYTHONPATH=/tmp/site:$PWD && timeout 300 python3 -u tools/bench_mooncake.py --device cuda --transport nvlink_intra --timeout 270; timeout 240 python3 -u tools/bench_mooncake.py --device cuda --transport tcp --lat-samples 100 --timeout 210
 
 Here (CPU memory, tiny sizes; the cp311 wheel of the same version, and a libcuda.so.1 on
 LD_LIBRARY_PATH, since engine.so links the driver library even when it moves host memory)::
@@ -84,6 +84,7 @@ SEGMENT_ALIGN = 2 << 20
 MESSAGE_TIMEOUT_S = 300.0
 SELF_TEST_LAYERS, SELF_TEST_TOKENS = 2, 64
 WARMUP_SAMPLES = 5
+SELF_TEST_TIMEOUT_S = 100.0
 NOTIFY_TIMEOUT_S = 10.0
 
 TRANSPORT_ENV = {"nvlink_intra": "MC_INTRANODE_NVLINK", "tcp": "MC_FORCE_TCP"}
@@ -752,7 +753,7 @@ def self_test(args: argparse.Namespace) -> int:
         )
         t0 = time.perf_counter()
         try:
-            result = run_pair(cfg, args.timeout)
+            result = run_pair(cfg, min(args.timeout, SELF_TEST_TIMEOUT_S))
         except BenchError as exc:
             failed += 1
             print(f"self-test {transport}: FAILED: {exc}")
