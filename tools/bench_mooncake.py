@@ -100,7 +100,8 @@ class BenchError(RuntimeError):
 
 @dataclass(frozen=True)
 class Config:
-    """One measured pair of processes. Sizes in bytes; ``tensors`` pieces of ``tensor_bytes`` make a room."""
+    """One measured pair of processes: devices, transport, the room's shape (``tensors`` tensors of
+    ``tensor_bytes`` bytes, pages of ``page_bytes`` in each) and how many samples to take."""
 
     device: str
     transport: str
@@ -131,10 +132,6 @@ class Config:
     @property
     def page_bytes(self) -> int:
         return self.page_size * self.heads * self.head_dim * BF16_BYTES
-
-    @property
-    def pages_per_tensor(self) -> int:
-        return self.tokens // self.page_size
 
 
 # -- loading the wheel ------------------------------------------------------------------------------
