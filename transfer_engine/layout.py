@@ -85,7 +85,6 @@ class KVLayout:
         return 1 if self.mla else heads.heads_per_rank(self.num_heads, tp_size)
 
 
-
 class KVPool:
     """One rank's KV cache as the engine sees it: 2L tensors (K then V) or L MLA latents, plus aux.
 
