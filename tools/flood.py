@@ -425,7 +425,7 @@ def _trim_during(child: subprocess.Popen[str], seconds: float, trimmed: list[flo
     against what glibc kept after it was freed."""
     assert child.stdin is not None and child.stdout is not None
     end = time.monotonic() + seconds
-    while (now := time.monotonic()) + TIMELINE_S <= end:
+    while time.monotonic() + TIMELINE_S <= end:
         time.sleep(TIMELINE_S)
         child.stdin.write("trim\n")
         child.stdin.flush()
@@ -439,12 +439,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--idle", type=float, default=10.0, help="how long idle RSS is sampled first")
     parser.add_argument("--frames", type=int, default=2_000_000, help="most junk messages per ZMQ endpoint")
     parser.add_argument("--connections", type=int, default=20_000, help="most TCP connections per ZMQ port")
-    parser.add_argument("--only", default=",".join(SENDERS),
-                        help=f"comma-separated senders to run, among {','.join(SENDERS)} (default: all)")
-    parser.add_argument("--settle", type=float, default=5.0,
-                        help="seconds idle after the flood before RSS is sampled again, then trimmed")
-    parser.add_argument("--trim-during", action="store_true",
-                        help=f"also trim the child's free heap every {TIMELINE_S:g} s of the flood")
+    parser.add_argument(
+        "--only",
+        default=",".join(SENDERS),
+        help=f"comma-separated senders to run, among {','.join(SENDERS)} (default: all)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="seconds idle after the flood before RSS is sampled again, then trimmed",
+    )
+    parser.add_argument(
+        "--trim-during",
+        action="store_true",
+        help=f"also trim the child's free heap every {TIMELINE_S:g} s of the flood",
+    )
     parser.add_argument("--max-bytes", type=int, default=MAX_JUNK_BYTES, help="largest junk frame")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the result here")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
