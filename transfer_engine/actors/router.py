@@ -138,7 +138,8 @@ class Inbox:
             self.book.close()
 
     async def _serve(self, router: zmq.asyncio.Socket, endpoint: str, handle: Handler) -> NoReturn:
-        limit = router.getsockopt(zmq.MAXMSGSIZE)
+        limit = router.getsockopt(zmq.MAXMSGSIZE)  # the endpoint's frame cap (bind_router)
+        assert isinstance(limit, int) and limit > 0
         while True:
             frames = await router.recv_multipart(copy=True)
             self.book.flush()  # any traffic writes the summaries of windows that are over
