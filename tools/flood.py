@@ -1,6 +1,7 @@
 """Flood: hostile traffic at every endpoint of a running P=1 -> D=1 cluster; peak RSS against idle.
 
-    python tools/flood.py --seconds 60 --idle 10 [--json PATH]
+    python tools/flood.py --seconds 60 --idle 10 [--json PATH] [--only junk,churn,...] [--max-bytes N]
+                          [--settle S] [--trim-during]
 
 Starts the cluster in a child process (``--serve``: one prefill engine hosting the bootstrap and
 one decode engine, real NIXL and ZMQ, metrics on), measures its resident memory idle for
@@ -19,6 +20,11 @@ whichever comes first; all traffic goes to 127.0.0.1. The flood:
   over the limit, clients that disconnect mid-request;
 - **NIXL notifications** (:func:`notif_junk`): a NIXL agent that loaded the decode engine's
   metadata sends malformed notifications and well-formed ones for rooms that do not exist.
+
+``--only`` runs some of these senders and ``--max-bytes`` sets the largest junk frame, to see what
+each costs. The RSS is also listed every 5 s of the flood (a plateau or a slope), and after
+``--settle`` idle seconds and a ``malloc_trim(0)`` in the child (``--trim-during``: every 5 s of the
+flood too), which tells memory the flood holds from heap glibc kept after it was freed.
 
 Afterwards the child runs rooms that must verify byte for byte and reports its drop counters and
 log lines. Prints one JSON object: idle RSS, peak RSS during the flood, what was sent, what the

@@ -3,7 +3,8 @@
 Anyone who can reach a rank's port can send to these sockets, so each must refuse hostile input in
 the same way: never read a frame larger than the endpoint's messages can be, never queue more than
 :data:`INBOUND_BYTES` per peer, decode with the one typed decoder of
-:mod:`transfer_engine.protocol.messages`, and log, count and drop what fails, then keep serving. Having one copy means a hardening of one endpoint is one of them all.
+:mod:`transfer_engine.protocol.messages`, and log, count and drop what fails, then keep serving.
+Having one copy means a hardening of one endpoint is one of them all.
 
 :func:`bind_router` makes the socket (the size cap, the high-water marks, CURVE through a
 ``secure`` callable, e.g. ``Curve.server``); an :class:`Inbox` reads it and hands every decoded
@@ -38,7 +39,8 @@ INTROSPECT_MAX_FRAME = 4096
 
 INBOUND_BYTES = 128 << 20
 """Budget of what one connected peer can make a ROUTER hold: its queue of unread messages
-(``RCVHWM``, :func:`inbound_hwm`) times the largest frame the endpoint reads. libzmq counts its
+(``RCVHWM``, :func:`inbound_hwm`) times the largest frame the endpoint reads (plus
+:data:`BATCH_PIN_BYTES`). libzmq counts its
 high-water marks in messages, so the byte budget becomes a message count per endpoint."""
 
 INBOUND_HWM = 1000
@@ -57,6 +59,13 @@ def inbound_hwm(max_frame: int) -> int:
     return max(1, min(INBOUND_HWM, INBOUND_BYTES // (max_frame + BATCH_PIN_BYTES)))
 
 
+ZMTP3_ONLY = b"transfer_engine.zmtp3"
+"""The ZAP domain of unsecured ROUTERs. No ZAP handler answers it (libzmq then lets ZMTP 3 peers in,
+``ZMQ_ZAP_ENFORCE_DOMAIN`` being off), but a socket with a ZAP domain refuses ZMTP 1.0 peers, and
+without it any bytes that do not start with 0xFF are read as a ZMTP 1.0 peer's frames: each
+connection of junk would become queued messages."""
+
+
 Secure = Callable[[zmq.asyncio.Socket], None]
 """Configures a socket before it binds (ZMQ CURVE server options, see ``transfer_engine.security``)."""
 
@@ -72,9 +81,8 @@ def bind_router(
 
     It never reads a frame over ``max_frame`` bytes (libzmq drops the connection that sends one,
     before buffering it), queues at most :func:`inbound_hwm` messages per peer, and ``hwm`` replies
-    per peer. Peers that do not speak ZMTP 3 are refused at the handshake (a ZAP domain is set, so
-    libzmq does not take a connection's first bytes for a ZMTP 1.0 peer's frames), unless
-    ``secure`` configures the socket otherwise.
+    per peer. ZMTP 1.0 peers are refused at the handshake (:data:`ZMTP3_ONLY`), so a connection of
+    junk bytes queues nothing; ``secure`` may set its own ZAP domain (CURVE refuses them too).
 
     Raises PeerUnreachableError, the socket closed, when it cannot be secured or bound.
     """
@@ -95,13 +103,6 @@ def bind_router(
         sock.close(linger=0)
         raise PeerUnreachableError(f"tcp://{host}:{port}", f"cannot bind: {exc}") from exc
     return sock, port
-
-
-ZMTP3_ONLY = b"transfer_engine.zmtp3"
-"""The ZAP domain of unsecured ROUTERs. No ZAP handler answers it (libzmq then lets ZMTP 3 peers in,
-``ZMQ_ZAP_ENFORCE_DOMAIN`` being off), but a socket with a ZAP domain refuses ZMTP 1.0 peers, and
-without it any bytes that do not start with 0xFF are read as a ZMTP 1.0 peer's frames: each
-connection of junk would become queued messages."""
 
 
 def source_of(endpoint: str, ident: bytes) -> str:
