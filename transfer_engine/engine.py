@@ -481,7 +481,7 @@ class TransferEngine:
             self.agent_name, cfg.nixl_backend, cfg.nixl_params, progress_thread=cfg.nixl_progress_thread
         )
         self._transport = transport
-        transport.register(self.pool.regions(), self.pool.mem_type)
+        transport.register(self.pool.registration(), self.pool.mem_type)
         aux = self.pool.aux_region()
         if aux is not None:
             transport.register(
