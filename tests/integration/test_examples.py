@@ -129,7 +129,8 @@ def test_pd_demo_small() -> None:
     assert len(summary) == 1, tail(out)
     assert re.match(
         rf"pd_demo: rooms verified {rooms}/{rooms}, [\d.]+ MB, [\d.]+ GB/s, room latency p50 [\d.]+ ms "
-        rf"p99 [\d.]+ ms \(prefill TP 2 -> decode TP 2, cpu, path auto, wall [\d.]+ s\)$",
+        rf"p99 [\d.]+ ms; after the first window p50 ([\d.]+|nan) ms p99 ([\d.]+|nan) ms, first window "
+        rf"\(\d+ rooms opened at once\) up to [\d.]+ ms \(prefill TP 2 -> decode TP 2, cpu, path auto, wall [\d.]+ s\)$",
         summary[0],
     ), summary[0]
 
