@@ -16,6 +16,9 @@ request may wait for the prefill to reach it, default 120: it covers the prefill
 and ``heartbeat_interval`` (default 5 s, a peer is dead after two silent intervals: the engine's
 thread shares the GIL with vLLM's worker, which can hold it for seconds on a loaded CPU box), and
 ``connect_timeout`` (default 30 s, for the decode's first handshake with a prefill, for the same reason).
+``engine_cpus`` (default every CPU: a list of CPU ids the engine thread and the threads it starts may
+run on; vLLM's CPU worker pins its main thread to one core before registering its KV caches, and a
+thread left with that pin waits behind the main threads of every instance spinning there).
 
 Push model, as the engine is: the decode allocates blocks and the prefill WRITEs into them. A
 router (``transfer_engine.integrations.vllm.proxy``) gives both instances the same request at once,
