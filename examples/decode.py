@@ -237,6 +237,7 @@ class Progress:
         self.reports: dict[int, list[tuple[bool, int, float]]] = {}
         self.verified = self.failed = self.bytes = 0
         self.latencies: list[float] = []
+        self.latency_by_index: dict[int, float] = {}
         self.done: dict[int, dict[str, Any]] = {}
         self.started = time.monotonic()
         self._shown = 0.0
@@ -255,6 +256,7 @@ class Progress:
             if all(r[0] for r in got):
                 self.verified += 1
                 self.latencies.append(max(r[2] for r in got))  # ready once every rank has it
+                self.latency_by_index[index] = self.latencies[-1]
             else:
                 self.failed += 1
         self.show()
@@ -312,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "latency_p50_ms": p50 * 1e3,
         "latency_p99_ms": p99 * 1e3,
         "exit_codes": codes,
+        "latency_ms_by_room": {i: round(v * 1e3, 3) for i, v in sorted(progress.latency_by_index.items())},
         "ok": good,
     }
     common.say(

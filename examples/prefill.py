@@ -156,6 +156,19 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
                 aux_slots.append(slot)
             window.release()
 
+    async def prepare(plan: common.RoomPlan) -> tuple[np.ndarray, int | None]:
+        """Take a window slot and pages for ``plan`` and compute its KV (the pattern fill)."""
+        await window.acquire()
+        pages = await alloc.alloc(plan.num_pages)
+        slot = aux_slots.pop() if use_aux else None
+        await anyio.to_thread.run_sync(fill, plan.room, pages, slot, limiter=compute)
+        return pages, slot
+
+    # The first window is computed before the engine is up, as a serving prefill is warm before it
+    # takes traffic. Otherwise the decode opens its whole window at once while the rooms' KV is
+    # still being computed one after another, and room k's latency includes k fills: that startup
+    # queue, not the transfer, made the tail of `make demo` (docs/PERF.md, "make demo's tail").
+    ready = [await prepare(plan) for plan in plans[: args.inflight]]
     async with TransferEngine(cfg, pool) as engine:
         where = f", bootstrap server {cfg.bootstrap_endpoint}" if cfg.hosts_bootstrap else ""
         common.say(
@@ -167,13 +180,9 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
         events.put(("up", rank, engine.endpoint))
         async with common.STOP.cancel_on_signal():
             async with anyio.create_task_group() as tg:
+                started = time.monotonic()
                 for plan in plans:
-                    await window.acquire()
-                    pages = await alloc.alloc(plan.num_pages)
-                    slot = aux_slots.pop() if use_aux else None
-                    if plan.index == 0:
-                        started = time.monotonic()
-                    await anyio.to_thread.run_sync(fill, plan.room, pages, slot, limiter=compute)
+                    pages, slot = ready[plan.index] if plan.index < len(ready) else await prepare(plan)
                     tg.start_soon(serve_room, plan, engine.sender(plan.room), pages, slot)
             # A server would go on; this one has served its schedule. Stay while decode ranks are
             # still connected (their last rooms may be finishing), so they never see us vanish.

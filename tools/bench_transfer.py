@@ -65,6 +65,33 @@ def _device(args: argparse.Namespace, side: str, rank: int) -> torch.device:
 
 
 WARMUP_ROOM = 2_000_000
+SMALL_ROOM = 1_000_000
+TRACE_CAPACITY = 1_000_000
+
+
+def step_table(marks: list[tuple[int, int, str]], rooms: set[int]) -> list[tuple[str, float, float, int]]:
+    """Per step: (name, median ms of its first mark after the room's decode ``receiver()``, of its
+    last mark, rooms that reached it), over ``rooms``, in order of the median first mark."""
+    start: dict[int, int] = {}
+    first: dict[tuple[int, str], int] = {}
+    last: dict[tuple[int, str], int] = {}
+    for t, room, step in sorted(marks):
+        if room not in rooms:
+            continue
+        if step == "d.receiver":
+            start.setdefault(room, t)
+        first.setdefault((room, step), t)
+        last[(room, step)] = t
+    by_step: dict[str, tuple[list[float], list[float]]] = {}
+    for (room, step), t in first.items():
+        if room in start:
+            f, lst = by_step.setdefault(step, ([], []))
+            f.append((t - start[room]) / 1e6)
+            lst.append((last[(room, step)] - start[room]) / 1e6)
+    rows = [
+        (step, statistics.median(f), statistics.median(lst), len(f)) for step, (f, lst) in by_step.items()
+    ]
+    return sorted(rows, key=lambda row: row[1])
 
 
 def _chunk_pages(args: argparse.Namespace) -> int:
@@ -129,6 +156,7 @@ def _config(args: argparse.Namespace, role: str, rank: int, port: int) -> Engine
         staging_chunk_pages=_chunk_pages(args),
         transfer_timeout=600.0,
         heartbeat_interval=args.heartbeat_interval,
+        trace_steps=TRACE_CAPACITY if args.trace else 0,
     )
 
 
@@ -231,13 +259,13 @@ async def _prefill(
             if raw is not None and conn is not None:
                 conn.recv()  # "go": blocking, as a raw user's writer would wait
                 _raw_write(raw, peer, dst_small, small, f"lat{i}".encode())
-            sender = engine.sender(1_000_000 + i)
+            sender = engine.sender(SMALL_ROOM + i)
             await sender.send(lat_page, last=True)  # the prefill has sent before the decode asks
             if conn is not None:
                 conn.send("ready")
             await sender.wait()
         if conn is not None:
-            conn.send(("descriptors", engine.poller.counters["descriptors_posted"]))
+            conn.send(("descriptors", engine.poller.counters["descriptors_posted"], engine.me.trace.take()))
             await anyio.to_thread.run_sync(conn.recv)
 
 
@@ -337,7 +365,7 @@ async def _decode(
                     raw.agent.get_new_notifs()  # keep the raw agent progressing meanwhile
                 conn.recv()
             t1 = time.perf_counter()
-            receiver = await engine.receiver(1_000_000 + i, bootstrap, _room_pages(args, 0)[:1])
+            receiver = await engine.receiver(SMALL_ROOM + i, bootstrap, _room_pages(args, 0)[:1])
             await receiver.wait()
             lat.append(time.perf_counter() - t1)
         result.update(
@@ -358,7 +386,11 @@ async def _decode(
                 added_latency_p50_ms=statistics.median([e - r for e, r in zip(lat, raw_lat, strict=True)])
                 * 1e3,
             )
-            posted = (await anyio.to_thread.run_sync(conn.recv))[1]
+            _, posted, prefill_marks = await anyio.to_thread.run_sync(conn.recv)
+            if args.trace:
+                marks = prefill_marks + engine.me.trace.take()
+                result["trace_rooms"] = step_table(marks, set(range(args.rooms)))
+                result["trace_small"] = step_table(marks, set(range(SMALL_ROOM, SMALL_ROOM + args.lat_rooms)))
             # descriptors posted by prefill rank 0 per room, times the writers of decode rank 0
             result["descriptors_per_room"] = posted / (args.warmup + args.rooms + args.lat_rooms)
             conn.send("bye")
@@ -426,6 +458,12 @@ def main() -> int:
         help="prefill and decode processes on disjoint CPU halves (default: on for --device cpu)",
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="mark every room's steps (EngineConfig.trace_steps) and print, per step, the median time "
+        "from the decode's receiver(): for the rooms of the rounds and for the small rooms",
+    )
     args = parser.parse_args()
     if args.warmup < 0:
         args.warmup = args.concurrency
@@ -498,6 +536,13 @@ def main() -> int:
         f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added (median of pairs) "
         f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}"
     )
+    for key, what in (("trace_rooms", "rooms of the rounds"), ("trace_small", "small rooms")):
+        if key in r:
+            print(
+                f"steps of the {what}: ms from the decode's receiver(), median (first mark / last mark, rooms)"
+            )
+            for step, first, last, n in r[key]:
+                print(f"  {step:28s} {first:9.3f} {last:9.3f} {n:5d}")
     ok = r["mismatches"] == 0 and all(p.exitcode == 0 for p in procs)
     return 0 if ok else 1
 

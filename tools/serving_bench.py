@@ -213,6 +213,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         torch_threads=args.torch_threads,
         pin=args.pin if args.pin is not None else args.device == "cpu",
         engine=dict(engine_options(args.engine)),
+        layerwise=args.layerwise,
     )
     out: dict[str, Any] = {"spec": {k: str(v) for k, v in vars(args).items()}}
     async with Cluster(spec) as cluster:
@@ -253,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=2.0, help="seconds per lag window (default 2)")
     parser.add_argument("--rounds", type=int, default=3, help="decode alone / + transfers rounds (default 3)")
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument(
+        "--layerwise", action="store_true", help="the prefill sends layer by layer from its forward"
+    )
     parser.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,

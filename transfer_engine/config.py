@@ -52,6 +52,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Prefill staging buffer per worker; 0 sizes it to two chunks of ``staging_chunk_pages`` pages
     (double buffering: the next chunk is gathered while the previous one's WRITE is in flight)."""
     staging_chunk_pages: int = 64
+    layers_per_write: int = 4
+    """Layer-wise sending (``Sender.begin_chunk``/``layers_ready``): ready layers are gathered into
+    one WRITE per decode rank until a group holds at least this many (the chunk's last layer always
+    flushes). Fewer layers per WRITE shorten the tail after the forward; more cost fewer WRITEs
+    (``tools/bench_layerwise.py`` measures both)."""
     bootstrap_timeout: float = 30.0
     waiting_timeout: float | None = None
     transfer_timeout: float = 60.0
@@ -64,6 +69,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """After NIXL activity (a WRITE posted, a room started, a notification) poll without sleeping for
     this long: a sleep costs at least 1 ms (epoll's resolution) and a small WRITE and its notification
     need several progress calls on both sides. 0 turns spinning off (for machines short of cores)."""
+    trace_steps: int = 0
+    """Keep the last this many step marks of rooms (:mod:`transfer_engine.steptrace`), for
+    benchmarks; 0 (the default) records nothing."""
     nixl_backend: str = "UCX"
     nixl_params: dict[str, str] = msgspec.field(default_factory=dict)
     nixl_progress_thread: bool = False
@@ -96,6 +104,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("bootstrap_timeout", "transfer_timeout", "heartbeat_interval", "connect_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.trace_steps < 0:
+            raise ConfigError(f"trace_steps={self.trace_steps} must be >= 0")
         if self.poll_spin < 0:
             raise ConfigError(f"poll_spin={self.poll_spin} must be >= 0")
         if self.poll_interval <= 0:
@@ -105,6 +115,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("ring_bytes", "staging_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 sizes it automatically)")
+        if not isinstance(self.layers_per_write, int) or self.layers_per_write < 1:
+            raise ConfigError(f"layers_per_write={self.layers_per_write!r} must be an integer >= 1")
         if self.staging_chunk_pages < 1:
             raise ConfigError(f"staging_chunk_pages={self.staging_chunk_pages} must be >= 1")
         for name in ("control_port", "bootstrap_port", "introspect_port"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 import zlib
 from collections import Counter, deque
@@ -50,9 +51,11 @@ from transfer_engine.introspect import ENDED_ROOMS_KEPT, RoomSnapshot
 from transfer_engine.introspect.build import build_snapshot, record_ended
 from transfer_engine.layout import KVPool
 from transfer_engine.mail import (
+    LayersReady,
     LocalAbort,
     PeerDead,
     QueueChunk,
+    Ready,
     RepeatStaging,
     RoomMail,
     Shutdown,
@@ -73,12 +76,14 @@ from transfer_engine.ports import (
 )
 from transfer_engine.protocol import handshake, heads, leases
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.layers import LayerChunks, check_layers_per_write
 from transfer_engine.protocol.paths import is_staged
 from transfer_engine.protocol.polling import polled
 from transfer_engine.protocol.retransmit import Ended, Late, Tombstones, answer_late_request
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
 from transfer_engine.protocol.stash import EarlyRequests
 from transfer_engine.security import Curve
+from transfer_engine.steptrace import StepTrace
 from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
 
 log = logging.getLogger(__name__)
@@ -156,6 +161,7 @@ class _Handle:
     async def wait(self) -> None:
         """Return once the room succeeded and nothing of it is in flight; raise TransferFailed otherwise."""
         await self._actor.done.wait()
+        self._actor.ports.me.trace.mark(self.room, "waited")
         error = self._actor.error()
         if error is not None:
             raise error
@@ -177,7 +183,7 @@ class Sender(_Handle):
     :meth:`expect` gave the room's page count, by the page count reaching it.
     """
 
-    def __init__(self, actor: SenderRoomActor, pool: KVPool) -> None:
+    def __init__(self, actor: SenderRoomActor, pool: KVPool, layers_per_write: int = 4) -> None:
         super().__init__(actor)
         self._room_actor = actor
         self._pool = pool
@@ -185,6 +191,10 @@ class Sender(_Handle):
         self._total: int | None = None
         self._aux_slot: int | None = None
         self._sent = 0
+        self._chunks = 0
+        self._layers = LayerChunks(pool.layout.num_layers, layers_per_write)
+        self._waits: list[Ready] = []
+        """The ``ready`` of each layers_ready() call since the last group went out."""
 
     @property
     def decode_prefix_len(self) -> int:
@@ -221,10 +231,13 @@ class Sender(_Handle):
         last: bool | None,
         aux_slot: int | None,
         ready: torch.cuda.Event | None,
+        layerwise: bool = False,
     ) -> QueueChunk:
-        """Validate one send() and return its mail; changes this handle's counts only when valid."""
+        """Validate one send() (or begin_chunk()) and return its mail; changes this handle's counts
+        only when valid."""
         arr = _pages_array(pages, self._pool, "pages")
         self._pool.check_aux_slot(aux_slot)
+        self._layers.check_open(self._chunks)
         if self._sealed:
             raise LocalProtocolError(f"room {self.room} already sent its last chunk")
         if self._actor.done.is_set() or self._actor.status.final:
@@ -243,13 +256,81 @@ class Sender(_Handle):
             if aux_slot is None:
                 aux_slot = self._aux_slot
         last = bool(last)
-        if ready is None and self._pool.device.type == "cuda":
+        if ready is None and self._pool.device.type == "cuda" and not layerwise:
             # the KV of this chunk is written by work queued so far on the caller's stream
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self._pool.device))
+        if layerwise:
+            self._layers.open(self._chunks)
         self._sealed = last
         self._sent = sent
-        return QueueChunk(arr, last, aux_slot, ready)
+        self._chunks += 1
+        return QueueChunk(arr, last, aux_slot, ready, layerwise)
+
+    def _prepare_layers(self, start: int, end: int, ready: Ready) -> LayersReady | None:
+        """Validate one layers_ready() and return the group's mail when a group is complete (else
+        None); changes nothing when invalid."""
+        status = self._actor.status
+        # A rank that writes nothing to any decode rank of the room succeeds once its last chunk is
+        # queued; the layers of that chunk are still reported (and validated), and go nowhere.
+        writes_nothing = status is RoomStatus.SUCCESS and self._layers.is_open
+        if (self._actor.done.is_set() or status.final) and not writes_nothing:
+            raise LocalProtocolError(f"room {self.room} is {status.name}; layers_ready() is not allowed")
+        self._layers.check_ready(start, end)
+        cuda = self._pool.device.type == "cuda"
+        if ready is not None and not isinstance(ready, threading.Event | torch.cuda.Event):
+            raise ConfigError(f"ready={ready!r} must be a torch.cuda.Event, a threading.Event or None")
+        if isinstance(ready, torch.cuda.Event) and not cuda:
+            raise ConfigError(f"ready={ready!r} is a CUDA event but this KV pool is on {self._pool.device}")
+        if ready is None and cuda:
+            # the layers are written by work queued so far on the caller's stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._pool.device))
+        group = self._layers.ready(start, end)
+        self._waits.append(ready)
+        if group is None:
+            return None
+        waits = tuple(w for w in self._waits if w is not None)
+        self._waits = []
+        return None if writes_nothing else LayersReady(group, waits)
+
+    async def begin_chunk(
+        self, pages: Sequence[int] | np.ndarray | Any, last: bool | None = None, aux_slot: int | None = None
+    ) -> None:
+        """Open the next chunk for layer-wise sending: its pages, ``last`` and ``aux_slot`` as for
+        :meth:`send`, but nothing is written until :meth:`layers_ready` reports its layers.
+
+        Errors as for :meth:`send`, and LocalProtocolError while another layer-wise chunk is still
+        open (its layers must all be ready first). Nothing is queued then.
+        """
+        await self._mail(self._prepare(pages, last, aux_slot, None, layerwise=True))
+
+    async def layers_ready(self, start: int, end: int, *, ready: Ready = None) -> None:
+        """Layers ``[start, end)`` of the open chunk are written (once ``ready`` completes). Returns at once.
+
+        Ranges come in layer order, back to back from layer 0; the one ending at ``num_layers``
+        closes the chunk (it then counts as a :meth:`send` of its pages, and the aux item of the
+        last chunk follows it). Ready layers go out in groups of at least ``layers_per_write``
+        (``EngineConfig``), one WRITE per decode rank, as soon as every ``ready`` of the group has
+        completed, while the caller's forward goes on.
+
+        ``ready``: on CUDA, an event recorded after the kernels that wrote the layers (None: one is
+        recorded on the caller's current stream now); on CPU, a ``threading.Event`` the writing
+        thread sets, or None when the layers are written already. ConfigError for a range outside
+        ``[0, num_layers]`` or a bad ``ready``; LocalProtocolError when no chunk is open, the range
+        does not start where the last one ended, or the room is final. Nothing is queued then.
+        """
+        mail = self._prepare_layers(start, end, ready)
+        if mail is not None:
+            await self._mail(mail)
+
+    async def _mail(self, mail: RoomMail) -> None:
+        try:
+            await self._actor.inbox.send(mail)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            raise LocalProtocolError(
+                f"room {self.room} is {self._actor.status.name}; sending is not allowed"
+            ) from None
 
     async def send(
         self,
@@ -268,6 +349,7 @@ class Sender(_Handle):
         expected total, and LocalProtocolError after the last chunk or once the room is final.
         Nothing is queued then.
         """
+        self._actor.ports.me.trace.mark(self.room, "send")
         chunk = self._prepare(pages, last, aux_slot, ready)
         try:
             await self._actor.inbox.send(chunk)
@@ -336,7 +418,13 @@ class TransferEngine:
         self.rooms: dict[int, _RoomActor] = {}
         self.board = RoomBoard(self._room_closed)
         """The live rooms' mailboxes: how every actor addresses a room."""
-        self.me = RankIdentity(self.agent_name, config.role, config.tp_rank, config.tp_size)
+        self.me = RankIdentity(
+            self.agent_name,
+            config.role,
+            config.tp_rank,
+            config.tp_size,
+            StepTrace(config.trace_steps, config.role),
+        )
         self.peers = PeerBook()
         self.instances: dict[str, PrefillInstance] = {}
         self._connecting: dict[str, anyio.Event] = {}
@@ -406,6 +494,7 @@ class TransferEngine:
             poll_interval=cfg.poll_interval,
             busy=(lambda: bool(self.rooms)) if cfg.role == "decode" else (lambda: False),
             spin=cfg.poll_spin,
+            trace=self.me.trace,
         )
         await tg.start(self.poller.run)
         self.control = Control(
@@ -541,16 +630,22 @@ class TransferEngine:
             "writes_in_flight": self.poller.in_flight(),
             "ring_allocations": self.ring.live() if self.ring else 0,
             "staging_leases": sum(w.leases() for w in self.workers),
-            "parked_chunks": sum(w.parked + w.awaiting_grant for w in self.workers),
+            "parked_chunks": sum(w.parked + w.awaiting_grant + w.layer_jobs for w in self.workers),
         }
 
     # --- prefill API ----------------------------------------------------------------------------
 
-    def sender(self, room: int) -> Sender:
-        """Open ``room`` on this prefill rank. RoomInUseError while a room with that id is live."""
+    def sender(self, room: int, *, layers_per_write: int | None = None) -> Sender:
+        """Open ``room`` on this prefill rank. RoomInUseError while a room with that id is live.
+
+        ``layers_per_write``: this room's layer grouping for layer-wise chunks (None: the config's).
+        """
         if self.config.role != "prefill":
             raise ConfigError("sender() is for prefill engines; this one is decode")
         _check_room(room)
+        per_write = check_layers_per_write(
+            self.config.layers_per_write if layers_per_write is None else layers_per_write
+        )
         if room in self.rooms:
             raise RoomInUseError(room)
         self._check_capacity(room)
@@ -559,7 +654,7 @@ class TransferEngine:
         self._start_room(actor)
         for request in self._stash.take(room):
             actor.inbox.send_nowait(request)
-        return Sender(actor, self.pool)
+        return Sender(actor, self.pool, per_write)
 
     def _check_capacity(self, room: int) -> None:
         if len(self.rooms) >= self.config.max_rooms:
@@ -608,6 +703,7 @@ class TransferEngine:
         """
         if self.config.role != "decode":
             raise ConfigError("receiver() is for decode engines; this one is prefill")
+        self.me.trace.mark(room, "receiver")
         _check_room(room)
         if pages is not None:
             _check_request(self.pool, pages, aux_slot, decode_prefix_len)
@@ -673,6 +769,7 @@ class TransferEngine:
             )
             actor.requests.append((peer, request))  # repeated until the room is final
             self.control.send(peer.endpoint, request)
+        self.me.trace.mark(actor.room, "requested")
 
     async def connect(self, bootstrap: str) -> None:
         """Handshake with the prefill instance behind ``bootstrap`` now, ahead of its first room."""
@@ -854,6 +951,9 @@ class TransferEngine:
         return await self.board.deliver(room, mail)
 
     async def _dispatch(self, message: m.AnyMessage, ident: bytes) -> None:
+        room = getattr(message, "room", None)
+        if room is not None:
+            self.me.trace.mark(room, f"in:{type(message).__name__}")
         match message:
             case m.PeerHello() if self.config.role == "prefill":
                 await self.control.reply_to(ident, self._on_peer_hello(message))

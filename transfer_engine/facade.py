@@ -25,6 +25,7 @@ are reported only once the room has ended, so no WRITE can land in its pages aft
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections import deque
@@ -51,7 +52,7 @@ from transfer_engine.errors import (
     failure_error,
 )
 from transfer_engine.layout import KVPool
-from transfer_engine.mail import LocalAbort, RoomMail
+from transfer_engine.mail import LocalAbort, Ready, RoomMail
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.room_ids import room_id
 from transfer_engine.transport.nixl import Transport
@@ -221,6 +222,23 @@ class BlockingSender(_BlockingHandle):
             self._engine._check_open()
             chunk = self._sender._prepare(pages, last, aux_slot, ready)
             self._engine._post(self._sender, chunk)
+
+    def begin_chunk(self, pages: Pages, last: bool | None = None, aux_slot: int | None = None) -> None:
+        """Open the next chunk for layer-wise sending (see :meth:`Sender.begin_chunk`); never blocks."""
+        with self._lock:
+            self._engine._check_open()
+            chunk = self._sender._prepare(pages, last, aux_slot, None, layerwise=True)
+            self._engine._post(self._sender, chunk)
+
+    def layers_ready(self, start: int, end: int, *, ready: Ready = None) -> None:
+        """Layers ``[start, end)`` of the open chunk are written once ``ready`` completes (see
+        :meth:`Sender.layers_ready`); never blocks. Called from inside a forward, per layer or group:
+        on CUDA, without ``ready`` an event is recorded on this thread's current stream."""
+        with self._lock:
+            self._engine._check_open()
+            group = self._sender._prepare_layers(start, end, ready)
+            if group is not None:
+                self._engine._post(self._sender, group)
 
 
 class BlockingReceiver(_BlockingHandle):
@@ -402,13 +420,16 @@ class BlockingEngine:
         """Where ``transfer-engine dump --endpoint`` reaches this rank."""
         return self._engine.introspect_endpoint
 
-    def sender(self, room: int | str) -> BlockingSender:
+    def sender(self, room: int | str, *, layers_per_write: int | None = None) -> BlockingSender:
         """Open ``room`` (an int, or a string request id) on this prefill rank.
 
-        Waits for one synchronous step of the loop. ConfigError for a decode engine or a bad id,
-        RoomInUseError while a room with that id is live.
+        Waits for one synchronous step of the loop. ConfigError for a decode engine, a bad id or a
+        bad ``layers_per_write`` (None: the config's), RoomInUseError while a room with that id is live.
         """
-        return BlockingSender(self, self._call(self._engine.sender, _room(room)))
+        opened = self._call(
+            functools.partial(self._engine.sender, _room(room), layers_per_write=layers_per_write)
+        )
+        return BlockingSender(self, opened)
 
     def receiver(
         self,

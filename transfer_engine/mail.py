@@ -18,6 +18,7 @@ Two ways to put mail into a mailbox, and the rule that keeps the actor graph fre
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from transfer_engine.errors import FailureReason
 from transfer_engine.peers import Peer
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.layers import LayerGroup
 from transfer_engine.protocol.rooms import Chunk
 from transfer_engine.protocol.staging import Allocation, RegionLayout
 
@@ -153,6 +155,22 @@ class QueueChunk:
     aux_slot: int | None
     ready: torch.cuda.Event | None = None
     """Recorded on the caller's CUDA stream at ``send()``: the chunk's KV is written once it completes."""
+    layerwise: bool = False
+    """``Sender.begin_chunk``: nothing is written until :class:`LayersReady` says which layers are."""
+
+
+Ready = torch.cuda.Event | threading.Event | None
+"""What orders a layer-wise WRITE after the KV it reads: a CUDA event (GPU), a ``threading.Event``
+set by the thread that wrote the KV (CPU), or None (already written)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayersReady:
+    """``Sender.layers_ready``: layer group ``group`` of the open layer-wise chunk is written once
+    every one of ``ready`` has completed (one per ``layers_ready`` call the group gathers)."""
+
+    group: LayerGroup
+    ready: tuple[Ready, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +215,10 @@ class WriteJob:
     aux_slot: int | None = None
     ready: torch.cuda.Event | None = None
     """CUDA event after which the chunk's KV is written (recorded at ``send()``); None on CPU."""
+    group: LayerGroup | None = None
+    """A layer-wise job moves only this group's layers of ``chunk``; None: every layer."""
+    waits: tuple[Ready, ...] = ()
+    """A layer-wise job is posted only once each of these has completed (polled by the worker)."""
 
     @property
     def chunk_id(self) -> int | None:
@@ -208,7 +230,8 @@ class WriteJob:
 
     @property
     def key(self) -> JobKey:
-        return JobKey(self.chunk_id, self.request.decode_rank)
+        layers = None if self.group is None else self.group.layers
+        return JobKey(self.chunk_id, self.request.decode_rank, layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +240,8 @@ class JobKey:
 
     chunk_id: int | None
     decode_rank: int
+    layers: tuple[int, int] | None = None
+    """The layer group of a layer-wise job; None for a whole chunk."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +271,8 @@ class WriteDone:
     detail: str
     reason: FailureReason = FailureReason.TRANSPORT
     """What the room fails with when not ``ok``."""
+    layers: tuple[int, int] | None = None
+    """The layer group of a layer-wise job; None for a whole chunk."""
 
 
 # --- poller --------------------------------------------------------------------------------------------
@@ -356,6 +383,7 @@ class Scattered:
 
 RoomMail = (
     QueueChunk
+    | LayersReady
     | WriteDone
     | WriteEnded
     | Drained

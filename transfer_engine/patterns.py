@@ -13,6 +13,7 @@ import torch
 
 from transfer_engine.layout import KVPool
 from transfer_engine.protocol import heads as head_math
+from transfer_engine.protocol.layers import group_tensors
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -50,13 +51,21 @@ def _slots(pages: np.ndarray, page_size: int, num_tokens: int) -> torch.Tensor:
     )
 
 
-def fill(pool: KVPool, room: int, pages: np.ndarray) -> None:
-    """Write the room's pattern into every slot of ``pages`` (request order) on a prefill rank."""
+def fill(pool: KVPool, room: int, pages: np.ndarray, layers: tuple[int, int] | None = None) -> None:
+    """Write the room's pattern into every slot of ``pages`` (request order) on a prefill rank;
+    ``layers=(a, b)``: only the KV tensors of layers ``[a, b)`` (as a layer-wise forward does)."""
     num_tokens = len(pages) * pool.layout.page_size
     slots = _slots(pages, pool.layout.page_size, num_tokens).to(pool.device)
     tokens = torch.arange(num_tokens, dtype=torch.int64, device=pool.device)
     hs = global_heads(pool).to(pool.device)
+    chosen = (
+        None
+        if layers is None
+        else set(group_tensors(pool.layout.num_layers, pool.layout.mla, *layers).tolist())
+    )
     for t, tensor in enumerate(pool.tensors):
+        if chosen is not None and t not in chosen:
+            continue
         expected = values(room, t, hs, tokens, pool.layout.head_dim, pool.itemsize)
         tensor.view(_INT_VIEW[pool.itemsize])[slots] = expected
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
@@ -29,6 +29,7 @@ from transfer_engine.mail import Mailbox, RingMail, RoomMail, ScatterJob
 from transfer_engine.peers import Peer
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.messages import MemRegion
+from transfer_engine.steptrace import StepTrace
 from transfer_engine.transport.nixl import WriteSpec
 
 JOBS_PER_ROOM = 32
@@ -47,12 +48,13 @@ ACTOR_MAILBOX = 4096
 
 @dataclass(frozen=True, slots=True)
 class RankIdentity:
-    """This rank: NIXL agent name, role, TP rank and size."""
+    """This rank: NIXL agent name, role, TP rank and size, and its step trace (off by default)."""
 
     agent_name: str
     role: str
     rank: int
     tp_size: int
+    trace: StepTrace = field(default_factory=StepTrace, compare=False, repr=False)
 
     def stamp(self) -> dict[str, Any]:
         """The sender fields of an outgoing wire message: ``m.AbortAck(room=r, **me.stamp())``."""

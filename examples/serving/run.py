@@ -80,6 +80,7 @@ class ClusterSpec:
     device: str = "cpu"
     record_dir: str = ""
     torch_threads: int = 1
+    layerwise: bool = False
     log_level: str = "WARNING"
     engine: dict[str, Any] = field(default_factory=dict)
     pin: bool = False
@@ -147,6 +148,7 @@ class Cluster:
             torch_threads=spec.torch_threads,
             log_level=spec.log_level,
             engine=dict(spec.engine),
+            layerwise=spec.layerwise,
         )
         cpus = sorted(os.sched_getaffinity(0))
         half = max(1, len(cpus) // 2)
@@ -332,6 +334,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--torch-threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--no-reference", action="store_true", help="skip the monolithic reference run")
+    parser.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="the prefill sends each chunk layer by layer from its forward",
+    )
     parser.add_argument("--log-level", default="WARNING", help="log level of the rank processes")
     g = parser.add_argument_group("model (fixed-seed weights)")
     d = ModelConfig()
@@ -360,6 +367,7 @@ def spec_from(args: argparse.Namespace, items: list[client_mod.Item]) -> Cluster
         device=args.device,
         torch_threads=args.torch_threads,
         log_level=args.log_level,
+        layerwise=args.layerwise,
     )
 
 

@@ -85,6 +85,8 @@ class ServerSpec:
     torch_threads: int = 1
     log_level: str = "WARNING"
     engine: dict[str, Any] = field(default_factory=dict)
+    layerwise: bool = False
+    """Prefill: send each chunk layer by layer from inside the forward (``Sender.layers_ready``)."""
     cpus: tuple[int, ...] = ()
     """CPUs the rank processes are pinned to (empty: not pinned)."""
     gpu_offset: int = 0
@@ -170,6 +172,10 @@ class Rank:
         self.prefill_layer_hook: Callable[[list[msg.Chunk]], LayerHook] | None = None
         """Per prefill batch, the hook :func:`run_layers` calls after each layer (None: chunks are
         sent whole, after the batch's last layer)."""
+        self.layer_senders: dict[int, Sender] = {}
+        """``--layerwise``: the rooms of this batch whose chunk is open layer by layer, by rid."""
+        if spec.layerwise and spec.role == "prefill":
+            self.prefill_layer_hook = self._layerwise_hook
         self.record = None
         if spec.record_dir:
             path = os.path.join(spec.record_dir, f"{spec.name}-rank{rank}.jsonl")
@@ -224,6 +230,50 @@ class Rank:
             self.kernels_done.pop(rid, None)
         return logits
 
+    def _layerwise_hook(self, chunks: list[msg.Chunk]) -> LayerHook:
+        """``--layerwise``: after layer 0 opens each sent chunk (``begin_chunk``), every layer but the
+        last is reported ready as soon as it is enqueued (an event on the current stream orders the
+        WRITE after it). The last layer is reported by :meth:`_prefill` once the aux item (the first
+        token, from the logits) is written, since the room's aux WRITE follows its closing group."""
+        self.layer_senders = {}
+        last_layer = self.pool.layout.num_layers - 1
+
+        async def on_layer(layer: int) -> None:
+            if layer == 0:
+                for c in chunks:
+                    handle = self.handles.get(c.rid)
+                    if not isinstance(handle, Sender):
+                        continue
+                    try:
+                        await handle.begin_chunk(
+                            c.send_pages, last=c.last, aux_slot=c.aux_slot if c.last else None
+                        )
+                    except TransferError as exc:  # the room ended meanwhile
+                        log.info(
+                            "%s rank %d: begin_chunk(%d) refused: %s", self.spec.name, self.rank, c.rid, exc
+                        )
+                        continue
+                    self.layer_senders[c.rid] = handle
+            if layer < last_layer:
+                for rid, handle in list(self.layer_senders.items()):
+                    try:
+                        await handle.layers_ready(layer, layer + 1)
+                    except TransferError as exc:
+                        log.info(
+                            "%s rank %d: layers_ready(%d) refused: %s", self.spec.name, self.rank, rid, exc
+                        )
+                        del self.layer_senders[rid]
+
+        return on_layer
+
+    async def _send_chunk(self, c: msg.Chunk, handle: Sender) -> None:
+        """Send ``c`` whole, or (``--layerwise``) report its last layer, closing the open chunk."""
+        if self.prefill_layer_hook is None:
+            await handle.send(c.send_pages, last=c.last, aux_slot=c.aux_slot if c.last else None)
+        elif self.layer_senders.pop(c.rid, None) is handle:
+            layers = self.pool.layout.num_layers
+            await handle.layers_ready(layers - 1, layers)
+
     async def _prefill(self, chunks: list[msg.Chunk]) -> torch.Tensor:
         seqs = [Seq(c.tokens, c.start, c.page_table) for c in chunks]
         hook = self.prefill_layer_hook(chunks) if self.prefill_layer_hook is not None else None
@@ -237,7 +287,7 @@ class Rank:
             if not isinstance(handle, Sender):
                 continue
             try:
-                await handle.send(c.send_pages, last=c.last, aux_slot=c.aux_slot if c.last else None)
+                await self._send_chunk(c, handle)
             except TransferError as exc:  # the room ended meanwhile; the reduction tells the leader
                 log.info("%s rank %d: send(%d) refused: %s", self.spec.name, self.rank, c.rid, exc)
         done = [c.rid for c in chunks if c.last]

@@ -166,3 +166,40 @@ def test_close_during_a_handshake_fails_the_room_and_returns_promptly() -> None:
     assert time.monotonic() - started < 3.0  # the handshake was cancelled, not waited for
     assert receiver.poll() is RoomStatus.FAILED
     assert isinstance(receiver.open_error, LocalProtocolError)
+
+
+def test_layerwise_from_a_forward_thread() -> None:
+    """A prefill forward on its own thread reports each layer as it writes it (threading.Event per
+    layer, set after the layer's KV is written); the decode polls to Success and holds every byte."""
+    from transfer_engine import patterns
+
+    port = free_port()
+    with engine("prefill", port, layers_per_write=1) as prefill, engine("decode", port) as decode:
+        pages = np.arange(3)
+        receiver = decode.receiver("layerwise-1", bootstrap=f"tcp://127.0.0.1:{port}")
+        assert poll_until(receiver, RoomStatus.WAITING_FOR_INPUT) is RoomStatus.WAITING_FOR_INPUT
+        receiver.request(pages, aux_slot=1)
+        sender = prefill.sender("layerwise-1")
+        room = room_id("layerwise-1")
+        patterns.fill_aux(prefill._engine.pool, room, 0)
+        sender.expect(3, aux_slot=0)
+        sender.begin_chunk(pages)
+        events = [threading.Event() for _ in range(LAYOUT.num_layers)]
+
+        def forward() -> None:
+            for layer, written in enumerate(events):
+                time.sleep(0.02)  # the layer's compute
+                patterns.fill(prefill._engine.pool, room, pages, layers=(layer, layer + 1))
+                written.set()
+
+        for layer, written in enumerate(events):
+            sender.layers_ready(layer, layer + 1, ready=written)
+        thread = threading.Thread(target=forward)
+        thread.start()
+        thread.join()
+        assert poll_until(receiver, RoomStatus.SUCCESS) is RoomStatus.SUCCESS
+        assert poll_until(sender, RoomStatus.SUCCESS) is RoomStatus.SUCCESS
+        assert patterns.mismatches(decode._engine.pool, room, pages, 12) == 0
+        assert patterns.aux_ok(decode._engine.pool, room, 1)
+        with pytest.raises(LocalProtocolError, match="layers_ready"):
+            sender.layers_ready(0, 1)

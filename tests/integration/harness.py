@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import threading
 from collections.abc import AsyncIterator
 
 import anyio
@@ -60,24 +61,42 @@ async def run_room(
     chunks: list[int],
     *,
     aux_slot: int | None = None,
+    layers: int = 0,
 ) -> None:
-    """Fill, transfer in ``chunks`` (page counts), wait on both sides, verify every byte on every decode rank."""
-    for engine in c.prefill:
-        patterns.fill(engine.pool, room, prefill_pages)
-        if aux_slot is not None:
+    """Fill, transfer in ``chunks`` (page counts), wait on both sides, verify every byte on every decode rank.
+
+    ``layers`` > 0 sends layer-wise: each chunk is opened with ``begin_chunk`` and its layers reported
+    ready ``layers`` at a time, each range's KV written only after ``layers_ready`` was called (the
+    engine must wait for the range's ``threading.Event``, set once the range is written).
+    """
+    if aux_slot is not None:
+        for engine in c.prefill:
             patterns.fill_aux(engine.pool, room, aux_slot)
+    if not layers:
+        for engine in c.prefill:
+            patterns.fill(engine.pool, room, prefill_pages)
     receivers = [
         await engine.receiver(room, c.bootstrap, decode_pages, aux_slot=aux_slot) for engine in c.decode
     ]
     senders = [engine.sender(room) for engine in c.prefill]
-    for sender in senders:
+    num_layers = c.prefill[0].pool.layout.num_layers
+    for sender, engine in zip(senders, c.prefill, strict=True):
         start = 0
         for i, n in enumerate(chunks):
             last = i == len(chunks) - 1
-            await sender.send(
-                prefill_pages[start : start + n], last=last, aux_slot=aux_slot if last else None
-            )
+            pages = prefill_pages[start : start + n]
             start += n
+            if not layers:
+                await sender.send(pages, last=last, aux_slot=aux_slot if last else None)
+                continue
+            await sender.begin_chunk(pages, last=last, aux_slot=aux_slot if last else None)
+            for a in range(0, num_layers, layers):
+                b = min(a + layers, num_layers)
+                written = threading.Event()
+                await sender.layers_ready(a, b, ready=written)
+                await anyio.sleep(0.001)  # the engine runs (and polls) while these layers are not written yet
+                patterns.fill(engine.pool, room, prefill_pages[:start], layers=(a, b))
+                written.set()
     with anyio.fail_after(30):
         for s in senders:
             await s.wait()

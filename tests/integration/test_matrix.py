@@ -31,11 +31,45 @@ PARAMS = [
 ]
 
 
+LAYERWISE_CASES = [(8, False, 1, 1), (8, False, 2, 1), (8, False, 1, 2), (1, True, 2, 1)]
+LAYERWISE = [
+    pytest.param(
+        h,
+        mla,
+        p,
+        d,
+        path,
+        layers,
+        per_write,
+        id=f"{'mla' if mla else f'H{h}'}-P{p}-D{d}-{path}-layers{layers}x{per_write}",
+    )
+    for h, mla, p, d in LAYERWISE_CASES
+    for path in paths_for(h, mla, p, d)
+    for layers, per_write in ([(1, 1), (1, 2)] if (p, d) == (1, 1) and not mla else [(1, 2)])
+]
+"""Layer-wise rooms (``Sender.begin_chunk``/``layers_ready``): one layer per call, grouped one or two
+layers per WRITE, on every path of a few shapes (hetero TP both ways, MLA)."""
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize(("heads", "mla", "P", "D", "path"), PARAMS)
 async def test_matrix(heads: int, mla: bool, P: int, D: int, path: str) -> None:
+    await _matrix(heads, mla, P, D, path)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("heads", "mla", "P", "D", "path", "layers", "per_write"), LAYERWISE)
+async def test_matrix_layerwise(
+    heads: int, mla: bool, P: int, D: int, path: str, layers: int, per_write: int
+) -> None:
+    await _matrix(heads, mla, P, D, path, layers=layers, layers_per_write=per_write)
+
+
+async def _matrix(
+    heads: int, mla: bool, P: int, D: int, path: str, layers: int = 0, layers_per_write: int = 4
+) -> None:
     rng = random.Random(hash((heads, mla, P, D, path)))
-    async with cluster(small_layout(heads, mla), P, D, path=path) as c:
+    async with cluster(small_layout(heads, mla), P, D, path=path, layers_per_write=layers_per_write) as c:
         src_free = shuffled_pages(rng, 64, 64).tolist()
         dst_free = shuffled_pages(rng, 64, 64).tolist()
         async with anyio.create_task_group() as tg:
@@ -49,6 +83,8 @@ async def test_matrix(heads: int, mla: bool, P: int, D: int, path: str) -> None:
                 # concurrent rooms own disjoint pages on both sides
                 src, dst = np.array(src_free[:n]), np.array(dst_free[:n])
                 del src_free[:n], dst_free[:n]
-                tg.start_soon(functools.partial(run_room, c, 100 + room, src, dst, chunks, aux_slot=room))
+                tg.start_soon(
+                    functools.partial(run_room, c, 100 + room, src, dst, chunks, aux_slot=room, layers=layers)
+                )
         # every room over: nothing live anywhere
         c.assert_no_leaks()

@@ -51,24 +51,30 @@ async def test_tiny_ring_parks_chunks_and_completes(P: int, D: int) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("P", "D"), [(2, 1), (1, 2), (1, 1)])
-async def test_page_sizes_differ(P: int, D: int) -> None:
-    """Prefill pages of 16 tokens, decode pages of 64: the staged path moves token slots."""
+@pytest.mark.parametrize(
+    ("P", "D", "path", "layers"),
+    [(2, 1, "staged", 0), (1, 2, "staged", 0), (1, 1, "staged", 0)]
+    + [(2, 1, "staged", 1), (1, 2, "host", 2), (1, 1, "slice", 1)],
+)
+async def test_page_sizes_differ(P: int, D: int, path: str, layers: int) -> None:
+    """Prefill pages of 16 tokens, decode pages of 64: the staged path moves token slots (also
+    layer-wise, ``layers`` per ``layers_ready``, one layer per WRITE)."""
     rng = random.Random(7)
     async with cluster(
         small_layout(page_size=16),
         P,
         D,
-        path="staged",
+        path=path,
         decode_layout=small_layout(page_size=64),
         num_pages=32,
+        layers_per_write=1,
     ) as c:
         for room in range(3):
             n = rng.randint(1, 12)  # prefill pages; the decode needs ceil(n / 4) of its pages
             src = shuffled_pages(rng, 32, n)
             dst = shuffled_pages(rng, 32, -(-n // 4))
             chunks = [n // 2, n - n // 2] if n > 1 else [1]
-            await run_room(c, 10 + room, src, dst, chunks, aux_slot=room)
+            await run_room(c, 10 + room, src, dst, chunks, aux_slot=room, layers=layers)
         c.assert_no_leaks()
 
 

@@ -188,3 +188,21 @@ async def test_killed_decode_rank_fails_its_requests_and_prefill_serves_others(t
     assert compare(served, ref) == len(served)
     assert stats["decode"][0] is None
     assert leftovers(stats) == []
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("p,d,per_write", [(2, 2, 1), (2, 1, 2)])
+async def test_layerwise_prefill_tokens_identical_to_reference(
+    tmp_path: Path, p: int, d: int, per_write: int
+) -> None:
+    """``--layerwise``: the prefill reports each layer from inside its forward (direct path for P = D,
+    staged for 2 -> 1); the tokens are the reference's and the KV that arrived is the KV computed."""
+    s = spec(tmp_path, p, d, layerwise=True, engine={"layers_per_write": per_write})
+    items = client.make_workload(6, 20.0, [17, 70], 4, 0, MODEL.vocab, seed=3)
+    results, stats = await serve(s, items)
+    ref = await reference_for(s, items)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert compare(results, ref) == len(items)
+    rec = records(tmp_path)
+    check_kv_arrived(rec, results)
+    assert leftovers(stats) == []

@@ -126,7 +126,9 @@ SAMPLES: list[Message] = [
     AbortAck(agent="prefill-1", room=12, rank=1),
     RoomFailed(agent="prefill-1", room=12, rank=1, reason=int(FailureReason.TRANSPORT), detail="write error"),
     Heartbeat(agent="prefill-1", rank=1, side="prefill", seq=99),
-    ChunkLanded(room=12, chunk_id=3, last=True, sender=5, page_start=8, num_pages=4, region=17),
+    ChunkLanded(
+        room=12, chunk_id=3, last=True, sender=5, page_start=8, num_pages=4, region=17, layers=(2, 4)
+    ),
     AuxLanded(room=12, sender=5),
     DumpRequest(room=12),
     DumpReply(snapshot=b"\x81\xa1a\x01"),
@@ -322,6 +324,10 @@ def _wrong_values(t: mi.Type) -> list[Any]:
         return [7, "x", None, {}, True] + [[v] for v in _wrong_values(t.item_type)[:2]]
     if isinstance(t, mi.StructType):
         return [7, "x", None, {}, True, []]
+    if isinstance(t, mi.TupleType):
+        return [7, "x", None, {}, True, [], [1] * (len(t.item_types) + 1)] + [
+            [v] * len(t.item_types) for v in _wrong_values(t.item_types[0])[:2]
+        ]
     raise AssertionError(f"no wrong values for {t}")
 
 

@@ -32,6 +32,7 @@ from transfer_engine.mail import Drained, Mailbox, WriteEnded
 from transfer_engine.ports import RoomBoard
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.messages import MemRegion
+from transfer_engine.steptrace import StepTrace
 from transfer_engine.ticker import fine_timers
 from transfer_engine.transport.nixl import RemotePeer, Transport, WriteSpec, XferState
 
@@ -65,8 +66,10 @@ class NixlPoller:
         poll_interval: float = 0.0002,
         busy: Callable[[], bool] = lambda: False,
         spin: float = 0.0,
+        trace: StepTrace | None = None,
     ) -> None:
         self.transport = transport
+        self._trace = trace or StepTrace()
         self._rooms = rooms
         self._notifications = notifications
         """Whether notifications are expected (decode ranks); a prefill rank counts any as unrouted."""
@@ -214,6 +217,7 @@ class NixlPoller:
                     self.book.note("malformed notification", "dropped notification from %s: %s", agent, exc)
                     continue
                 self.counters["notifs"] += 1
+                self._trace.mark(notif.room, "notif")
                 if not (self._notifications and await self._rooms.deliver(notif.room, notif)):
                     self.counters["notifs_unrouted"] += 1
                     self.book.note(

@@ -20,17 +20,25 @@ import anyio
 import numpy as np
 import torch
 
-from transfer_engine.errors import FailureReason, ProtocolError, TransferFailed, failure_error
+from transfer_engine.errors import (
+    FailureReason,
+    LocalProtocolError,
+    ProtocolError,
+    TransferFailed,
+    failure_error,
+)
 from transfer_engine.mail import (
     CancelRoom,
     Drained,
     FreeRegions,
     JobKey,
+    LayersReady,
     LocalAbort,
     Mailbox,
     MailboxOverflow,
     PeerDead,
     QueueChunk,
+    Ready,
     RegionGranted,
     RoomClosed,
     RoomMail,
@@ -47,6 +55,7 @@ from transfer_engine.peers import Peer
 from transfer_engine.ports import JOBS_PER_ROOM, ROOM_MAILBOX, ROOM_RESERVE, SCATTERS_PER_ROOM, RoomPorts
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.layers import LayerGroup, LayerTally
 from transfer_engine.protocol.paths import TransferPath, is_staged
 from transfer_engine.protocol.retransmit import (
     REPEAT_BASE_S,
@@ -154,6 +163,7 @@ class _RoomActor:
 
     async def _apply(self, mail: RoomMail) -> None:
         before = self.core.status
+        self.ports.me.trace.mark(self.room, f"room:{type(mail).__name__}")
         try:
             if isinstance(mail, Drained):
                 self._drain_asked = False
@@ -165,6 +175,7 @@ class _RoomActor:
         except ProtocolError as exc:
             self._fail(FailureReason.PROTOCOL, str(exc))
         if self.core.status is not before:
+            self.ports.me.trace.mark(self.room, self.core.status.name)
             log.info("%s room %d: %s -> %s", self.side, self.room, before.name, self.core.status.name)
             await self.on_status_change(before)
 
@@ -197,12 +208,28 @@ class SenderRoomActor(_RoomActor):
         """Decode agents that aborted or failed this room themselves (they need no RoomFailed)."""
         self.decode_prefix_len = 0
         """Tokens the decode side already holds, from its TransferRequests (the same on every one)."""
+        self.groups: dict[int, list[tuple[LayerGroup, tuple[Ready, ...]]]] = {}
+        """Layer-wise chunks (``Sender.begin_chunk``): the groups ready so far and what each waits on."""
+        self.written = LayerTally(ports.pool.layout.num_layers, LocalProtocolError)
+        """Layer groups written per (chunk, decode rank); a chunk is done for a rank once they cover it."""
 
     async def handle(self, mail: RoomMail) -> None:
         now = time.monotonic()
         match mail:
             case m.TransferRequest():
                 self._on_request(mail, now)
+            case QueueChunk(pages=pages, last=last, aux_slot=aux_slot, ready=ready, layerwise=True):
+                chunk = self.core.queue_chunk(len(pages), last, aux_slot, now)
+                self.pages.append(pages)
+                self.ready.append(None)
+                self.groups[chunk.chunk_id] = []
+            case LayersReady(group=group, ready=waits):
+                self.groups[group.chunk_id].append((group, waits))
+                for d in sorted(self.requests):
+                    self._schedule_group(group, waits, d)
+                if group.closes and self.core.chunks[group.chunk_id].last:
+                    for d in sorted(self.core.aux_targets):
+                        self._schedule_aux(d)
             case QueueChunk(pages=pages, last=last, aux_slot=aux_slot, ready=ready):
                 chunk = self.core.queue_chunk(len(pages), last, aux_slot, now)
                 self.pages.append(pages)
@@ -212,10 +239,14 @@ class SenderRoomActor(_RoomActor):
                 if last:
                     for d in sorted(self.core.aux_targets):
                         self._schedule_aux(d)
-            case WriteDone(chunk_id=chunk_id, decode_rank=d, ok=ok, detail=detail, reason=reason):
-                self._job_ended(chunk_id, d, ok, detail, reason, now)
-            case WriteEnded(token=JobKey(chunk_id=chunk_id, decode_rank=d), ok=ok, detail=detail):
-                self._job_ended(chunk_id, d, ok, detail, FailureReason.TRANSPORT, now)
+            case WriteDone(
+                chunk_id=chunk_id, decode_rank=d, ok=ok, detail=detail, reason=reason, layers=layers
+            ):
+                self._job_ended(chunk_id, d, ok, detail, reason, now, layers)
+            case WriteEnded(
+                token=JobKey(chunk_id=chunk_id, decode_rank=d, layers=layers), ok=ok, detail=detail
+            ):
+                self._job_ended(chunk_id, d, ok, detail, FailureReason.TRANSPORT, now, layers)
             case m.Abort(agent=agent, reason=reason, detail=detail):
                 peer = self.ports.peers.get(agent)
                 if peer is not None:
@@ -238,14 +269,21 @@ class SenderRoomActor(_RoomActor):
                 raise ProtocolError(f"{type(mail).__name__} is not for a prefill room")
 
     def _job_ended(
-        self, chunk_id: int | None, d: int, ok: bool, detail: str, reason: FailureReason, now: float
+        self,
+        chunk_id: int | None,
+        d: int,
+        ok: bool,
+        detail: str,
+        reason: FailureReason,
+        now: float,
+        layers: tuple[int, int] | None = None,
     ) -> None:
         self.core.job_ended()
         if not ok:
             self._fail(reason, detail)
         elif chunk_id is None:
             self.core.aux_written(d, now)
-        else:
+        elif layers is None or self.written.add((chunk_id, d), *layers):
             self.core.write_done(chunk_id, d, now)
         self._pump()
 
@@ -307,12 +345,24 @@ class SenderRoomActor(_RoomActor):
         self.peers[req.decode_rank] = peer
         for chunk in self.core.chunks:
             self._schedule(chunk.chunk_id, req.decode_rank)
-        if self.core.sealed and req.decode_rank in self.core.aux_targets:
+        if self._aux_due() and req.decode_rank in self.core.aux_targets:
             self._schedule_aux(req.decode_rank)
+
+    def _aux_due(self) -> bool:
+        """The last chunk is queued, and, when layer-wise, every layer of it is ready."""
+        if not self.core.sealed:
+            return False
+        last = self.core.chunks[-1].chunk_id
+        groups = self.groups.get(last)
+        return groups is None or any(group.closes for group, _ in groups)
 
     def _schedule(self, chunk_id: int, decode_rank: int) -> None:
         req = self.requests[decode_rank]
         if not req.slices or self.core.status.final:
+            return
+        if chunk_id in self.groups:
+            for group, waits in self.groups[chunk_id]:
+                self._schedule_group(group, waits, decode_rank)
             return
         self._dispatch(
             WriteJob(
@@ -323,6 +373,25 @@ class SenderRoomActor(_RoomActor):
                 self.core.chunks[chunk_id],
                 self.pages[chunk_id],
                 ready=self.ready[chunk_id],
+            )
+        )
+
+    def _schedule_group(self, group: LayerGroup, waits: tuple[Ready, ...], decode_rank: int) -> None:
+        """One job per (layer group, decode rank): the worker posts it once ``waits`` completed."""
+        req = self.requests[decode_rank]
+        if not req.slices or self.core.status.final:
+            return
+        chunk_id = group.chunk_id
+        self._dispatch(
+            WriteJob(
+                self.room,
+                self.ports.me.rank,
+                self.peers[decode_rank],
+                req,
+                self.core.chunks[chunk_id],
+                self.pages[chunk_id],
+                group=group,
+                waits=waits,
             )
         )
 
@@ -353,6 +422,7 @@ class SenderRoomActor(_RoomActor):
             self.core.job_started()
             self.worker_agents.add(job.peer.agent_name)
             workers.for_agent(job.peer.agent_name).post(job)
+            self.ports.me.trace.mark(self.room, "job_posted")
 
     async def on_status_change(self, before: RoomStatus) -> None:
         if self.core.status is not RoomStatus.FAILED:
@@ -416,6 +486,7 @@ class ReceiverRoomActor(_RoomActor):
     ) -> None:
         super().__init__(ports, room)
         self.core: ReceiverRoom = ReceiverRoom(room, deadlines, time.monotonic())
+        self.core.layer_tally = LayerTally(ports.pool.layout.num_layers)
         self.writers = writers
         """Global prefill rank -> peer, for every rank that writes into this decode rank."""
         self.everyone: list[Peer] = []
@@ -487,6 +558,12 @@ class ReceiverRoomActor(_RoomActor):
                     raise ProtocolError(
                         f"chunk {chunk_id} landed in ring region {region} on the {self.path} path"
                     )
+                if mail.layers is not None:
+                    if self.core.layers_landed(sender, chunk_id, mail.layers):
+                        self.ports.counters["notifs_duplicate"] += 1
+                        return
+                    if not self.core.on_layers(sender, chunk_id, mail.layers, now):
+                        return  # more groups of this chunk are still to land from this writer
                 if self.core.on_chunk(sender, chunk_id, last, now) and self.staged:
                     self.to_scatter.append(chunk_id)
                     self._pump_scatter()
@@ -541,6 +618,7 @@ class ReceiverRoomActor(_RoomActor):
         scatter = self.ports.scatter
         assert scatter is not None
         self.core.scatter_started()
+        self.ports.me.trace.mark(self.room, "scatter_posted")
         scatter.post(
             ScatterJob(
                 self.room,

@@ -26,15 +26,17 @@ import functools
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import anyio
 import numpy as np
 import torch
 
+from transfer_engine import ticker
 from transfer_engine.errors import FailureReason, StagingError, TransferError
-from transfer_engine.kernels import as_kv_table, gather_heads
+from transfer_engine.kernels import KVTable, as_kv_table, gather_heads
 from transfer_engine.layout import KVPool, stride_rows_of
-from transfer_engine.mail import CancelRoom, RepeatStaging, WriteDone, WriteEnded, WriteJob
+from transfer_engine.mail import CancelRoom, Ready, RepeatStaging, WriteDone, WriteEnded, WriteJob
 from transfer_engine.memory import (
     StagingMemory,
     allocate_staging,
@@ -45,6 +47,7 @@ from transfer_engine.memory import (
 from transfer_engine.ports import Outbox, RankIdentity, RoomBoard, WritePort
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.layers import group_block_runs, group_tensors
 from transfer_engine.protocol.paths import is_staged
 from transfer_engine.protocol.staging import (
     Allocation,
@@ -59,6 +62,18 @@ from .base import Actor
 
 log = logging.getLogger(__name__)
 
+READY_POLL_S = 0.0001
+"""How often a worker holding layer-wise jobs checks their ``ready`` events (fine timers, ticker)."""
+
+
+def is_ready(ready: Ready) -> bool:
+    """Whether a layer-wise job's ``ready`` has completed (never blocks)."""
+    if ready is None:
+        return True
+    if isinstance(ready, torch.cuda.Event):
+        return bool(ready.query())
+    return ready.is_set()
+
 
 @dataclass(eq=False)
 class _Staged:
@@ -72,6 +87,37 @@ class _Staged:
     dst: int = 0
     request: m.StagingRequest | None = None
     asked_at: float = 0.0
+    runs: list[tuple[int, int, int]] | None = None
+    """A layer group: ``(offset in the lease, offset from dst, bytes)`` per WRITE descriptor."""
+
+
+@dataclass(eq=False)
+class _LayerRegion:
+    """The ring region of one layer-wise staged chunk to one decode agent, shared by its groups.
+
+    Asked for with the chunk's first group (its whole block, every layer); each group is gathered
+    into a lease of its own and WRITTEN into its layers' part of the block once granted.
+    """
+
+    request: m.StagingRequest
+    endpoint: str
+    ring: int
+    """Base address of the decode rank's ring."""
+    src_slots: np.ndarray
+    tensor_bytes: int
+    """Bytes of one KV tensor's head slice for the chunk's tokens."""
+    block_bytes: int
+    host: bool
+    asked_at: float
+    allocation: Allocation | None = None
+    dst: int = 0
+    refused: str | None = None
+    waiting: list[WriteJob] = field(default_factory=list)
+    """Ready groups waiting for the grant."""
+    pending: int = 0
+    """Groups of the chunk received and not yet parked or failed."""
+    closed: bool = False
+    """The chunk's closing group was received: no more groups will come."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +160,17 @@ def chunk_notification(job: WriteJob, region: int) -> bytes:
             page_start=chunk.page_start,
             num_pages=chunk.num_pages,
             region=region,
+            layers=None if job.group is None else job.group.layers,
         )
     )
+
+
+def _group_rows(job: WriteJob, pool: KVPool) -> np.ndarray | None:
+    """The KV tensor indices a layer-wise job moves (``protocol.layers.group_tensors``), else None."""
+    if job.group is None:
+        return None
+    layout = pool.layout
+    return group_tensors(layout.num_layers, layout.mla, job.group.start, job.group.end)
 
 
 def plan_write(
@@ -146,8 +201,12 @@ def plan_write(
     dst_pages_all = np.asarray(req.dst_pages, dtype=np.int64)
     notif = chunk_notification(job, region=-1)
     spec = req.slices[0]
+    rows = _group_rows(job, pool)
     if pool.strides is not None or peer.layout.strides is not None:
-        return (*_strided_write(job, pool, bases, dst_pages_all, spec), notif)
+        return (*_strided_write(job, pool, bases, dst_pages_all, spec, rows), notif)
+    peer_bases = peer.bases
+    if rows is not None:  # one group of layers: its tensors only, on both sides
+        bases, peer_bases = bases[rows], peer_bases[rows]
     if req.path == "direct":
         dst_pages = dst_pages_all[chunk.page_start : chunk.page_start + chunk.num_pages]
         if len(dst_pages) != len(job.src_pages):
@@ -157,7 +216,7 @@ def plan_write(
                 f"{req.decode_rank} gave only {len(dst_pages_all)} pages"
             )
         src, dst, length = descriptors.direct_descriptors(
-            bases, peer.bases, pool.page_bytes, job.src_pages, dst_pages
+            bases, peer_bases, pool.page_bytes, job.src_pages, dst_pages
         )
         return src, dst, length, notif
     src_ps, dst_ps = pool.layout.page_size, peer.layout.page_size
@@ -167,7 +226,7 @@ def plan_write(
     dst_slots = descriptors.slots_of(dst_pages_all, dst_ps, start, tokens)
     src, dst, length = descriptors.slice_descriptors(
         bases,
-        peer.bases,
+        peer_bases,
         pool.slot_bytes,
         peer.slot_bytes(pool.itemsize),
         pool.head_bytes,
@@ -181,22 +240,32 @@ def plan_write(
 
 
 def _strided_write(
-    job: WriteJob, pool: KVPool, bases: np.ndarray, dst_pages: np.ndarray, spec: m.SliceSpec
+    job: WriteJob,
+    pool: KVPool,
+    bases: np.ndarray,
+    dst_pages: np.ndarray,
+    spec: m.SliceSpec,
+    rows: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Direct or slice WRITE where either side is not contiguous ``[slots, H, D]``: byte runs from both
-    sides' strides, merged where both are contiguous (``descriptors.strided_descriptors``)."""
+    sides' strides, merged where both are contiguous (``descriptors.strided_descriptors``). ``rows``:
+    the tensors of one layer group (their strides rows on both sides), or None for every tensor."""
     peer, chunk = job.peer, job.chunk
     assert chunk is not None
     src_ps, dst_ps = pool.layout.page_size, peer.layout.page_size
     start = chunk.page_start * src_ps
     tokens = descriptors.chunk_tokens(start, chunk.num_pages, src_ps, len(dst_pages) * dst_ps)
+    src_rows = pool.stride_rows
+    dst_rows = stride_rows_of(peer.layout, peer.heads_local)
+    if rows is not None:
+        src_rows, dst_rows = src_rows[rows], dst_rows[rows]
     return descriptors.strided_descriptors(
         bases,
         pool.region_lengths,
-        pool.stride_rows,
+        src_rows,
         peer.bases,
         np.array([r.length for r in peer.regions], dtype=np.uint64),
-        stride_rows_of(peer.layout, peer.heads_local),
+        dst_rows,
         pool.head_bytes,
         descriptors.slots_of(job.src_pages, src_ps, 0, tokens),
         descriptors.slots_of(dst_pages, dst_ps, start, tokens),
@@ -242,6 +311,11 @@ class TransferWorker(Actor["WorkerMail"]):
         self._parked: dict[str, list[_Staged]] = defaultdict(list)
         self._watermarks: dict[str, WatermarkTracker] = defaultdict(WatermarkTracker)
         self.counters: dict[str, int] = defaultdict(int)
+        self._unready: list[WriteJob] = []
+        """Layer-wise jobs whose ``waits`` have not all completed, in arrival order."""
+        self._layer_regions: dict[tuple[str, int, int], _LayerRegion] = {}
+        """(decode agent, room, chunk id) -> the region of a layer-wise staged chunk."""
+        self._group_kv: dict[tuple[int, int], KVTable] = {}
 
     # --- introspection -------------------------------------------------------------------------
 
@@ -252,7 +326,14 @@ class TransferWorker(Actor["WorkerMail"]):
 
     @property
     def awaiting_grant(self) -> int:
-        return len(self._granting)
+        return len(self._granting) + sum(
+            1 for r in self._layer_regions.values() if r.allocation is None and r.refused is None
+        )
+
+    @property
+    def layer_jobs(self) -> int:
+        """Layer-wise jobs waiting for their events or a grant, and layer-wise regions held (0 when idle)."""
+        return len(self._unready) + len(self._layer_regions)
 
     @property
     def depth(self) -> int:
@@ -265,14 +346,54 @@ class TransferWorker(Actor["WorkerMail"]):
 
     # --- mailbox -------------------------------------------------------------------------------
 
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Handle mail until the inbox closes; while layer-wise jobs wait for their events, poll
+        those every :data:`READY_POLL_S` between mails (nothing signals the loop when they complete)."""
+        task_status.started()
+        while True:
+            if not self._unready:
+                try:
+                    mail = await self.inbox.receive()
+                except anyio.EndOfStream:
+                    return
+                await self.handle(mail)
+                continue
+            try:
+                await self.handle(self.inbox.receive_nowait())
+                continue
+            except anyio.WouldBlock:
+                pass
+            except anyio.EndOfStream:
+                return
+            await self._start_ready()
+            if self._unready:
+                await ticker.sleep(READY_POLL_S)
+
     async def handle(self, mail: WorkerMail) -> None:
+        room = getattr(mail, "room", None)
+        if room is not None:
+            self.me.trace.mark(room, f"worker:{type(mail).__name__}")
         match mail:
+            case WriteJob(group=group) if group is not None:
+                await self._layer_job(mail)
             case WriteJob() if is_staged_job(mail):
                 await self._request_region(mail)
             case WriteJob():
                 await self._execute(mail)
+            case m.StagingGrant(agent=agent, room=room, chunk_id=chunk_id) if (
+                agent,
+                room,
+                chunk_id,
+            ) in self._layer_regions:
+                await self._on_layer_grant(mail)
             case m.StagingGrant():
                 await self._on_grant(mail)
+            case m.StagingRefused(agent=agent, room=room, chunk_id=chunk_id, detail=detail) if (
+                agent,
+                room,
+                chunk_id,
+            ) in self._layer_regions:
+                await self._on_layer_refused(self._layer_regions[(agent, room, chunk_id)], agent, detail)
             case m.StagingRefused(agent=agent, room=room, chunk_id=chunk_id, detail=detail):
                 staged = self._granting.pop((agent, room, chunk_id), None)
                 if staged is not None:
@@ -286,6 +407,7 @@ class TransferWorker(Actor["WorkerMail"]):
                 if self._watermarks[agent].update(Watermark(rnd, tail)):
                     await self._progress(agent)
             case WriteEnded(token=_Lease(staged=staged, offset=offset), ok=ok, detail=detail):
+                self.me.trace.mark(staged.job.room, "write_ended")
                 self._buffers[staged.host][1].release(offset)
                 await self._done(staged.job, ok, detail, FailureReason.TRANSPORT)
                 for agent in list(self._parked):
@@ -297,16 +419,23 @@ class TransferWorker(Actor["WorkerMail"]):
                     if staged.request is not None and staged.asked_at < before:
                         self.counters["staging_repeats"] += 1
                         self.outbox.send(staged.job.peer.endpoint, staged.request)
+                for region in self._layer_regions.values():
+                    if region.allocation is None and region.refused is None and region.asked_at < before:
+                        self.counters["staging_repeats"] += 1
+                        self.outbox.send(region.endpoint, region.request)
 
     # --- direct and slice ----------------------------------------------------------------------
 
     async def _done(self, job: WriteJob, ok: bool, detail: str, reason: FailureReason) -> None:
         """The one reply for ``job`` that does not come from the poller."""
-        await self.rooms.deliver(job.room, WriteDone(job.chunk_id, job.decode_rank, ok, detail, reason))
+        await self.rooms.deliver(
+            job.room, WriteDone(job.chunk_id, job.decode_rank, ok, detail, reason, job.key.layers)
+        )
 
     async def _execute(self, job: WriteJob) -> None:
         if job.ready is not None:
             await event_reached(job.ready)  # NIXL reads the KV itself: it must be written first
+            self.me.trace.mark(job.room, "ready")
         room = self.rooms.get(job.room)
         if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
             return
@@ -318,6 +447,7 @@ class TransferWorker(Actor["WorkerMail"]):
                 job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id, notif
             )
             self.poller.post_write(spec, room, job.key)
+            self.me.trace.mark(job.room, "posted")
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             await self._done(job, False, str(exc), FailureReason.TRANSPORT)
@@ -438,7 +568,7 @@ class TransferWorker(Actor["WorkerMail"]):
         assert self._kv is not None  # _request_region refused staged chunks of a strided pool
         gather = functools.partial(
             gather_heads,
-            self._kv,
+            self._kv if job.group is None else self._group_table(job),
             slots,
             head_slice.src_head_start,
             head_slice.num_heads,
@@ -454,23 +584,26 @@ class TransferWorker(Actor["WorkerMail"]):
                     self.stream.wait_event(job.ready)  # the gather reads KV the caller's stream wrote
                 gather()
                 await stream_reached(self.stream)
+            self.me.trace.mark(job.room, "gathered")
         except Exception as exc:  # a kernel error fails the room, never the worker
             log.exception("worker %d: gather for room %d failed", self.index, job.room)
             leases.release(offset)
             await self._done(job, False, f"gather failed: {exc}", FailureReason.TRANSPORT)
             return
         notif = chunk_notification(job, staged.allocation.alloc_id)
+        runs = staged.runs if staged.runs is not None else [(0, 0, staged.nbytes)]
         spec = WriteSpec(
             job.peer.agent_name,
             memory.mem_type,
-            np.array([memory.addr + offset], dtype=np.uint64),
-            np.array([staged.dst], dtype=np.uint64),
-            np.array([staged.nbytes], dtype=np.uint64),
+            np.array([memory.addr + offset + src for src, _, _ in runs], dtype=np.uint64),
+            np.array([staged.dst + dst for _, dst, _ in runs], dtype=np.uint64),
+            np.array([length for _, _, length in runs], dtype=np.uint64),
             memory.device_id,
             notif,
         )
         try:
             self.poller.post_write(spec, self.inbox, _Lease(staged, offset))
+            self.me.trace.mark(job.room, "posted")
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             leases.release(offset)
@@ -479,7 +612,16 @@ class TransferWorker(Actor["WorkerMail"]):
         self.counters["staged_writes"] += 1
 
     async def _cancel(self, room: int) -> None:
-        """End every chunk of ``room`` not posted yet: waiting for a grant, or parked."""
+        """End every chunk of ``room`` not posted yet: waiting for events or a grant, or parked."""
+        for job in [job for job in self._unready if job.room == room]:
+            self._unready.remove(job)
+            await self._done(job, False, "cancelled while its layers were not ready", FailureReason.ABORTED)
+        for key in [k for k in self._layer_regions if k[1] == room]:
+            region = self._layer_regions.pop(key)
+            for job in region.waiting:
+                await self._done(
+                    job, False, "cancelled while waiting for a ring region", FailureReason.ABORTED
+                )
         for key in [k for k in self._granting if k[1] == room]:
             staged = self._granting.pop(key)
             await self._done(
@@ -494,3 +636,166 @@ class TransferWorker(Actor["WorkerMail"]):
                 await self._done(staged.job, False, "cancelled before posting", FailureReason.ABORTED)
             if not self._parked[agent]:
                 del self._parked[agent]
+
+    # --- layer-wise ----------------------------------------------------------------------------
+
+    async def _layer_job(self, job: WriteJob) -> None:
+        """A layer group of a chunk to one decode rank: on staged paths ask for the chunk's region
+        with its first group; post once every ``waits`` completed (polled by :meth:`run`)."""
+        if is_staged_job(job) and not await self._layer_region(job):
+            return
+        if all(is_ready(w) for w in job.waits):
+            await self._start_layer(job)
+        else:
+            self._unready.append(job)
+
+    async def _start_ready(self) -> None:
+        """Start the layer-wise jobs whose events completed, in arrival order."""
+        ready = [job for job in self._unready if all(is_ready(w) for w in job.waits)]
+        if not ready:
+            return
+        self._unready = [job for job in self._unready if job not in ready]
+        for job in ready:
+            await self._start_layer(job)
+
+    async def _start_layer(self, job: WriteJob) -> None:
+        if not is_staged_job(job):
+            await self._execute(job)
+            return
+        assert job.chunk is not None and job.group is not None
+        key = (job.peer.agent_name, job.room, job.chunk.chunk_id)
+        region = self._layer_regions.get(key)
+        if region is None:  # cancelled meanwhile (CancelRoom answered every job it held)
+            return
+        if region.refused is not None:
+            self._group_left(key, region)
+            await self._done(job, False, region.refused, FailureReason.STAGING)
+        elif region.allocation is None:
+            region.waiting.append(job)
+        else:
+            self._park_group(job, region)
+            self._group_left(key, region)
+            await self._progress(job.peer.agent_name)
+
+    def _group_left(self, key: tuple[str, int, int], region: _LayerRegion) -> None:
+        """One group of the chunk was parked or failed; forget the region after the last one."""
+        region.pending -= 1
+        if region.closed and region.pending == 0:
+            del self._layer_regions[key]
+
+    async def _layer_region(self, job: WriteJob) -> bool:
+        """Count ``job`` against its chunk's region, asking the ring for it with the first group.
+        False (the job answered) when the chunk cannot be staged."""
+        req, peer, chunk, group = job.request, job.peer, job.chunk, job.group
+        assert chunk is not None and group is not None
+        key = (peer.agent_name, job.room, chunk.chunk_id)
+        region = self._layer_regions.get(key)
+        if region is None:
+            try:
+                if peer.ring is None:
+                    raise TransferError(
+                        f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring"
+                    )
+                if self._kv is None:
+                    raise TransferError(
+                        f"room {job.room}: path={req.path} gathers contiguous [slots, H, D] tensors; this "
+                        "prefill's KV is strided (KVPool.from_views): use path=direct or slice"
+                    )
+                spec = req.slices[0]
+                src_slots = staged_slots(job, self.pool)
+                if src_slots.size == 0:
+                    raise TransferError(
+                        f"room {job.room}: chunk {chunk.chunk_id} carries no tokens for this decode rank"
+                    )
+                layout = self.pool.layout
+                tensor_bytes = writer_block_bytes(
+                    1, src_slots.size, spec.num_heads, layout.head_dim, self.pool.itemsize
+                )
+                host = req.path == "host"
+                self._buffer(host)[1].check_fits(tensor_bytes * len(group_tensors(
+                    layout.num_layers, layout.mla, group.start, group.end
+                )))  # fmt: skip
+            except StagingError as exc:
+                await self._done(job, False, str(exc), FailureReason.STAGING)
+                return False
+            except TransferError as exc:
+                await self._done(job, False, str(exc), FailureReason.PROTOCOL)
+                return False
+            request = m.StagingRequest(
+                agent=self.me.agent_name,
+                room=job.room,
+                chunk_id=chunk.chunk_id,
+                sender=job.sender,
+                page_start=chunk.page_start,
+                num_pages=chunk.num_pages,
+                tokens=int(src_slots.size),
+            )
+            region = _LayerRegion(
+                request, peer.endpoint, peer.ring.addr, src_slots, tensor_bytes,
+                tensor_bytes * layout.num_kv_tensors, host, time.monotonic(),
+            )  # fmt: skip
+            self._layer_regions[key] = region
+            self.outbox.send(peer.endpoint, request)
+        region.pending += 1
+        region.closed = region.closed or group.closes
+        return True
+
+    async def _on_layer_grant(self, grant: m.StagingGrant) -> None:
+        key = (grant.agent, grant.room, grant.chunk_id)
+        region = self._layer_regions[key]
+        if region.allocation is not None or region.refused is not None:
+            self.counters["grants_unmatched"] += 1  # a repeated grant
+            return
+        if (
+            grant.writer_bytes != region.block_bytes
+            or grant.writer_offset + grant.writer_bytes > grant.length
+        ):
+            await self._on_layer_refused(
+                region,
+                grant.agent,
+                f"grant for room {grant.room} chunk {grant.chunk_id} gives {grant.writer_bytes} bytes at "
+                f"+{grant.writer_offset} of {grant.length}; this writer stages {region.block_bytes}",
+                FailureReason.PROTOCOL,
+            )
+            return
+        region.allocation = Allocation(grant.alloc_id, grant.round, grant.offset, grant.length)
+        region.dst = region.ring + grant.offset + grant.writer_offset
+        waiting, region.waiting = region.waiting, []
+        for job in waiting:
+            self._park_group(job, region)
+            self._group_left(key, region)
+        await self._progress(grant.agent)
+
+    async def _on_layer_refused(
+        self, region: _LayerRegion, agent: str, detail: str, reason: FailureReason = FailureReason.STAGING
+    ) -> None:
+        """The chunk's region was refused: its waiting groups fail now, later ones when they start."""
+        region.refused = f"decode {agent} refused the chunk: {detail}"
+        key = (agent, region.request.room, region.request.chunk_id)
+        waiting, region.waiting = region.waiting, []
+        for job in waiting:
+            self._group_left(key, region)
+            await self._done(job, False, region.refused, reason)
+
+    def _park_group(self, job: WriteJob, region: _LayerRegion) -> None:
+        """Park one ready group of a granted chunk: gathered and WRITTEN once the watermark admits."""
+        assert job.group is not None and region.allocation is not None
+        layout = self.pool.layout
+        runs = group_block_runs(
+            layout.num_layers, layout.mla, region.tensor_bytes, job.group.start, job.group.end
+        )
+        nbytes = sum(length for _, _, length in runs)
+        self._parked[job.peer.agent_name].append(
+            _Staged(job, region.src_slots, nbytes, region.host, region.allocation, region.dst, runs=runs)
+        )
+
+    def _group_table(self, job: WriteJob) -> KVTable:
+        """The KV table of one layer group's tensors (cached per group)."""
+        assert job.group is not None
+        key = job.group.layers
+        table = self._group_kv.get(key)
+        if table is None:
+            rows = group_tensors(self.pool.layout.num_layers, self.pool.layout.mla, *key)
+            table = as_kv_table([self.pool.tensors[int(i)] for i in rows])
+            self._group_kv[key] = table
+        return table

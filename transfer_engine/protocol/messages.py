@@ -314,6 +314,9 @@ class ChunkLanded(Message, frozen=True, gc=False):
     num_pages: int
     region: int
     """Ring allocation id for staged chunks, -1 for the direct and slice paths."""
+    layers: tuple[int, int] | None = None
+    """Layer-wise chunks (``protocol/layers.py``): the WRITE carried layers ``[start, end)`` only,
+    and the chunk has landed from ``sender`` once its groups cover every layer. None: every layer."""
 
 
 class AuxLanded(Message, frozen=True, gc=False):

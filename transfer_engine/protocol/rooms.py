@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from transfer_engine.errors import FailureReason, LocalProtocolError, RemoteProtocolError
+from transfer_engine.protocol.layers import LayerTally
 
 __all__ = [
     "RECEIVER_TRANSITIONS",
@@ -362,8 +363,41 @@ class ReceiverRoom(_Room):
     """Abort went out to every prefill rank; the room ends once ``awaiting_acks`` is empty."""
     scattering: int = 0
     """Chunks at the scatter actor, not yet reported back."""
+    layer_tally: LayerTally | None = None
+    """Layer groups landed per (writer, chunk) of layer-wise chunks (``protocol/layers.py``)."""
 
     _table = RECEIVER_TRANSITIONS
+
+    def layers_landed(self, sender: int, chunk_id: int, layers: tuple[int, int]) -> bool:
+        """Whether exactly this group of ``chunk_id`` from ``sender`` has landed already (a repeat)."""
+        tally = self.layer_tally
+        return chunk_id in self.landed.get(sender, ()) or (
+            tally is not None and tally.has((sender, chunk_id), *layers)
+        )
+
+    def on_layers(self, sender: int, chunk_id: int, layers: tuple[int, int], now: float) -> bool:
+        """A layer group of ``chunk_id`` from ``sender`` landed. True once the chunk covers every layer
+        from that writer: the caller then counts the chunk with :meth:`on_chunk`.
+
+        Raises RemoteProtocolError (recording nothing) for an unknown sender, a negative chunk id, or
+        a range out of bounds or overlapping one that landed.
+        """
+        if sender not in self.landed:
+            raise RemoteProtocolError(
+                f"room {self.room}: layers from prefill rank {sender}, not a writer of it"
+            )
+        if chunk_id < 0:
+            raise RemoteProtocolError(f"room {self.room}: chunk id {chunk_id} < 0 from rank {sender}")
+        if self.layer_tally is None:
+            raise LocalProtocolError(f"room {self.room} counts no layer groups (layer_tally unset)")
+        if chunk_id in self.landed[sender]:
+            raise RemoteProtocolError(
+                f"room {self.room}: layers {layers} of chunk {chunk_id} from rank {sender} after it landed"
+            )
+        complete = self.layer_tally.add((sender, chunk_id), *layers)
+        if not complete and not self.status.final:
+            self._apply(Landed(), now)
+        return complete
 
     @property
     def quiescent(self) -> bool:
@@ -464,7 +498,10 @@ class ReceiverRoom(_Room):
 
     def heard_from(self, writer: int) -> bool:
         """Whether anything of ``writer`` landed: it has this room's request (no need to repeat it)."""
-        return bool(self.landed.get(writer)) or (self.aux_landed and writer == self.wants_aux_from)
+        partial = self.layer_tally is not None and any(
+            isinstance(key, tuple) and key[0] == writer for key in self.layer_tally.partial_keys()
+        )
+        return bool(self.landed.get(writer)) or partial or (self.aux_landed and writer == self.wants_aux_from)
 
     def writer_done(self, writer: int) -> bool:
         last = self.last_chunk.get(writer)

@@ -1,0 +1,122 @@
+"""Layer-wise rooms fail as chunk-level rooms do: an abort between layers (from either side) or a
+layer event that never completes ends the room on both sides, nothing lands afterwards, nothing leaks.
+
+Each test stops a room after its first layer group went out and before the rest is ready, lets both
+sides end, then makes the remaining layers ready and checks that the decode pages did not change.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from transfer_engine import patterns
+from transfer_engine.errors import ConfigError, FailureReason, LocalProtocolError, TransferFailed
+from transfer_engine.protocol.rooms import RoomStatus
+
+from .harness import Cluster, cluster, run_room, small_layout
+
+PATHS = ["direct", "staged"]
+
+
+async def _first_layer_landed(c: Cluster, room: int, pages: np.ndarray) -> tuple[list, list, threading.Event]:
+    """Open ``room`` P=D=1, send layer 0 of its only chunk; return (senders, receivers, the event of
+    layers [1, 3), not set) once layer 0 has landed on the decode."""
+    prefill = c.prefill[0].pool
+    patterns.fill(prefill, room, pages, layers=(0, 1))
+    receivers = [await e.receiver(room, c.bootstrap, pages) for e in c.decode]
+    senders = [e.sender(room) for e in c.prefill]
+    later = threading.Event()
+    await senders[0].begin_chunk(pages, last=True)
+    await senders[0].layers_ready(0, 1)
+    await senders[0].layers_ready(1, 3, ready=later)  # never set before the room ends
+    core = c.decode[0].rooms[room].core
+    with anyio.fail_after(10):  # the decode room counted layer 0 (staged: it is in the ring region)
+        while core.layer_tally is None or core.layer_tally.layers((0, 0)) < 1:  # noqa: ASYNC110 - engine state, no event
+            await anyio.sleep(0.005)
+    return senders, receivers, later
+
+
+async def _nothing_lands_after(c: Cluster, room: int, pages: np.ndarray, later: threading.Event) -> None:
+    decode = c.decode[0].pool
+    before = [t.clone() for t in decode.tensors]
+    patterns.fill(c.prefill[0].pool, room, pages)
+    later.set()
+    await anyio.sleep(0.3)
+    assert all(_same(a, b) for a, b in zip(before, decode.tensors, strict=True))
+    # layer 1 never landed (direct: layer 0 did, straight into the pages)
+    assert not _same(decode.tensors[1][: len(pages) * 4], c.prefill[0].pool.tensors[1][: len(pages) * 4])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality (the pattern's bf16 bits include NaNs, which torch.equal calls unequal)."""
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_abort_between_layers_ends_both_sides(path: str, side: str) -> None:
+    async with cluster(small_layout(), 1, 1, path=path, layers_per_write=1) as c:
+        pages = np.arange(4)
+        senders, receivers, later = await _first_layer_landed(c, 30, pages)
+        with anyio.fail_after(10):
+            await (senders[0] if side == "prefill" else receivers[0]).abort()
+            for handle in (*senders, *receivers):
+                with pytest.raises(TransferFailed) as info:
+                    await handle.wait()
+                assert info.value.reason is FailureReason.ABORTED
+        assert receivers[0].poll() is RoomStatus.FAILED and senders[0].poll() is RoomStatus.FAILED
+        with pytest.raises(LocalProtocolError, match="layers_ready"):
+            await senders[0].layers_ready(1, 3)
+        await _nothing_lands_after(c, 30, pages, later)
+        await run_room(c, 31, pages, pages, [2, 2], aux_slot=0, layers=1)  # the pages serve the next room
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", PATHS)
+async def test_layer_event_that_never_completes_times_out_on_both_sides(path: str) -> None:
+    async with cluster(small_layout(), 1, 1, path=path, layers_per_write=1, transfer_timeout=1.0) as c:
+        pages = np.arange(4)
+        senders, receivers, later = await _first_layer_landed(c, 40, pages)
+        with anyio.fail_after(10):
+            with pytest.raises(TransferFailed) as info:
+                await senders[0].wait()
+            assert info.value.reason is FailureReason.TRANSFER_TIMEOUT
+            with pytest.raises(TransferFailed):
+                await receivers[0].wait()
+        await _nothing_lands_after(c, 40, pages, later)
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_bad_layer_calls_raise_and_queue_nothing() -> None:
+    async with cluster(small_layout(), 1, 1, path="direct", layers_per_write=2) as c:
+        pages = np.arange(4)
+        patterns.fill(c.prefill[0].pool, 50, pages)
+        receiver = await c.decode[0].receiver(50, c.bootstrap, pages)
+        sender = c.prefill[0].sender(50)
+        with pytest.raises(LocalProtocolError, match="no layer-wise chunk is open"):
+            await sender.layers_ready(0, 1)
+        await sender.begin_chunk(pages[:2])
+        with pytest.raises(LocalProtocolError, match="chunk 0 is still open"):
+            await sender.send(pages[2:], last=True)
+        with pytest.raises(ConfigError, match=r"layers \[0, 4\)"):
+            await sender.layers_ready(0, 4)
+        with pytest.raises(ConfigError, match="ready="):
+            await sender.layers_ready(0, 1, ready=object())  # type: ignore[arg-type]
+        await sender.layers_ready(0, 1)
+        with pytest.raises(LocalProtocolError, match="must start at layer 1"):
+            await sender.layers_ready(0, 2)
+        await sender.layers_ready(1, 3)
+        await sender.send(pages[2:], last=True)  # a chunk-level send after a closed layer-wise chunk
+        with anyio.fail_after(10):
+            await sender.wait()
+            await receiver.wait()
+        assert patterns.mismatches(c.decode[0].pool, 50, pages, 16) == 0
+        c.assert_no_leaks()
