@@ -52,9 +52,10 @@ CONNECTOR = {
     "kv_connector_module_path": "transfer_engine.integrations.vllm.connector",
 }
 
-LIVENESS = {"heartbeat_interval": 15.0, "connect_timeout": 90.0}
-"""Four vLLM workers share the 2-core CI box with other jobs: a worker's first TP=2 forward and a
-loaded machine keep an engine thread off the CPU for more than the default 10 s lease (seen: 9.6 s)."""
+LIVENESS = {"heartbeat_interval": 30.0, "connect_timeout": 120.0}
+"""Four vLLM workers share the 2-core box: with other jobs loading it (load average 20-40 here) an
+engine's loop was seen stalled for up to 58 s, far past the default 10 s lease; liveness is not what
+this test is about (tests/chaos is)."""
 
 _taken: set[int] = set()
 
@@ -197,7 +198,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         stop(procs)
 
 
-def complete(port: int, prompt: list[int], max_tokens: int, timeout: float = 120.0) -> list[int]:
+def complete(port: int, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> list[int]:
     body = {
         "model": "m",
         "prompt": prompt,
