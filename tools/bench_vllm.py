@@ -13,7 +13,9 @@ Starts, on this machine, a prefill and a decode ``vllm.entrypoints.openai.api_se
   (streamed, ``do_remote_prefill``) at once and takes the time from the prefill's answer (its last
   layer ran just before: the answer adds its one sampled token and the HTTP reply) to the decode's
   first streamed token: the KV transfer, the decode's scheduling of the request and its first step.
-  Also printed: the prefill's own time to its answer, which the decode waits for too.
+  Also printed: the prefill's own time to its answer, and the whole connector path (request to the
+  decode's first token). The prefill's answer is a proxy for its last layer: its HTTP reply races
+  with the transfer, so a single sample can be negative (the decode's token came first).
 
 Every prompt is new (no prefix cache hit on either side) and every connector answer is checked
 token for token against the decode's answer alone (greedy): a mismatch stops the run. Prints one
@@ -165,7 +167,12 @@ def measure(decode: int, prefill: int, bootstrap: int, prompt: list[int], max_to
     thread.join()
     if tokens != alone_tokens:
         sys.exit(f"connector tokens {tokens} differ from vLLM alone {alone_tokens} (prompt of {len(prompt)})")
-    return {"alone": alone, "prefill": prefilled["at"] - start, "after_prefill": first - prefilled["at"]}
+    return {
+        "alone": alone,
+        "prefill": prefilled["at"] - start,
+        "after_prefill": first - prefilled["at"],
+        "connector": first - start,
+    }
 
 
 def main() -> None:
@@ -225,6 +232,7 @@ def main() -> None:
             ("alone", "vLLM alone, request -> first token"),
             ("after_prefill", "connector, prefill answered -> decode first token"),
             ("prefill", "prefill request -> answer"),
+            ("connector", "connector, request -> decode first token"),
         ):
             values = [r[key] * 1e3 for r in rows]
             line.append(f"{label} median {statistics.median(values):.1f} min {min(values):.1f};")
