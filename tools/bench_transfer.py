@@ -265,7 +265,10 @@ async def _prefill(
                 conn.send("ready")
             await sender.wait()
         if conn is not None:
-            conn.send(("descriptors", engine.poller.counters["descriptors_posted"], engine.me.trace.take()))
+            post_ns = dict(getattr(engine.poller.transport, "post_ns", {}))
+            conn.send(
+                ("descriptors", engine.poller.counters["descriptors_posted"], engine.me.trace.take(), post_ns)
+            )
             await anyio.to_thread.run_sync(conn.recv)
 
 
@@ -386,7 +389,12 @@ async def _decode(
                 added_latency_p50_ms=statistics.median([e - r for e, r in zip(lat, raw_lat, strict=True)])
                 * 1e3,
             )
-            _, posted, prefill_marks = await anyio.to_thread.run_sync(conn.recv)
+            _, posted, prefill_marks, post_ns = await anyio.to_thread.run_sync(conn.recv)
+            result["post_us"] = {
+                k: round(v / 1e3 / max(post_ns.get("writes", 1), 1), 1)
+                for k, v in post_ns.items()
+                if k != "writes"
+            }
             if args.trace:
                 marks = prefill_marks + engine.me.trace.take()
                 result["trace_rooms"] = step_table(marks, set(range(args.rooms)))
@@ -536,6 +544,8 @@ def main() -> int:
         f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added (median of pairs) "
         f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}"
     )
+    if args.trace:
+        print(f"prefill rank 0, post_write per WRITE (us): {r['post_us']}")
     for key, what in (("trace_rooms", "rooms of the rounds"), ("trace_small", "small rooms")):
         if key in r:
             print(

@@ -1,6 +1,7 @@
 """Flood: hostile traffic at every endpoint of a running P=1 -> D=1 cluster; peak RSS against idle.
 
-    python tools/flood.py --seconds 60 --idle 10 [--json PATH]
+    python tools/flood.py --seconds 60 --idle 10 [--json PATH] [--only junk,churn,...] [--max-bytes N]
+                          [--settle S] [--trim-during]
 
 Starts the cluster in a child process (``--serve``: one prefill engine hosting the bootstrap and
 one decode engine, real NIXL and ZMQ, metrics on), measures its resident memory idle for
@@ -19,6 +20,11 @@ whichever comes first; all traffic goes to 127.0.0.1. The flood:
   over the limit, clients that disconnect mid-request;
 - **NIXL notifications** (:func:`notif_junk`): a NIXL agent that loaded the decode engine's
   metadata sends malformed notifications and well-formed ones for rooms that do not exist.
+
+``--only`` runs some of these senders and ``--max-bytes`` sets the largest junk frame, to see what
+each costs. The RSS is also listed every 5 s of the flood (a plateau or a slope), and after
+``--settle`` idle seconds and a ``malloc_trim(0)`` in the child (``--trim-during``: every 5 s of the
+flood too), which tells memory the flood holds from heap glibc kept after it was freed.
 
 Afterwards the child runs rooms that must verify byte for byte and reports its drop counters and
 log lines. Prints one JSON object: idle RSS, peak RSS during the flood, what was sent, what the
@@ -236,13 +242,27 @@ def _hostport(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def flood(
-    targets: Targets, seconds: float, *, frames: int, connections: int, notifier: Any = None, seed: int = 0
-) -> dict[str, int]:
-    """Run every sender at ``targets`` in threads for at most ``seconds``; returns what each sent.
+SENDERS = ("junk", "churn", "slow", "http", "notif")
+"""The kinds of sender :func:`flood` runs (``--only`` picks some, to see what each costs)."""
 
-    ``frames``: junk messages per ZMQ endpoint; ``connections``: TCP connections per ZMQ port (and a
-    tenth of it in HTTP requests per metrics endpoint and, from ``notifier``, in notifications).
+
+def flood(
+    targets: Targets,
+    seconds: float,
+    *,
+    frames: int,
+    connections: int,
+    notifier: Any = None,
+    seed: int = 0,
+    only: frozenset[str] = frozenset(SENDERS),
+    max_bytes: int = MAX_JUNK_BYTES,
+) -> dict[str, int]:
+    """Run the senders named in ``only`` (:data:`SENDERS`) at ``targets`` in threads for at most
+    ``seconds``; returns what each sent.
+
+    ``frames``: junk messages per ZMQ endpoint, each at most ``max_bytes``; ``connections``: TCP
+    connections per ZMQ port (and a tenth of it in HTTP requests per metrics endpoint and, from
+    ``notifier``, in notifications).
     """
     stop_at = time.monotonic() + seconds
     sent: Counter[str] = Counter()
@@ -251,22 +271,26 @@ def flood(
     zmq_targets = [(targets.bootstrap, "bootstrap")]
     zmq_targets += [(e, "control") for e in targets.control] + [(e, "introspect") for e in targets.introspect]
     for n, (endpoint, kind) in enumerate(zmq_targets):
-        jobs.append(
-            (
-                f"junk_frames.{kind}",
-                lambda e=endpoint, k=kind, n=n: send_junk(e, k, frames, stop_at, seed + n),
+        if "junk" in only:
+            jobs.append(
+                (
+                    f"junk_frames.{kind}",
+                    lambda e=endpoint, k=kind, n=n: send_junk(e, k, frames, stop_at, seed + n, max_bytes),
+                )
             )
-        )
         host, port = _hostport(endpoint)
-        jobs.append(("connections", lambda h=host, p=port, n=n: churn(h, p, connections, stop_at, seed + n)))
-    for endpoint in targets.introspect:
+        if "churn" in only:
+            jobs.append(
+                ("connections", lambda h=host, p=port, n=n: churn(h, p, connections, stop_at, seed + n))
+            )
+    for endpoint in targets.introspect if "slow" in only else ():
         jobs.append(("dump_requests_unread", lambda e=endpoint: slow_readers(e, 20, 200, stop_at)))
-    for endpoint in targets.metrics:
+    for endpoint in targets.metrics if "http" in only else ():
         host, port = _hostport(endpoint)
         jobs.append(
             ("http_requests", lambda h=host, p=port: http_junk(h, p, max(connections // 10, 4), stop_at))
         )
-    if notifier is not None:
+    if notifier is not None and "notif" in only:
         metadata = bytes.fromhex(targets.decode_metadata_hex)
         jobs.append(
             ("notifications", lambda: notif_junk(notifier, metadata, max(connections // 10, 2), stop_at))
@@ -344,6 +368,13 @@ async def _serve() -> None:
                 leaks = {e.config.role: {k: v for k, v in e.leaks().items() if v} for e in (p, d)}
                 print(REPLY + json.dumps({"rooms_verified": rooms, "dropped": dropped, "log_lines": counter.lines,
                                   "leaks": leaks}), flush=True)  # fmt: skip
+            elif command == "trim":  # what of the RSS is freed memory that glibc kept
+                import ctypes
+                import gc
+
+                gc.collect()
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+                print(REPLY + "{}", flush=True)
             elif command in ("quit", ""):
                 return
 
@@ -373,14 +404,39 @@ def _rss_kib(pid: int) -> tuple[int, int]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-def _sample(pid: int, seconds: float) -> int:
-    """Peak VmRSS of ``pid`` over ``seconds`` (sampled every 0.2 s), in KiB."""
+TIMELINE_S = 5.0
+"""The result lists the flooded child's RSS at this interval (a plateau or a slope)."""
+
+
+def _sample(pid: int, seconds: float, timeline: list[float] | None = None) -> int:
+    """Peak VmRSS of ``pid`` over ``seconds`` (sampled every 0.2 s), in KiB; appends the RSS in MiB
+    every :data:`TIMELINE_S` seconds to ``timeline`` when given."""
     peak = 0
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        peak = max(peak, _rss_kib(pid)[0])
+    start = time.monotonic()
+    end = start + seconds
+    next_mark = start
+    while (now := time.monotonic()) < end:
+        rss = _rss_kib(pid)[0]
+        peak = max(peak, rss)
+        if timeline is not None and now >= next_mark:
+            timeline.append(round(rss / 1024, 1))
+            next_mark += TIMELINE_S
         time.sleep(0.2)
     return peak
+
+
+def _trim_during(child: subprocess.Popen[str], seconds: float, trimmed: list[float]) -> None:
+    """Every :data:`TIMELINE_S` seconds of the flood, make ``child`` give its free heap back
+    (``malloc_trim``) and append its RSS after, in MiB: the memory the flood really holds, as
+    against what glibc kept after it was freed."""
+    assert child.stdin is not None and child.stdout is not None
+    end = time.monotonic() + seconds
+    while time.monotonic() + TIMELINE_S <= end:
+        time.sleep(TIMELINE_S)
+        child.stdin.write("trim\n")
+        child.stdin.flush()
+        _reply(child.stdout)
+        trimmed.append(round(_rss_kib(child.pid)[0] / 1024, 1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -389,6 +445,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--idle", type=float, default=10.0, help="how long idle RSS is sampled first")
     parser.add_argument("--frames", type=int, default=2_000_000, help="most junk messages per ZMQ endpoint")
     parser.add_argument("--connections", type=int, default=20_000, help="most TCP connections per ZMQ port")
+    parser.add_argument(
+        "--only",
+        default=",".join(SENDERS),
+        help=f"comma-separated senders to run, among {','.join(SENDERS)} (default: all)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="seconds idle after the flood before RSS is sampled again, then trimmed",
+    )
+    parser.add_argument(
+        "--trim-during",
+        action="store_true",
+        help=f"also trim the child's free heap every {TIMELINE_S:g} s of the flood",
+    )
+    parser.add_argument("--max-bytes", type=int, default=MAX_JUNK_BYTES, help="largest junk frame")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the result here")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -399,6 +472,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not (0 < args.seconds <= 600 and 0 < args.idle <= 120):
         parser.error("--seconds must be in (0, 600] and --idle in (0, 120]")
+    only = frozenset(args.only.split(","))
+    if not only <= set(SENDERS) or not 0 < args.max_bytes <= 1 << 30:
+        parser.error(f"--only takes some of {','.join(SENDERS)}; --max-bytes must be in (0, 1 GiB]")
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -411,15 +487,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         _reply(child.stdout)
         idle_kib = _sample(child.pid, args.idle)
         sampler: dict[str, int] = {}
-        watcher = threading.Thread(target=lambda: sampler.update(peak=_sample(child.pid, args.seconds + 1)))
+        timeline: list[float] = []
+        watcher = threading.Thread(
+            target=lambda: sampler.update(peak=_sample(child.pid, args.seconds + 1, timeline))
+        )
         watcher.start()
+        trimmed: list[float] = []
+        trimmer = threading.Thread(target=_trim_during, args=(child, args.seconds, trimmed), daemon=True)
+        if args.trim_during:
+            trimmer.start()
         started = time.monotonic()
         sent = flood(
-            targets, args.seconds, frames=args.frames, connections=args.connections, notifier=notifier
+            targets,
+            args.seconds,
+            frames=args.frames,
+            connections=args.connections,
+            notifier=notifier,
+            only=only,
+            max_bytes=args.max_bytes,
         )
         flood_s = time.monotonic() - started
         watcher.join()
+        if args.trim_during:
+            trimmer.join()
         after_kib, hwm_kib = _rss_kib(child.pid)
+        time.sleep(args.settle)
+        settled_kib = _rss_kib(child.pid)[0]
+        child.stdin.write("trim\n")
+        child.stdin.flush()
+        _reply(child.stdout)
+        trimmed_kib = _rss_kib(child.pid)[0]
         child.stdin.write("rooms\n")
         child.stdin.flush()
         report = _reply(child.stdout)
@@ -435,6 +532,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "flood_peak_rss_mib": round(sampler.get("peak", 0) / 1024, 1),
         "after_rss_mib": round(after_kib / 1024, 1),
         "vm_hwm_mib": round(hwm_kib / 1024, 1),
+        "settled_rss_mib": round(settled_kib / 1024, 1),
+        "trimmed_rss_mib": round(trimmed_kib / 1024, 1),
+        f"rss_every_{TIMELINE_S:g}_s_mib": timeline,
+        **({f"trimmed_rss_every_{TIMELINE_S:g}_s_mib": trimmed} if args.trim_during else {}),
+        "senders": sorted(only),
+        "max_bytes": args.max_bytes,
         "sent": sent,
         **report,
     }

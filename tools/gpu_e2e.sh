@@ -20,6 +20,29 @@ if [ "$phase" = onetest ]; then
   TE_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | grep -v "NIXL INFO" | grep -E "Error|error|assert|FAILED|passed|failed" | head -30
   exit 0
 fi
+if [ "$phase" = layerwise ]; then  # issue 16: the tail and the forward, then TTFT with and without, device and host path
+  for path in direct host; do
+    timeout 240 python3 tools/bench_layerwise.py --device cuda --path $path 2>&1 | grep -v "NIXL INFO" | tee "$OUT/layerwise-$path.txt" | tail -25
+  done
+  SB="--device cuda --model-hidden 2048 --model-layers 16 --model-heads 16 --model-kv-heads 8 --model-head-dim 128
+      --model-ffn 5632 --long 4096 --chunk-tokens 512 --max-batch-tokens 1024 --samples 8 --window 1 --rounds 1"
+  for path in direct host; do
+    for lw in "" --layerwise; do
+      timeout 200 python3 tools/serving_bench.py $SB --engine path=$path $lw --json-out "$OUT/serving-$path$lw.json" \
+        2>&1 | grep -v "NIXL INFO" | grep -iE "ttft|prompt|tail|error|Traceback" | head -12
+    done
+  done
+  exit 0
+fi
+if [ "$phase" = trace ]; then  # issue 17: where a room's time goes (bench_transfer.py --trace)
+  QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"
+  for a in "${@:-direct 1 6}"; do
+    set -- $a
+    timeout 200 python3 tools/bench_transfer.py $QWEN --trace --path $1 --concurrency $2 --rooms $3 --rounds 3 \
+      --lat-rooms 50 2>&1 | grep -v "NIXL INFO" | tee "$OUT/trace-$1-$2.txt" | grep -E "^path=|post_write|planned|ready|posted|notif"
+  done
+  exit 0
+fi
 if [ "$phase" = tests ]; then
   python3 -m pytest -q -p no:cacheprovider tests/unit tests/kernels 2>&1 | tail -5 | tee -a "$OUT/tests.txt"
   TE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/integration/test_matrix.py \

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.integration.harness import Cluster, run_room, shuffled_pages
-from transfer_engine.actors.router import MAX_FRAME_BYTES
+from transfer_engine.actors.router import BOOTSTRAP_MAX_FRAME, CONTROL_MAX_FRAME
 from transfer_engine.protocol import messages as m
 
 from .helpers import engines
@@ -140,6 +140,7 @@ class Raw:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
+        self.endpoint = endpoint
         self.counter = counter
 
     def drops(self) -> int:
@@ -199,17 +200,19 @@ def test_fuzz_control_and_bootstrap_sockets(portal: BlockingPortal) -> None:
                 raw.send_and_count(multi)
 
             fuzz()
-            for raw in targets:
-                raw.send_and_count([bytes(m.MAX_MESSAGE_BYTES + 1)])  # over the decoder's limit
+            limits = (CONTROL_MAX_FRAME, CONTROL_MAX_FRAME, BOOTSTRAP_MAX_FRAME)
+            for raw, limit in zip(targets, limits, strict=True):
+                raw.send_and_count([bytes(limit)])  # the largest frame is read (and is no message)
             assert prefill.control.dropped["malformed"] > 0 and prefill.control.dropped["bad_frames"] > 0
             assert decode.control.dropped["malformed"] > 0 and prefill.bootstrap.dropped["malformed"] > 0
-            # A frame over MAX_FRAME_BYTES is never read: libzmq drops that connection instead.
-            huge = Raw(portal, prefill.endpoint, drop_total(prefill.control))
-            before = huge.drops()
-            huge.sock.send(bytes(MAX_FRAME_BYTES + 1))
-            time.sleep(0.2)
-            assert huge.drops() == before
-            huge.close()
+            # A frame over the endpoint's limit is never read: libzmq drops that connection instead.
+            for raw, limit in ((targets[0], CONTROL_MAX_FRAME), (targets[2], BOOTSTRAP_MAX_FRAME)):
+                huge = Raw(portal, raw.endpoint, raw.counter)
+                before = huge.drops()
+                huge.sock.send(bytes(limit + 1))
+                time.sleep(0.2)
+                assert huge.drops() == before
+                huge.close()
             _check_serving(portal, c, 2)
             assert prefill.bootstrap.ranks == {0: prefill.endpoint}
         finally:

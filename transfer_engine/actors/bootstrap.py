@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from transfer_engine.actors.router import Inbox, bind_router
+from transfer_engine.actors.router import BOOTSTRAP_MAX_FRAME, Inbox, bind_router
 from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.protocol import messages as m
 
@@ -54,7 +54,9 @@ class Bootstrap:
         """Bind, report ready, then answer until cancelled; the socket and context close on the way out."""
         secure = None if self.curve is None else self.curve.server
         try:
-            sock, self.port = bind_router(self._ctx, self.host, self.port, hwm=_HWM, secure=secure)
+            sock, self.port = bind_router(
+                self._ctx, self.host, self.port, hwm=_HWM, max_frame=BOOTSTRAP_MAX_FRAME, secure=secure
+            )
         except PeerUnreachableError:
             self._ctx.term()
             raise

@@ -29,7 +29,7 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from transfer_engine.actors.router import Inbox, bind_router, source_of
+from transfer_engine.actors.router import CONTROL_MAX_FRAME, Inbox, bind_router, source_of
 from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.protocol import messages as m
 
@@ -85,7 +85,9 @@ class Control:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         secure = None if self.curve is None else self.curve.server
         try:
-            router, self.port = bind_router(self._ctx, self.host, self.port, hwm=_SEND_HWM, secure=secure)
+            router, self.port = bind_router(
+                self._ctx, self.host, self.port, hwm=_SEND_HWM, max_frame=CONTROL_MAX_FRAME, secure=secure
+            )
         except PeerUnreachableError:
             self._ctx.term()
             raise

@@ -4,7 +4,7 @@ One ROUTER bound at ``tcp://{host}:{port}`` (loopback unless the engine's ``host
 port 0 picks a free one) answers each ``DumpRequest`` with a ``DumpReply`` carrying the msgpack
 bytes of a :class:`~transfer_engine.introspect.Snapshot`. Frames are read, decoded and refused as
 on every ROUTER endpoint of the rank (:mod:`transfer_engine.actors.router`: frames over
-``MAX_FRAME_BYTES`` are never read, the decoder's size limit applies); malformed frames and
+``INTROSPECT_MAX_FRAME`` are never read); malformed frames and
 messages other than ``DumpRequest`` are logged with their source, counted in ``dropped`` and
 dropped. Building a snapshot only reads engine state on the event-loop thread, so a dump never
 races the actors it describes; a snapshot that cannot be built is logged and counted, and never
@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 
-from transfer_engine.actors.router import Inbox, Secure, bind_router
+from transfer_engine.actors.router import INTROSPECT_MAX_FRAME, Inbox, Secure, bind_router
 from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.introspect import Snapshot, encode_snapshot
 from transfer_engine.protocol import messages as m
@@ -64,7 +64,9 @@ class Introspect:
         """Bind, report ready, then answer dumps until cancelled; the socket closes on the way out."""
         self._ctx = zmq.asyncio.Context()
         try:
-            router, self.port = bind_router(self._ctx, self.host, self.port, hwm=_HWM, secure=self._secure)
+            router, self.port = bind_router(
+                self._ctx, self.host, self.port, hwm=_HWM, max_frame=INTROSPECT_MAX_FRAME, secure=self._secure
+            )
         except PeerUnreachableError:
             self.close()
             raise

@@ -1,9 +1,10 @@
 """The receiving side shared by a rank's ROUTER endpoints (:mod:`.control` and :mod:`.introspect`).
 
 Anyone who can reach a rank's port can send to these sockets, so each must refuse hostile input in
-the same way: never read a frame over :data:`MAX_FRAME_BYTES`, decode with the one typed decoder
-of :mod:`transfer_engine.protocol.messages` (its size limit applies), and log, count and drop what
-fails, then keep serving. Having one copy means a hardening of one endpoint is one of them all.
+the same way: never read a frame larger than the endpoint's messages can be, never queue more than
+:data:`INBOUND_BYTES` per peer, decode with the one typed decoder of
+:mod:`transfer_engine.protocol.messages`, and log, count and drop what fails, then keep serving.
+Having one copy means a hardening of one endpoint is one of them all.
 
 :func:`bind_router` makes the socket (the size cap, the high-water marks, CURVE through a
 ``secure`` callable, e.g. ``Curve.server``); an :class:`Inbox` reads it and hands every decoded
@@ -24,16 +25,46 @@ from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, Tr
 from transfer_engine.logbook import LogBook
 from transfer_engine.protocol import messages as m
 
-MAX_FRAME_BYTES = 4 * m.MAX_MESSAGE_BYTES
-"""ROUTERs never read a frame larger than this: libzmq drops the connection that sends one, so a peer
-cannot make a rank allocate without bound. Frames between the message limit and this are read,
-counted as malformed and dropped."""
+CONTROL_MAX_FRAME = m.MAX_MESSAGE_BYTES
+"""Largest frame a control ROUTER reads: its largest messages are a TransferRequest (a page index
+per decode page: about 1.8 million pages in the worst msgpack encoding) and a PeerHello (NIXL
+metadata and the KV regions), both within the decoder's default limit."""
+
+BOOTSTRAP_MAX_FRAME = 1 << 20
+"""Largest frame the bootstrap ROUTER reads: RegisterRank, whose layout lists at most a few strides
+per layer (about 50 bytes each: 1 MiB is room for some ten thousand layers), and TopologyQuery."""
+
+INTROSPECT_MAX_FRAME = 4096
+"""Largest frame an introspection ROUTER reads: it takes only DumpRequest (a room id, under 30 bytes)."""
+
+INBOUND_BYTES = 128 << 20
+"""Budget of what one connected peer can make a ROUTER hold: its queue of unread messages
+(``RCVHWM``, :func:`inbound_hwm`) times the largest frame the endpoint reads (plus
+:data:`BATCH_PIN_BYTES`). libzmq counts its
+high-water marks in messages, so the byte budget becomes a message count per endpoint."""
 
 INBOUND_HWM = 1000
-"""Most messages a ROUTER queues from one connected peer before libzmq stops reading that peer's
-socket (TCP then pushes back on the sender). It bounds what a peer that sends faster than the rank
-reads can make the rank hold: ``INBOUND_HWM`` messages per connection (flood figures in
-docs/RELIABILITY.md). Honest peers' bursts fit: a rank reads its ROUTER continuously."""
+"""Most messages a ROUTER queues from one connected peer whatever their size (endpoints with small
+frames). Honest peers' bursts fit, or wait in the sender's own queue: a rank reads its ROUTERs
+continuously, and a full queue only stops libzmq reading that peer's socket (TCP pushes back)."""
+
+BATCH_PIN_BYTES = 8192
+"""libzmq decodes small messages in place in its receive buffer (``ZMQ_IN_BATCH_SIZE``, 8 KiB), so
+one queued message may keep a whole buffer alive: counted once per queued message."""
+
+
+def inbound_hwm(max_frame: int) -> int:
+    """The ``RCVHWM`` that keeps a peer's queue within :data:`INBOUND_BYTES` for frames up to
+    ``max_frame`` bytes: 7 for the control endpoints, 127 for the bootstrap, 1,000 for introspection."""
+    return max(1, min(INBOUND_HWM, INBOUND_BYTES // (max_frame + BATCH_PIN_BYTES)))
+
+
+ZMTP3_ONLY = b"transfer_engine.zmtp3"
+"""The ZAP domain of unsecured ROUTERs. No ZAP handler answers it (libzmq then lets ZMTP 3 peers in,
+``ZMQ_ZAP_ENFORCE_DOMAIN`` being off), but a socket with a ZAP domain refuses ZMTP 1.0 peers, and
+without it any bytes that do not start with 0xFF are read as a ZMTP 1.0 peer's frames: each
+connection of junk would become queued messages."""
+
 
 Secure = Callable[[zmq.asyncio.Socket], None]
 """Configures a socket before it binds (ZMQ CURVE server options, see ``transfer_engine.security``)."""
@@ -44,9 +75,14 @@ Handler = Callable[[m.AnyMessage, bytes, str], Awaitable[None]]
 
 
 def bind_router(
-    ctx: zmq.asyncio.Context, host: str, port: int, *, hwm: int, secure: Secure | None
+    ctx: zmq.asyncio.Context, host: str, port: int, *, hwm: int, max_frame: int, secure: Secure | None
 ) -> tuple[zmq.asyncio.Socket, int]:
     """A ROUTER bound at ``tcp://host:port`` (port 0: a free one), and the port it got.
+
+    It never reads a frame over ``max_frame`` bytes (libzmq drops the connection that sends one,
+    before buffering it), queues at most :func:`inbound_hwm` messages per peer, and ``hwm`` replies
+    per peer. ZMTP 1.0 peers are refused at the handshake (:data:`ZMTP3_ONLY`), so a connection of
+    junk bytes queues nothing; ``secure`` may set its own ZAP domain (CURVE refuses them too).
 
     Raises PeerUnreachableError, the socket closed, when it cannot be secured or bound.
     """
@@ -54,8 +90,9 @@ def bind_router(
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
-        sock.setsockopt(zmq.RCVHWM, min(hwm, INBOUND_HWM))
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.RCVHWM, inbound_hwm(max_frame))
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZMTP3_ONLY)
         if secure is not None:
             secure(sock)
         if port:
@@ -102,6 +139,8 @@ class Inbox:
             self.book.close()
 
     async def _serve(self, router: zmq.asyncio.Socket, endpoint: str, handle: Handler) -> NoReturn:
+        limit = router.getsockopt(zmq.MAXMSGSIZE)  # the endpoint's frame cap (bind_router)
+        assert isinstance(limit, int) and limit > 0
         while True:
             frames = await router.recv_multipart(copy=True)
             self.book.flush()  # any traffic writes the summaries of windows that are over
@@ -110,7 +149,7 @@ class Inbox:
                 self.drop("bad_frames", source, f"{len(frames)} frames")
                 continue
             try:
-                message = m.decode(frames[1])
+                message = m.decode(frames[1], limit=limit)
             except RemoteProtocolError as exc:
                 self.drop("malformed", source, str(exc))
                 continue

@@ -441,6 +441,7 @@ class TransferWorker(Actor["WorkerMail"]):
             return
         try:
             src, dst, length, notif = plan_write(job, self.pool, self._bases)
+            self.me.trace.mark(job.room, "planned")
             if len(src) == 0:
                 raise TransferError(f"room {job.room}: empty WRITE")
             spec = WriteSpec(

@@ -16,6 +16,8 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -171,6 +173,8 @@ class NixlTransport:
         self._handles: dict[int, tuple[Any, list[Any]]] = {}
         """Each posted WRITE: its NIXL handle and the two descriptor lists prepared for it."""
         self._ids = itertools.count(1)
+        self.post_ns: Counter[str] = Counter()
+        """Nanoseconds spent in each step of :meth:`post_write`, summed, and ``writes`` posted."""
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -226,20 +230,25 @@ class NixlTransport:
         remote = self._peers.get(peer)
         if remote is None:
             raise TransportError(f"no NIXL peer named {peer!r}")
+        t0 = time.perf_counter_ns()
         remote_devices, remote_mem = remote.check(dst, length)
         # Both sides' ranges as lists prepared for this one WRITE, then a prepared transfer over all
         # of them: on H200s a one-shot initialize_xfer pays 2-6 us per descriptor inside transfer(),
         # a prepared one about nothing, and preparing two lists costs ~15 us (docs/PERF.md).
         lists: list[Any] = []
         try:
+            t1 = time.perf_counter_ns()
             lists.append(self._agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT", self._agent.get_xfer_descs(_descs(src, length, local_devices), local_mem)
             ))  # fmt: skip
+            t2 = time.perf_counter_ns()
             lists.append(self._agent.prep_xfer_dlist(
                 peer, self._agent.get_xfer_descs(_descs(dst, length, remote_devices), remote_mem)
             ))  # fmt: skip
+            t3 = time.perf_counter_ns()
             every = np.arange(len(src))
             handle = self._agent.make_prepped_xfer("WRITE", lists[0], every, lists[1], every, notif)
+            t4 = time.perf_counter_ns()
         except Exception as exc:
             self._release_lists(lists)
             raise TransportError(f"cannot create WRITE to {peer} ({len(src)} descriptors): {exc}") from exc
@@ -250,6 +259,14 @@ class NixlTransport:
         except Exception as exc:
             self.release(hid)
             raise TransportError(f"WRITE to {peer} failed to start: {exc}") from exc
+        t5 = time.perf_counter_ns()
+        spent = self.post_ns
+        spent["check"] += t1 - t0
+        spent["prep_local"] += t2 - t1
+        spent["prep_remote"] += t3 - t2
+        spent["make"] += t4 - t3
+        spent["transfer"] += t5 - t4
+        spent["writes"] += 1
         if state == "ERR":
             self.release(hid)
             raise TransportError(f"WRITE to {peer} failed to start")
