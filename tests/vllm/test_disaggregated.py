@@ -231,8 +231,8 @@ def metrics(port: int) -> dict[str, float]:
 def live_rooms(port: int) -> int:
     """Rooms live in the engine serving ``transfer-engine dump`` on ``port``."""
     out = subprocess.run(
-        [str(Path(sys.executable).parent / "transfer-engine"), "dump", "--endpoint", f"tcp://127.0.0.1:{port}", "--json"],
-        capture_output=True, timeout=30, check=True,
+        [str(Path(sys.executable).parent / "transfer-engine"), "dump", "--endpoint", f"tcp://127.0.0.1:{port}", "--json", "--timeout", "60"],
+        capture_output=True, timeout=120, check=True,
     )  # fmt: skip
     return len(json.loads(out.stdout)["rooms"])
 
