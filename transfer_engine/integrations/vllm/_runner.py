@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -77,7 +78,9 @@ class EngineThread:
         introspect_port: int,
         heartbeat_interval: float,
         connect_timeout: float,
+        cpus: frozenset[int],
     ) -> None:
+        self._cpus = cpus
         self._aux = torch.zeros(max_rooms, 16, dtype=torch.uint8)
         self._free_aux = list(range(max_rooms))
         self.pool = pool_from_vllm_cpu(layers, head_dim, tp_size, tp_rank, self._aux)
@@ -123,6 +126,15 @@ class EngineThread:
             self._thread.join(START_TIMEOUT)
 
     def _main(self) -> None:
+        # Linux threads inherit their creator's CPU mask, and vLLM's CPU worker has pinned its main
+        # thread to one core (its first OpenMP thread) before it registers the KV caches. Set here,
+        # before the engine exists, the mask also covers the ZMQ and NIXL threads the engine starts.
+        try:
+            os.sched_setaffinity(0, self._cpus)
+        except OSError as exc:
+            self._error = ConfigError(f"engine_cpus={sorted(self._cpus)}: cannot run the engine there: {exc}")
+            self._ready.set()
+            return
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:

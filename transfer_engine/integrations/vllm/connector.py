@@ -16,6 +16,9 @@ request may wait for the prefill to reach it, default 120: it covers the prefill
 and ``heartbeat_interval`` (default 5 s, a peer is dead after two silent intervals: the engine's
 thread shares the GIL with vLLM's worker, which can hold it for seconds on a loaded CPU box), and
 ``connect_timeout`` (default 30 s, for the decode's first handshake with a prefill, for the same reason).
+``engine_cpus`` (default every CPU: a list of CPU ids the engine thread and the threads it starts may
+run on; vLLM's CPU worker pins its main thread to one core before registering its KV caches, and a
+thread left with that pin waits behind the main threads of every instance spinning there).
 
 Push model, as the engine is: the decode allocates blocks and the prefill WRITEs into them. A
 router (``transfer_engine.integrations.vllm.proxy``) gives both instances the same request at once,
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +77,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["TransferEngineConnector", "digest_of", "room_of"]
+__all__ = ["TransferEngineConnector", "digest_of", "engine_cpus", "room_of"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,21 @@ DIGEST_BYTES = 16
 def room_of(transfer_id: str) -> int:
     """The engine room of a transfer: :func:`transfer_engine.room_ids.room_id` of its ID (the same on both sides)."""
     return room_id(transfer_id)
+
+
+def engine_cpus(value: object) -> frozenset[int]:
+    """The CPUs the engine thread may run on: ``kv_connector_extra_config["engine_cpus"]`` (a list of
+    CPU ids), or every CPU of the machine when unset (the kernel keeps only those the process's
+    cpuset allows). Raises ConfigError naming a value that is not a non-empty list of CPU ids."""
+    if value is None:
+        return frozenset(range(os.cpu_count() or 1))
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value)
+    ):
+        raise ConfigError(f"engine_cpus={value!r}: give a non-empty list of CPU ids, e.g. [2, 3]")
+    return frozenset(value)
 
 
 def digest_of(transfer_id: str) -> bytes:
@@ -127,6 +146,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
         self.introspect_port = int(extra.get("introspect_port", 0))
         self.heartbeat_interval = float(extra.get("heartbeat_interval", 5.0))
         self.connect_timeout = float(extra.get("connect_timeout", 30.0))
+        self.engine_cpus = engine_cpus(extra.get("engine_cpus"))
         self.block_size = vllm_config.cache_config.block_size
         if not self.is_prefill and vllm_config.cache_config.enable_prefix_caching:
             raise ConfigError(
@@ -236,6 +256,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
             introspect_port=self.introspect_port,
             heartbeat_interval=self.heartbeat_interval,
             connect_timeout=self.connect_timeout,
+            cpus=self.engine_cpus,
         )
         self._runner.start()
 
