@@ -951,9 +951,7 @@ class TransferEngine:
         return await self.board.deliver(room, mail)
 
     async def _dispatch(self, message: m.AnyMessage, ident: bytes) -> None:
-        room = getattr(message, "room", None)
-        if room is not None:
-            self.me.trace.mark(room, f"in:{type(message).__name__}")
+        self.me.trace.mark_mail("in", message)
         match message:
             case m.PeerHello() if self.config.role == "prefill":
                 await self.control.reply_to(ident, self._on_peer_hello(message))

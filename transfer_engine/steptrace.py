@@ -36,6 +36,20 @@ class StepTrace:
         if events is not None:
             events.append((time.monotonic_ns(), room, f"{self._side}.{step}"))
 
+    def mark_mail(self, where: str, mail: object, room: int | None = None) -> None:
+        """Mark ``<where>:<mail's type>`` for ``room`` (default: the mail's ``room`` field, if any).
+
+        The step name is built only when tracing is on: actors call this for every mail they handle.
+        """
+        events = self._events
+        if events is None:
+            return
+        if room is None:
+            room = getattr(mail, "room", None)
+            if room is None:
+                return
+        events.append((time.monotonic_ns(), room, f"{self._side}.{where}:{type(mail).__name__}"))
+
     def take(self) -> list[tuple[int, int, str]]:
         """The marks recorded so far, oldest first; the buffer is emptied."""
         if self._events is None:

@@ -163,7 +163,7 @@ class _RoomActor:
 
     async def _apply(self, mail: RoomMail) -> None:
         before = self.core.status
-        self.ports.me.trace.mark(self.room, f"room:{type(mail).__name__}")
+        self.ports.me.trace.mark_mail("room", mail, self.room)
         try:
             if isinstance(mail, Drained):
                 self._drain_asked = False

@@ -370,9 +370,7 @@ class TransferWorker(Actor["WorkerMail"]):
                 await ticker.sleep(READY_POLL_S)
 
     async def handle(self, mail: WorkerMail) -> None:
-        room = getattr(mail, "room", None)
-        if room is not None:
-            self.me.trace.mark(room, f"worker:{type(mail).__name__}")
+        self.me.trace.mark_mail("worker", mail)
         match mail:
             case WriteJob(group=group) if group is not None:
                 await self._layer_job(mail)
@@ -469,23 +467,44 @@ class TransferWorker(Actor["WorkerMail"]):
             )
         return self._buffers[host]
 
+    def _staged_source(self, job: WriteJob) -> np.ndarray:
+        """The prefill slots a staged chunk gathers; TransferError when it cannot be staged here."""
+        req, peer, chunk = job.request, job.peer, job.chunk
+        assert chunk is not None
+        if peer.ring is None:
+            raise TransferError(f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring")
+        if self._kv is None:
+            raise TransferError(
+                f"room {job.room}: path={req.path} gathers contiguous [slots, H, D] tensors; this "
+                "prefill's KV is strided (KVPool.from_views): use path=direct or slice"
+            )
+        src_slots = staged_slots(job, self.pool)
+        if src_slots.size == 0:
+            raise TransferError(
+                f"room {job.room}: chunk {chunk.chunk_id} carries no tokens for this decode rank"
+            )
+        return src_slots
+
+    def _staging_request(self, job: WriteJob, src_slots: np.ndarray) -> m.StagingRequest:
+        """The ring-region request of a staged chunk (whole, or its layer groups' shared region)."""
+        chunk = job.chunk
+        assert chunk is not None
+        return m.StagingRequest(
+            agent=self.me.agent_name,
+            room=job.room,
+            chunk_id=chunk.chunk_id,
+            sender=job.sender,
+            page_start=chunk.page_start,
+            num_pages=chunk.num_pages,
+            tokens=int(src_slots.size),
+        )
+
     async def _request_region(self, job: WriteJob) -> None:
         req, peer, chunk = job.request, job.peer, job.chunk
         assert chunk is not None
         try:
-            if peer.ring is None:
-                raise TransferError(f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring")
-            if self._kv is None:
-                raise TransferError(
-                    f"room {job.room}: path={req.path} gathers contiguous [slots, H, D] tensors; this "
-                    "prefill's KV is strided (KVPool.from_views): use path=direct or slice"
-                )
             spec = req.slices[0]
-            src_slots = staged_slots(job, self.pool)
-            if src_slots.size == 0:
-                raise TransferError(
-                    f"room {job.room}: chunk {chunk.chunk_id} carries no tokens for this decode rank"
-                )
+            src_slots = self._staged_source(job)
             layout = self.pool.layout
             nbytes = writer_block_bytes(
                 layout.num_kv_tensors, src_slots.size, spec.num_heads, layout.head_dim, self.pool.itemsize
@@ -498,15 +517,7 @@ class TransferWorker(Actor["WorkerMail"]):
         except TransferError as exc:
             await self._done(job, False, str(exc), FailureReason.PROTOCOL)
             return
-        request = m.StagingRequest(
-            agent=self.me.agent_name,
-            room=job.room,
-            chunk_id=chunk.chunk_id,
-            sender=job.sender,
-            page_start=chunk.page_start,
-            num_pages=chunk.num_pages,
-            tokens=int(src_slots.size),
-        )
+        request = self._staging_request(job, src_slots)
         self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(
             job, src_slots, nbytes, host, request=request, asked_at=time.monotonic()
         )
@@ -693,21 +704,8 @@ class TransferWorker(Actor["WorkerMail"]):
         region = self._layer_regions.get(key)
         if region is None:
             try:
-                if peer.ring is None:
-                    raise TransferError(
-                        f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring"
-                    )
-                if self._kv is None:
-                    raise TransferError(
-                        f"room {job.room}: path={req.path} gathers contiguous [slots, H, D] tensors; this "
-                        "prefill's KV is strided (KVPool.from_views): use path=direct or slice"
-                    )
                 spec = req.slices[0]
-                src_slots = staged_slots(job, self.pool)
-                if src_slots.size == 0:
-                    raise TransferError(
-                        f"room {job.room}: chunk {chunk.chunk_id} carries no tokens for this decode rank"
-                    )
+                src_slots = self._staged_source(job)
                 layout = self.pool.layout
                 tensor_bytes = writer_block_bytes(
                     1, src_slots.size, spec.num_heads, layout.head_dim, self.pool.itemsize
@@ -722,15 +720,8 @@ class TransferWorker(Actor["WorkerMail"]):
             except TransferError as exc:
                 await self._done(job, False, str(exc), FailureReason.PROTOCOL)
                 return False
-            request = m.StagingRequest(
-                agent=self.me.agent_name,
-                room=job.room,
-                chunk_id=chunk.chunk_id,
-                sender=job.sender,
-                page_start=chunk.page_start,
-                num_pages=chunk.num_pages,
-                tokens=int(src_slots.size),
-            )
+            assert peer.ring is not None  # _staged_source refused a peer without one
+            request = self._staging_request(job, src_slots)
             region = _LayerRegion(
                 request, peer.endpoint, peer.ring.addr, src_slots, tensor_bytes,
                 tensor_bytes * layout.num_kv_tensors, host, time.monotonic(),
