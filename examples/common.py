@@ -23,6 +23,7 @@ light, and only rank processes pay for those imports.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -38,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import numpy as np
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from transfer_engine.layout import KVLayout
 
 GiB = 1 << 30
+T = TypeVar("T")
 EventSink = Any  # a multiprocessing Queue of (kind, rank, payload) tuples
 
 # --- arguments shared by prefill.py, decode.py and pd_demo.py ---------------------------------------
@@ -74,6 +76,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV pool pages per rank; 0 sizes it to --inflight longest rooms, capped at 1 GiB (default 0)",
     )
     g.add_argument("--aux-bytes", type=int, default=16, help="bytes of each room's aux item (default 16)")
+    g.add_argument(
+        "--work-nice",
+        type=int,
+        default=10,
+        help="nice value of the threads that stand in for GPU work (the prefill's fill, the decode's "
+        "verification) on --device cpu: on a GPU server they would not compete with the engine for "
+        "the CPU (default 10; 0 runs them at the engine's priority)",
+    )
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="pool memory; cuda: cuda:<rank>")
     g.add_argument(
         "--torch-threads",
@@ -96,7 +106,7 @@ def workload_argv(args: argparse.Namespace) -> list[str]:
     """The flags of :func:`add_workload_arguments` as a command line, to start the other scripts."""
     names = (
         "layers kv_heads head_dim dtype page_size rooms seed min_tokens max_tokens max_chunks inflight "
-        "pool_pages aux_bytes device torch_threads log_level"
+        "pool_pages aux_bytes work_nice device torch_threads log_level"
     ).split()
     argv: list[str] = []
     for name in names:
@@ -117,6 +127,8 @@ def check_workload(args: argparse.Namespace) -> str | None:
         return f"--max-tokens={args.max_tokens} is below --min-tokens={args.min_tokens}"
     if args.aux_bytes < 0 or args.pool_pages < 0:
         return "--aux-bytes and --pool-pages must be >= 0"
+    if not 0 <= args.work_nice <= 19:
+        return f"--work-nice={args.work_nice} must be in 0..19"
     if 0 < args.pool_pages < pages_for(args.max_tokens, args.page_size):
         return (
             f"--pool-pages={args.pool_pages} cannot hold the longest room "
@@ -263,6 +275,35 @@ class PageAllocator:
 # --- statistics -----------------------------------------------------------------------------------
 
 
+class ExampleTrace:
+    """The example's own step marks beside the engine's (``TE_TRACE_OUT``: a folder to write them to).
+
+    With ``TE_TRACE_OUT`` set (and ``TE_TRACE_STEPS`` > 0 for the engine's marks) each rank writes
+    ``<folder>/<side>-<rank>.json`` at its end: ``[[monotonic_ns, room, step], ...]``, the engine's
+    marks (``engine.me.trace``) merged with the example's (``x.filled``, ``x.opened``...), for
+    ``tools/demo_trace.py``. Without it, :meth:`mark` does nothing.
+    """
+
+    def __init__(self, side: str, rank: int) -> None:
+        self.folder = os.environ.get("TE_TRACE_OUT") or None
+        self.side, self.rank = side, rank
+        self.marks: list[tuple[int, int, str]] = []
+
+    def mark(self, room: int, step: str) -> None:
+        if self.folder is not None:
+            self.marks.append((time.monotonic_ns(), room, f"x.{step}"))
+
+    def dump(self, engine_marks: list[tuple[int, int, str]]) -> None:
+        if self.folder is None:
+            return
+        import json
+
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, f"{self.side}-{self.rank}.json")
+        with open(path, "w") as f:
+            json.dump(sorted(self.marks + engine_marks), f)
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); nan for no values."""
     if not values:
@@ -296,9 +337,38 @@ def _watch_parent(parent: int) -> None:
             os._exit(3)
 
 
+def stand_in_executor(args: argparse.Namespace) -> concurrent.futures.ThreadPoolExecutor:
+    """One thread for the examples' stand-ins for GPU work (the prefill's fill, the decode's
+    verification), at nice ``--work-nice`` on CPU pools.
+
+    On a small CPU machine that work would otherwise take the cores from the engine's gather,
+    scatter and event loops, and the room latency would measure that contention (docs/PERF.md,
+    "make demo's tail"); on a GPU server it does not compete for the CPU at all. A thread of its
+    own, because a thread's nice value cannot be lowered back without privileges: the engine's
+    threads never run on it."""
+    nice = args.work_nice if args.device == "cpu" else 0
+    return concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="stand-in", initializer=_lower_priority, initargs=(nice,)
+    )
+
+
+def _lower_priority(nice: int) -> None:
+    if nice > 0:
+        with contextlib.suppress(OSError, AttributeError):  # not Linux: run at the default priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+async def on_stand_in(executor: concurrent.futures.Executor, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on ``executor``'s thread, awaited from the event loop."""
+    import asyncio
+
+    return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
 def torch_threads(asked: int, ranks_on_host: int) -> int:
-    """``asked``, or (0) this machine's CPUs divided among the rank processes on it, at least 1."""
-    return asked if asked > 0 else max(1, (os.cpu_count() or 1) // max(ranks_on_host, 1))
+    """``asked``, or (0) the CPUs this process may run on divided among the rank processes, at least 1."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return asked if asked > 0 else max(1, cpus // max(ranks_on_host, 1))
 
 
 def disable_nixl_progress_thread() -> None:

@@ -93,7 +93,6 @@ def decode_rank(rank: int, args: argparse.Namespace, events: Any) -> None:
 
 async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     import anyio
-    import anyio.to_thread
     import numpy as np
     import torch
 
@@ -131,8 +130,9 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     alloc = common.PageAllocator(num_pages, f"decode:{args.seed}:{rank}")
     aux_slots = list(range(args.inflight))
     window = anyio.Semaphore(args.inflight)
-    compute = anyio.CapacityLimiter(1)  # one verification at a time; the event loop keeps serving
+    stand_in = common.stand_in_executor(args)  # one verify at a time, off the event loop
     stats: dict[str, Any] = {"ok": 0, "failed": 0, "bytes": 0, "start": 0.0, "end": 0.0}
+    trace = common.ExampleTrace("decode", rank)
 
     def verify(room: int, pages: np.ndarray, slot: int | None) -> str | None:
         tokens = len(pages) * layout.page_size  # whole pages: every byte the prefill wrote
@@ -150,7 +150,9 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
         try:
             await receiver.wait()
             latency = time.monotonic() - t0
-            problem = await anyio.to_thread.run_sync(verify, plan.room, pages, slot, limiter=compute)
+            trace.mark(plan.room, "waited")
+            problem = await common.on_stand_in(stand_in, verify, plan.room, pages, slot)
+            trace.mark(plan.room, "verified")
             if problem is None:
                 ok = True
                 nbytes = plan.num_pages * page_bytes + (args.aux_bytes if use_aux else 0)
@@ -206,9 +208,11 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
             async with anyio.create_task_group() as tg:
                 for plan in plans_to_run:
                     await window.acquire()
+                    trace.mark(plan.room, "window")
                     pages = await alloc.alloc(plan.num_pages)
                     slot = aux_slots.pop() if use_aux else None
                     t0 = time.monotonic()
+                    trace.mark(plan.room, "opened")
                     try:
                         receiver = await engine.receiver(plan.room, args.bootstrap, pages, aux_slot=slot)
                     except TransferError as exc:  # nothing was registered: stop the schedule here
@@ -217,6 +221,8 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
                         window.release()
                         break
                     tg.start_soon(finish_room, plan, receiver, pages, slot, t0)
+        trace.dump(engine.me.trace.take())
+    stand_in.shutdown(wait=False)
     total = len(plans)
     missing = total - stats["ok"] - stats["failed"]
     elapsed = max(0.0, stats["end"] - stats["start"]) if stats["start"] else 0.0

@@ -12,11 +12,13 @@ ranks verify rooms, and ends with ONE line on stdout:
 
 GB/s counts the KV (and aux) bytes the decode ranks received and verified, over the time from the
 moment the decode ranks were connected to the prefill instance to the last room's verification; room
-latency runs from ``receiver()`` to ``wait()`` returning (the slowest decode rank of the room). Both sides keep up to
-``--inflight`` rooms open, so when one side is the bottleneck (on a small CPU machine, usually the
-prefill's fill or the decode's verification), latency includes the wait behind the rooms ahead. The
-first window's rooms all open at once and queue behind each other, so the line also gives the
-latency of the rooms after it and the first window's slowest room. The exit status is non-zero if any room
+latency runs from ``receiver()`` to ``wait()`` returning (the slowest decode rank of the room). Both
+sides keep up to ``--inflight`` rooms open. The first window's rooms all open at once and queue
+behind each other, while later rooms open one at a time as earlier ones are verified: the line
+gives the latency of the rooms after the first window, then the first window's slowest room, then
+p50 and p99 over all rooms. The fill and the verification stand in for GPU work; on ``--device
+cpu`` they run at a lower CPU priority than the engine (``--work-nice``). ``tools/demo_trace.py``
+shows where any room's time went (docs/PERF.md, "make demo's tail"). The exit status is non-zero if any room
 failed or any byte was wrong, if a side failed, or on ``--timeout``; children are always stopped
 (SIGTERM, then SIGKILL) before it exits.
 """
@@ -259,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     verified = summary.get("verified", 0)
     line = (
         f"pd_demo: rooms verified {verified}/{len(plans)}, {common.human_bytes(summary.get('bytes', 0))}, "
-        f"{summary.get('gbps', 0.0):.3f} GB/s, room latency p50 {summary.get('latency_p50_ms', float('nan')):.1f} ms "
-        f"p99 {summary.get('latency_p99_ms', float('nan')):.1f} ms; after the first window p50 "
-        f"{summary.get('steady_p50_ms', float('nan')):.1f} ms p99 {summary.get('steady_p99_ms', float('nan')):.1f} ms, "
-        f"first window ({summary.get('first_window_rooms', 0)} rooms opened at once) up to "
-        f"{summary.get('first_window_max_ms', float('nan')):.1f} ms "
+        f"{summary.get('gbps', 0.0):.3f} GB/s, room latency p50 {summary.get('steady_p50_ms', float('nan')):.1f} ms "
+        f"p99 {summary.get('steady_p99_ms', float('nan')):.1f} ms; the first {summary.get('first_window_rooms', 0)} "
+        f"rooms, opened at once at start, queue behind each other: up to "
+        f"{summary.get('first_window_max_ms', float('nan')):.1f} ms (all rooms: p50 "
+        f"{summary.get('latency_p50_ms', float('nan')):.1f} ms p99 {summary.get('latency_p99_ms', float('nan')):.1f} ms) "
         f"(prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, {args.device}, path {args.path}, "
         f"wall {wall:.1f} s{'' if ok else ', FAILED: ' + (reason or f'exit status {codes}')})"
     )

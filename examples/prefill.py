@@ -77,7 +77,6 @@ def prefill_rank(rank: int, args: argparse.Namespace, events: Any) -> None:
 
 async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     import anyio
-    import anyio.to_thread
     import numpy as np
     import torch
 
@@ -113,15 +112,18 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     started = finished = time.monotonic()
     aux_slots = list(range(args.inflight))
     window = anyio.Semaphore(args.inflight)
-    compute = anyio.CapacityLimiter(1)  # one fill at a time: the event loop keeps serving meanwhile
+    stand_in = common.stand_in_executor(args)  # one fill at a time, off the event loop
     stats = {"ok": 0, "failed": 0, "bytes": 0}
+    trace = common.ExampleTrace("prefill", rank)
 
     def fill(room: int, pages: np.ndarray, slot: int | None) -> None:
+        trace.mark(room, "fill")
         patterns.fill(pool, room, pages)
         if slot is not None:
             patterns.fill_aux(pool, room, slot)
         if pool.device.type == "cuda":
             torch.cuda.synchronize(pool.device)  # the WRITE reads this memory: it must be written first
+        trace.mark(room, "filled")
 
     async def serve_room(plan: common.RoomPlan, sender: Sender, pages: np.ndarray, slot: int | None) -> None:
         nonlocal finished
@@ -135,12 +137,14 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
                     delay = min(delay * 2, 0.01)
                 if sender.poll() is RoomStatus.FAILED:
                     await sender.wait()  # raises the room's failure (a bootstrap timeout, an abort...)
+            trace.mark(plan.room, "bootstrapped")
             start = 0
             for i, n in enumerate(plan.chunks):
                 last = i == len(plan.chunks) - 1
                 await sender.send(pages[start : start + n], last=last, aux_slot=slot if last else None)
                 start += n
             await sender.wait()
+            trace.mark(plan.room, "done")
             stats["ok"] += 1
             stats["bytes"] += plan.num_pages * page_bytes + (args.aux_bytes if use_aux else 0)
         except TransferError as exc:
@@ -161,7 +165,7 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
         await window.acquire()
         pages = await alloc.alloc(plan.num_pages)
         slot = aux_slots.pop() if use_aux else None
-        await anyio.to_thread.run_sync(fill, plan.room, pages, slot, limiter=compute)
+        await common.on_stand_in(stand_in, fill, plan.room, pages, slot)
         return pages, slot
 
     # The first window is computed before the engine is up, as a serving prefill is warm before it
@@ -183,12 +187,15 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
                 started = time.monotonic()
                 for plan in plans:
                     pages, slot = ready[plan.index] if plan.index < len(ready) else await prepare(plan)
+                    trace.mark(plan.room, "sender")
                     tg.start_soon(serve_room, plan, engine.sender(plan.room), pages, slot)
             # A server would go on; this one has served its schedule. Stay while decode ranks are
             # still connected (their last rooms may be finishing), so they never see us vanish.
             with anyio.move_on_after(args.linger):
                 while engine.peers:  # noqa: ASYNC110 (the engine has no event for a peer leaving)
                     await anyio.sleep(0.1)
+        trace.dump(engine.me.trace.take())
+    stand_in.shutdown(wait=False)
     elapsed = max(0.0, finished - started)
     total = len(plans)
     missing = total - stats["ok"] - stats["failed"]
