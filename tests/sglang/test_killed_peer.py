@@ -51,6 +51,13 @@ def test_killed_prefill_fails_the_room_and_its_pages_are_reused() -> None:
     prefill = None
     try:
         assert proc.stdout is not None
+        # The decode's handshake gives a silent peer 5 s; on a loaded 2-core box the prefill process
+        # can take longer than that to import torch and NIXL and bind its bootstrap port.
+        for line in proc.stdout:
+            if line.startswith("READY"):
+                break
+        else:
+            pytest.fail(f"prefill process exited {proc.wait()} before it was ready")
         receiver = KVReceiver(decode, f"127.0.0.1:{dead_port}", 501)
         receiver.init(0)
         assert poll_until(receiver, RoomStatus.WAITING_FOR_INPUT) is RoomStatus.WAITING_FOR_INPUT
