@@ -6,9 +6,14 @@ reaches the GPU and never forces a device synchronisation.
 
 Addressing scheme shared by both kernels. All KV tensors of a layout are addressed from ONE base
 pointer (the first tensor) plus a per-tensor offset in *copy units*: the table row of tensor ``t``
-is ``(data_ptr(t) - data_ptr(kv[0]), slot_stride(t), head_stride(t))``, all in units. A copy unit is
-the widest integer type (1, 2, 4 or 8 bytes) that divides every address, stride and row width
-involved, so the kernels move bytes, whatever the dtype (fp8 and int8 included), and stay exact.
+is ``(data_ptr(t) - data_ptr(kv[0]), block_stride(t), token_stride(t), head_stride(t))``, all in
+units, and slot ``s`` of a pool of pages of ``block_size`` tokens starts at
+``(s // block_size) * block_stride + (s % block_size) * token_stride``. A tensor
+``[num_slots, heads, head_dim]`` is the case ``block_size = 1``; a layout whose every tensor has
+``block_stride == block_size * token_stride`` is *flat*, and the kernels then address ``s *
+token_stride`` (no division). A copy unit is the widest integer type (1, 2, 4 or 8 bytes) that
+divides every address, stride and row width involved, so the kernels move bytes, whatever the dtype
+(fp8 and int8 included), and stay exact.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = [
     "SlotIndex",
     "as_kv_table",
     "prepare_slots",
+    "slot_rows",
 ]
 
 Impl = Literal["auto", "triton", "torch"]
@@ -114,16 +120,21 @@ class KVTable:
 
     tensors: tuple[torch.Tensor, ...]
     num_slots: int
+    block_size: int
+    """Tokens per block: ``shape[1]`` of ``[num_blocks, block_size, heads, head_dim]`` views, 1 for
+    ``[num_slots, heads, head_dim]`` tensors."""
     heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
     key: tuple[object, ...]
-    """(dtype, shape, device, per-tensor (address, slot stride, head stride)): equal keys, equal tables."""
+    """(dtype, shape, device, per-tensor (address, block, token and head strides)): equal keys, equal tables."""
     byte_gcd: int
     """gcd of every tensor's address, strides in bytes and ``head_dim`` in bytes."""
     heads_contiguous: bool
     """Every tensor's head stride equals ``head_dim``: a run of heads of one slot is contiguous."""
+    flat: bool
+    """Every tensor's block stride is ``block_size`` token strides: slot ``s`` is ``s * token_stride``."""
     _tables: dict[tuple[int, str], _Table] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
@@ -134,8 +145,8 @@ class KVTable:
         return self.tensors[0].element_size()
 
     def table(self, unit: int) -> torch.Tensor:
-        """int64 ``[len, 3]`` on the KV device: (offset from tensor 0, slot stride, head stride), in
-        ``unit``-byte units. On CUDA, the current stream is made to wait for its upload."""
+        """int64 ``[len, 4]`` on the KV device: (offset from tensor 0, block stride, token stride, head
+        stride), in ``unit``-byte units. On CUDA, the current stream is made to wait for its upload."""
         key = (unit, str(self.device))
         found = self._tables.get(key)
         if found is None:
@@ -175,7 +186,7 @@ def _table_for(key: tuple[object, ...], itemsize: int, unit: int, device: torch.
     rows = key[3]
     assert isinstance(rows, tuple)
     base = rows[0][0]
-    data = [((ptr - base) // unit, ss * itemsize // unit, hs * itemsize // unit) for ptr, ss, hs in rows]
+    data = [((ptr - base) // unit, *(st * itemsize // unit for st in strides)) for ptr, *strides in rows]
     tensor, ready = upload(torch.tensor(data, dtype=torch.int64), device)
     table = _Table(tensor, ready)
     _TABLES[cache_key] = table
@@ -200,9 +211,12 @@ def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torc
 def as_kv_table(kv: Sequence[torch.Tensor] | KVTable) -> KVTable:
     """Validate a KV tensor list (or pass a ready :class:`KVTable` through).
 
-    ``kv``: ``[K_0..K_{L-1}, V_0..V_{L-1}]``, each ``[num_slots, heads_local, head_dim]``, or L MLA
-    latents ``[num_slots, 1, kv_dim]``. All of one dtype (see ``SUPPORTED_DTYPES``), shape and
-    device; the last dim contiguous (stride 1); slot and head strides free (strided views allowed).
+    ``kv``: ``[K_0..K_{L-1}, V_0..V_{L-1}]``, or L MLA latents, each either ``[num_slots,
+    heads_local, head_dim]`` (MLA: ``[num_slots, 1, kv_dim]``) or a view ``[num_blocks, block_size,
+    heads_local, head_dim]`` of a paged layout (``KVPool.from_views``: vLLM CPU, FlashAttention NHD
+    and HND...), slot ``s`` being token ``s % block_size`` of block ``s // block_size``. All of one
+    dtype (see ``SUPPORTED_DTYPES``), shape and device; the last dim contiguous (stride 1); the other
+    strides free and non-negative.
     """
     if isinstance(kv, KVTable):
         return kv
@@ -211,9 +225,10 @@ def as_kv_table(kv: Sequence[torch.Tensor] | KVTable) -> KVTable:
     first = kv[0]
     if not isinstance(first, torch.Tensor):
         raise KernelInputError(f"kv[0] is a {type(first).__name__}, not a tensor")
-    if first.dim() != 3:
+    if first.dim() not in (3, 4):
         raise KernelInputError(
-            f"kv[0] has shape {tuple(first.shape)}; expected [num_slots, heads_local, head_dim]"
+            f"kv[0] has shape {tuple(first.shape)}; expected [num_slots, heads_local, head_dim] or "
+            "[num_blocks, block_size, heads_local, head_dim]"
         )
     dtype, device, shape = first.dtype, first.device, first.shape
     if dtype not in SUPPORTED_DTYPES:
@@ -222,9 +237,11 @@ def as_kv_table(kv: Sequence[torch.Tensor] | KVTable) -> KVTable:
         )
     if device.type not in ("cuda", "cpu"):
         raise KernelInputError(f"kv device {device} is neither cuda nor cpu")
-    num_slots, heads, head_dim = (int(s) for s in shape)
-    if num_slots == 0 or heads == 0 or head_dim == 0:
+    if 0 in shape:
         raise KernelInputError(f"kv[0] has an empty dimension: shape {tuple(shape)}")
+    paged = len(shape) == 4
+    num_blocks, block_size = (int(shape[0]), int(shape[1])) if paged else (int(shape[0]), 1)
+    heads, head_dim = int(shape[-2]), int(shape[-1])
     itemsize = first.element_size()
     try:
         metas = [(t.dtype, t.get_device(), t.shape, t.stride(), t.data_ptr()) for t in kv]
@@ -234,7 +251,7 @@ def as_kv_table(kv: Sequence[torch.Tensor] | KVTable) -> KVTable:
     device_index = first.get_device()
     rows = []
     g = head_dim * itemsize
-    contiguous_heads = True
+    contiguous_heads = flat = True
     for i, (t_dtype, t_device, t_shape, strides, ptr) in enumerate(metas):
         if t_dtype != dtype:
             raise KernelInputError(f"kv[{i}] has dtype {t_dtype}, kv[0] has {dtype}")
@@ -242,22 +259,30 @@ def as_kv_table(kv: Sequence[torch.Tensor] | KVTable) -> KVTable:
             raise KernelInputError(f"kv[{i}] is on {kv[i].device}, kv[0] is on {device}")
         if t_shape != shape:
             raise KernelInputError(f"kv[{i}] has shape {tuple(t_shape)}, kv[0] has {tuple(shape)}")
-        ss, hs, ds = strides
-        if ds != 1:
+        if strides[-1] != 1:
             raise KernelInputError(
-                f"kv[{i}] has stride {ds} in its last dim; it must be 1 (contiguous head_dim)"
+                f"kv[{i}] has stride {strides[-1]} in its last dim; it must be 1 (contiguous head_dim)"
             )
-        if ss < 0 or hs < 0:
-            raise KernelInputError(f"kv[{i}] has negative strides {(ss, hs, ds)}")
+        if min(strides) < 0:
+            raise KernelInputError(f"kv[{i}] has negative strides {strides}")
+        bs, ts, hs = (strides[0], strides[1], strides[2]) if paged else (strides[0], strides[0], strides[1])
+        # Strides of size-1 dims address nothing: normalise them so that equal layouts compare equal
+        # and a paged view with one block (or one token per block) counts as flat.
+        if block_size == 1:
+            ts = bs
+        if num_blocks == 1:
+            bs = block_size * ts
         if heads == 1:
             hs = head_dim
-        rows.append((ptr, ss, hs))
-        g = math.gcd(g, ptr, ss * itemsize, hs * itemsize)
+        rows.append((ptr, bs, ts, hs))
+        g = math.gcd(g, ptr, bs * itemsize, ts * itemsize, hs * itemsize)
         contiguous_heads = contiguous_heads and hs == head_dim
+        flat = flat and bs == block_size * ts
     key = (dtype, tuple(shape), str(device), tuple(rows))
     return KVTable(
         tensors=tuple(kv),
-        num_slots=num_slots,
+        num_slots=num_blocks * block_size,
+        block_size=block_size,
         heads=heads,
         head_dim=head_dim,
         dtype=dtype,
@@ -265,7 +290,24 @@ def as_kv_table(kv: Sequence[torch.Tensor] | KVTable) -> KVTable:
         key=key,
         byte_gcd=g,
         heads_contiguous=contiguous_heads,
+        flat=flat,
     )
+
+
+def slot_rows(tensor: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """``(view, index)`` such that ``view[index]`` are the ``[tokens, heads, head_dim]`` rows of ``slots``.
+
+    ``tensor``: ``[num_slots, heads, head_dim]``, or a ``[num_blocks, block_size, heads, head_dim]``
+    view; one that merges into ``[num_slots, ...]`` (flat) is viewed so, and ``index`` is then
+    ``(slots,)`` for ``index_select``/``index_copy_``; otherwise ``index`` is ``(slots //
+    block_size, slots % block_size)`` for advanced indexing. ``slots`` on the tensor's device.
+    """
+    if tensor.dim() == 3:
+        return tensor, (slots,)
+    blocks, block_size = tensor.shape[0], tensor.shape[1]
+    if blocks == 1 or block_size == 1 or tensor.stride(0) == block_size * tensor.stride(1):
+        return tensor.view(blocks * block_size, *tensor.shape[2:]), (slots,)
+    return tensor, (torch.div(slots, block_size, rounding_mode="floor"), slots % block_size)
 
 
 @dataclass(frozen=True)

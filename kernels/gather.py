@@ -2,7 +2,9 @@
 
 ``out[t, i, j, :] = kv[t][slots[i], head_start + j, :]`` for every tensor ``t`` of ``kv``, token
 ``i`` and head ``j < num_heads``: the staging layout (``[K_0..K_{L-1},
-V_0..V_{L-1}]``, each ``[tokens, n, head_dim]``), or, for MLA, ``[L, tokens, 1, kv_dim]``.
+V_0..V_{L-1}]``, each ``[tokens, n, head_dim]``), or, for MLA, ``[L, tokens, 1, kv_dim]``. For
+paged views ``[num_blocks, block_size, H, D]`` (vLLM CPU, FlashAttention NHD/HND), ``kv[t][s]``
+reads token ``s % block_size`` of block ``s // block_size``; the staging layout is the same.
 
 One launch covers every tensor: the grid is (pieces / BLOCK, tensors). A token's row
 (``num_heads * head_dim`` items of one slot) is split into equal power-of-two pieces (one piece
@@ -40,6 +42,7 @@ from ._common import (
     prepare_slots,
     resolve_impl,
     slot_count,
+    slot_rows,
     staging_view,
     triton_int,
 )
@@ -55,7 +58,7 @@ HOST_CONFIG = LaunchConfig(block_bytes=32768, num_warps=4)
 @triton.jit
 def _gather_kernel(
     kv_base,  # *UNIT: kv[0]; tensor t starts at kv_base + table[t, 0]
-    table,  # *i64 [T, 3]: (offset from kv[0], slot stride, head stride) in units
+    table,  # *i64 [T, 4]: (offset from kv[0], block, token and head strides) in units
     slots,  # *i32 | *i64 [tokens]
     out,  # *UNIT [T, tokens, ROW], contiguous
     tokens,
@@ -68,6 +71,8 @@ def _gather_kernel(
     BLOCK: tl.constexpr,  # pieces per program
     EVEN: tl.constexpr,  # PIECE * NPIECE == ROW: no column mask
     HEADS_CONTIG: tl.constexpr,  # every head stride equals DU: a row is contiguous in kv too
+    FLAT: tl.constexpr,  # every block stride is PAGE token strides: slot s is s * token stride
+    PAGE: tl.constexpr,  # tokens per block (unused when FLAT)
 ):
     # A program copies BLOCK consecutive pieces of tensor t's output, i.e. the (token, piece)
     # pairs r = BLOCK * pid + [0, BLOCK): contiguous in `out`, one contiguous run of kv each.
@@ -76,10 +81,15 @@ def _gather_kernel(
     tok = r // NPIECE
     tok_ok = tok < tokens
     slot = tl.load(slots + tok, mask=tok_ok, other=0).to(tl.int64)
-    t_off = tl.multiple_of(tl.load(table + t * 3), VEC)
-    slot_stride = tl.multiple_of(tl.load(table + t * 3 + 1), VEC)
-    head_stride = tl.multiple_of(tl.load(table + t * 3 + 2), VEC)
-    src_row = tl.multiple_of(t_off + slot * slot_stride + head_start * head_stride, VEC)
+    t_off = tl.multiple_of(tl.load(table + t * 4), VEC)
+    token_stride = tl.multiple_of(tl.load(table + t * 4 + 2), VEC)
+    head_stride = tl.multiple_of(tl.load(table + t * 4 + 3), VEC)
+    if FLAT:
+        slot_off = slot * token_stride
+    else:
+        block_stride = tl.multiple_of(tl.load(table + t * 4 + 1), VEC)
+        slot_off = (slot // PAGE) * block_stride + (slot % PAGE) * token_stride
+    src_row = tl.multiple_of(t_off + slot_off + head_start * head_stride, VEC)
     dst_row = tl.multiple_of((t.to(tl.int64) * tokens + tok) * ROW, VEC)
     cols = ((r % NPIECE) * PIECE)[:, None] + tl.arange(0, PIECE)[None, :]
     if HEADS_CONTIG:
@@ -100,16 +110,21 @@ def gather_heads_reference(
 ) -> None:
     """Pure-torch gather, the reference the kernel is tested against (and the CPU implementation).
 
-    ``kv``: T tensors ``[num_slots, heads_local, head_dim]``; ``slots``: int ``[tokens]`` on kv's
-    device; ``out``: contiguous ``[T, tokens, num_heads, head_dim]`` of kv's dtype, on kv's device
-    or in pinned host memory. Copies through integer views, so every bit pattern survives.
-    One ``index_select`` per tensor on the current stream; no per-token Python loop.
+    ``kv``: T tensors ``[num_slots, heads_local, head_dim]`` or paged views ``[num_blocks,
+    block_size, heads_local, head_dim]``; ``slots``: int ``[tokens]`` on kv's device; ``out``:
+    contiguous ``[T, tokens, num_heads, head_dim]`` of kv's dtype, on kv's device or in pinned host
+    memory. Copies through integer views, so every bit pattern survives. One ``index_select`` per
+    tensor on the current stream (one advanced-indexing read and a copy for views whose blocks do
+    not merge into slots); no per-token Python loop.
     """
     int_dtype = INT_VIEW[kv[0].element_size()]
     out_int = out.view(int_dtype)
-    for t, src in enumerate(kv):
-        part = src.view(int_dtype)[:, head_start : head_start + num_heads]
-        if out.device == src.device:
+    for t, tensor in enumerate(kv):
+        src, index = slot_rows(tensor.view(int_dtype), slots)
+        part = src[..., head_start : head_start + num_heads, :]
+        if len(index) == 2:
+            out_int[t].copy_(part[index], non_blocking=True)
+        elif out.device == src.device:
             torch.index_select(part, 0, slots, out=out_int[t])
         else:
             out_int[t].copy_(part.index_select(0, slots), non_blocking=True)
@@ -130,9 +145,11 @@ def gather_heads(
 
     Shapes:
       - ``kv``: T tensors (2L for K/V: ``[K_0..K_{L-1}, V_0..V_{L-1}]``; L for MLA), each
-        ``[num_slots, heads_local, head_dim]`` (MLA: ``[num_slots, 1, kv_dim]``), one dtype, shape
-        and device; last dim stride 1, slot and head strides free. Or a :class:`KVTable` built by
-        ``as_kv_table`` once per pool (skips re-validating T tensors per call).
+        ``[num_slots, heads_local, head_dim]`` (MLA: ``[num_slots, 1, kv_dim]``) or each a paged
+        view ``[num_blocks, block_size, heads_local, head_dim]`` (slot ``s``: block ``s //
+        block_size``, token ``s % block_size``), one dtype, shape and device; last dim stride 1,
+        the other strides free. Or a :class:`KVTable` built by ``as_kv_table`` once per pool
+        (skips re-validating T tensors per call).
       - ``slots``: int64/int32 ``[tokens]`` token-slot indices, in HOST memory (range-checked here
         without touching the device, then uploaded on ``stream``), or a :class:`SlotIndex`.
       - ``out``: contiguous ``[T, tokens, num_heads, head_dim]`` of kv's dtype, or a contiguous
@@ -198,5 +215,7 @@ def gather_heads(
             BLOCK=block,
             EVEN=even,
             HEADS_CONTIG=layout.heads_contiguous,
+            FLAT=layout.flat,
+            PAGE=1 if layout.flat else layout.block_size,
             num_warps=cfg.num_warps,
         )

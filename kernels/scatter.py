@@ -4,7 +4,8 @@ For each block ``b = (offset, dst_head_start, n)`` of ``blocks``, the bytes of `
 ``offset`` on hold ``[T, tokens, n, head_dim]`` (T = len(kv)), and
 ``kv[t][slots[i], dst_head_start + j, :] = block[t, i, j, :]`` for every tensor, token and head.
 This is the inverse of ``gather_heads`` (staged path: writers ordered by
-``dst_head_start``, each its own block in the ring region).
+``dst_head_start``, each its own block in the ring region). ``kv`` may be paged views ``[num_blocks,
+block_size, H, D]`` as for the gather: the region's format does not depend on the KV layout.
 
 One launch covers every block and tensor: the grid is (pieces / BLOCK, tensors, blocks). Each
 block's token rows are split into equal power-of-two pieces (as in the gather) and each program
@@ -41,6 +42,7 @@ from ._common import (
     prepare_slots,
     resolve_impl,
     slot_count,
+    slot_rows,
     staging_view,
     triton_int,
     upload,
@@ -60,7 +62,7 @@ HOST_CONFIG = LaunchConfig(block_bytes=8192, num_warps=4)
 def _scatter_kernel(
     region,  # *UNIT: the staging region
     kv_base,  # *UNIT: kv[0]; tensor t starts at kv_base + table[t, 0]
-    table,  # *i64 [T, 3]: (offset from kv[0], slot stride, head stride) in units
+    table,  # *i64 [T, 4]: (offset from kv[0], block, token and head strides) in units
     blocks,  # *i64 [NB, 3]: (offset in region in units, dst head start, heads)
     slots,  # *i32 | *i64 [tokens]
     tokens,
@@ -70,6 +72,8 @@ def _scatter_kernel(
     BLOCK: tl.constexpr,  # pieces per program
     EVEN: tl.constexpr,  # PIECE divides every block's row: no column mask
     HEADS_CONTIG: tl.constexpr,  # every head stride equals DU: a row is contiguous in kv too
+    FLAT: tl.constexpr,  # every block stride is PAGE token strides: slot s is s * token stride
+    PAGE: tl.constexpr,  # tokens per block (unused when FLAT)
 ):
     # A program copies BLOCK consecutive (token, piece) pairs of block b, tensor t: contiguous
     # in the region, one contiguous run of kv each. Programs past a narrower block's end are
@@ -84,10 +88,15 @@ def _scatter_kernel(
     tok = r // npiece
     tok_ok = tok < tokens
     slot = tl.load(slots + tok, mask=tok_ok, other=0).to(tl.int64)
-    t_off = tl.multiple_of(tl.load(table + t * 3), VEC)
-    slot_stride = tl.multiple_of(tl.load(table + t * 3 + 1), VEC)
-    head_stride = tl.multiple_of(tl.load(table + t * 3 + 2), VEC)
-    dst_row = tl.multiple_of(t_off + slot * slot_stride + head0 * head_stride, VEC)
+    t_off = tl.multiple_of(tl.load(table + t * 4), VEC)
+    token_stride = tl.multiple_of(tl.load(table + t * 4 + 2), VEC)
+    head_stride = tl.multiple_of(tl.load(table + t * 4 + 3), VEC)
+    if FLAT:
+        slot_off = slot * token_stride
+    else:
+        block_stride = tl.multiple_of(tl.load(table + t * 4 + 1), VEC)
+        slot_off = (slot // PAGE) * block_stride + (slot % PAGE) * token_stride
+    dst_row = tl.multiple_of(t_off + slot_off + head0 * head_stride, VEC)
     src_row = tl.multiple_of(r_off + (t.to(tl.int64) * tokens + tok) * row, VEC)
     cols = ((r % npiece) * PIECE)[:, None] + tl.arange(0, PIECE)[None, :]
     if HEADS_CONTIG:
@@ -112,21 +121,28 @@ def scatter_heads_reference(
     """Pure-torch scatter, the reference the kernel is tested against (and the CPU implementation).
 
     ``region``: 1-D contiguous tensor of kv's dtype, on kv's device or pinned host memory;
-    ``blocks``: (offset in BYTES, dst head start, heads); ``slots``: int ``[tokens]`` on kv's
-    device. One ``index_copy_`` per (block, tensor) on the current stream; copies through integer
-    views, so every bit pattern survives. Repeated slots: one of the rows wins, unspecified which.
+    ``kv``: as for ``gather_heads_reference``; ``blocks``: (offset in BYTES, dst head start,
+    heads); ``slots``: int ``[tokens]`` on kv's device. One ``index_copy_`` per (block, tensor) on
+    the current stream (an advanced-indexing write for views whose blocks do not merge into
+    slots); copies through integer views, so every bit pattern survives. Repeated slots: one of
+    the rows wins, unspecified which.
     """
     itemsize = kv[0].element_size()
     int_dtype = INT_VIEW[itemsize]
-    tokens, head_dim = int(slots.numel()), int(kv[0].shape[2])
+    tokens, head_dim = int(slots.numel()), int(kv[0].shape[-1])
     flat = region.view(int_dtype)
+    dsts = [slot_rows(t.view(int_dtype), slots) for t in kv]
     for offset, head0, n in blocks:
         start = offset // itemsize
         part = flat[start : start + len(kv) * tokens * n * head_dim].view(len(kv), tokens, n, head_dim)
         if part.device != kv[0].device:
             part = part.to(kv[0].device, non_blocking=True)
-        for t, dst in enumerate(kv):
-            dst.view(int_dtype)[:, head0 : head0 + n].index_copy_(0, slots, part[t])
+        for t, (dst, index) in enumerate(dsts):
+            heads = dst[..., head0 : head0 + n, :]
+            if len(index) == 2:
+                heads[index] = part[t]
+            else:
+                heads.index_copy_(0, slots, part[t])
 
 
 def scatter_heads(
@@ -144,8 +160,9 @@ def scatter_heads(
     Shapes:
       - ``region``: contiguous tensor of kv's dtype (any shape) or a uint8 byte buffer, on kv's
         device, or in pinned host memory (host staging) when kv is on CUDA.
-      - ``kv``: T tensors ``[num_slots, heads_local, head_dim]`` (MLA: ``[num_slots, 1, kv_dim]``),
-        as for ``gather_heads``; or a :class:`KVTable`.
+      - ``kv``: T tensors ``[num_slots, heads_local, head_dim]`` (MLA: ``[num_slots, 1, kv_dim]``)
+        or paged views ``[num_blocks, block_size, heads_local, head_dim]``, as for
+        ``gather_heads``; or a :class:`KVTable`.
       - ``slots``: int64/int32 ``[tokens]`` decode token-slot indices in HOST memory (range-checked
         here, then uploaded on ``stream``), or a :class:`SlotIndex`. No slot may repeat.
       - ``blocks``: one ``(offset, dst_head_start, num_heads)`` per writer. ``offset`` is in BYTES
@@ -202,6 +219,8 @@ def scatter_heads(
             BLOCK=block,
             EVEN=even,
             HEADS_CONTIG=layout.heads_contiguous,
+            FLAT=layout.flat,
+            PAGE=1 if layout.flat else layout.block_size,
             num_warps=cfg.num_warps,
         )
 

@@ -13,10 +13,12 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st
 from kvgen import (
     DTYPES,
+    PAGED_KINDS,
     byte_view,
     expected_gather,
     expected_scatter,
     itemsize,
+    make_paged,
     make_pool,
     page_slots,
     random_bytes,
@@ -41,9 +43,17 @@ class Layout:
     block_bytes: int
 
     def build(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Generator]:
-        """KV tensors over ``pages + 3`` pages, and the slots of ``tokens`` tokens on shuffled pages."""
+        """KV tensors over ``pages + 3`` pages, and the slots of ``tokens`` tokens on shuffled pages.
+        Paged styles (``kvgen.PAGED_KINDS``) hold K and V: their tensor count is rounded up to even."""
         gen = torch.Generator().manual_seed(self.seed)
         num_pages = self.pages + 3
+        if self.style in PAGED_KINDS:
+            kv = make_paged(
+                self.style, self.dtype, self.tensors + self.tensors % 2, num_pages, self.page_size,
+                self.heads, self.head_dim, device="cpu", gen=gen,
+            )  # fmt: skip
+            pages = torch.randperm(num_pages, generator=gen)[: self.pages].tolist()
+            return kv, page_slots(pages, self.page_size, self.tokens), gen
         kv = make_pool(
             self.dtype,
             self.tensors,
@@ -74,7 +84,7 @@ def layouts(draw: st.DrawFn) -> Layout:
         page_size=page_size,
         pages=pages,
         tokens=draw(st.integers(1, pages * page_size)),
-        style=draw(st.sampled_from(["separate", "interleaved", "padded"])),
+        style=draw(st.sampled_from(["separate", "interleaved", "padded", *PAGED_KINDS])),
         seed=draw(st.integers(0, 2**31)),
         block_bytes=draw(st.sampled_from([16, 256, 16384])),
     )
