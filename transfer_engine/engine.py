@@ -49,7 +49,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.introspect import ENDED_ROOMS_KEPT, RoomSnapshot
 from transfer_engine.introspect.build import build_snapshot, record_ended
-from transfer_engine.layout import KVPool
+from transfer_engine.layout import KVPool, stride_rows_of
 from transfer_engine.mail import (
     LayersReady,
     LocalAbort,
@@ -74,10 +74,10 @@ from transfer_engine.ports import (
     RoomPorts,
     WorkerShards,
 )
-from transfer_engine.protocol import handshake, heads, leases
+from transfer_engine.protocol import descriptors, handshake, heads, leases
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import LayerChunks, check_layers_per_write
-from transfer_engine.protocol.paths import is_staged
+from transfer_engine.protocol.paths import auto_path, is_staged
 from transfer_engine.protocol.polling import polled
 from transfer_engine.protocol.retransmit import Ended, Late, Tombstones, answer_late_request
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
@@ -403,11 +403,6 @@ class TransferEngine:
                 f"config tp_size/tp_rank={config.tp_size}/{config.tp_rank} but the KV pool is for "
                 f"{kv.tp_size}/{kv.tp_rank}"
             )
-        if kv.strides is not None and is_staged(config.path):
-            raise ConfigError(
-                f"path={config.path} gathers contiguous [slots, H, D] KV but this pool is strided "
-                "(KVPool.from_views): use path=auto, direct or slice"
-            )
         self.config = config
         self.pool = kv
         self.agent_name = config.agent_name or f"te-{config.role}-{config.tp_rank}-{os.getpid()}-{id(self):x}"
@@ -427,6 +422,8 @@ class TransferEngine:
         )
         self.peers = PeerBook()
         self.instances: dict[str, PrefillInstance] = {}
+        self._slice_pieces_of: dict[str, float] = {}
+        """Per prefill bootstrap: the slice path's descriptors per page (see ``_slice_pieces``)."""
         self._connecting: dict[str, anyio.Event] = {}
         self._stash = EarlyRequests()
         self.tombstones = Tombstones(config.bootstrap_timeout + config.transfer_timeout)
@@ -527,8 +524,8 @@ class TransferEngine:
                 self.workers.append(worker)
                 await tg.start(worker.run)
             await self._register()
-        elif cfg.path in ("auto", "staged", "host") and self.pool.strides is None:
-            await self._start_ring(tg)  # strided pools (KVPool.from_views) take the direct and slice paths
+        elif cfg.path in ("auto", "staged", "host"):
+            await self._start_ring(tg)
         self.room_ports = RoomPorts(
             self.me, self.pool, self.control, self.peers, self.board, self.poller, self.counters,
             workers=WorkerShards([w.inbox for w in self.workers]) if self.workers else None,
@@ -783,11 +780,11 @@ class TransferEngine:
         same_pages = all(p.layout.page_size == layout.page_size for p in instance.ranks)
         equal = instance.tp_size == self.config.tp_size or layout.mla
         staged = "host" if self.host_staging else "staged"
-        strided = self.pool.strides is not None or any(p.layout.strides is not None for p in instance.ranks)
         if policy == "auto":
-            if equal and same_pages:
-                return "direct"
-            return staged if self.ring is not None and not strided else "slice"
+            return auto_path(
+                equal_tp=equal, same_pages=same_pages, has_ring=self.ring is not None, host=self.host_staging,
+                slice_pieces=self._slice_pieces(instance), num_tensors=layout.num_kv_tensors,
+            ).value  # fmt: skip
         if policy == "direct":
             if not equal:
                 raise ConfigError(
@@ -798,12 +795,40 @@ class TransferEngine:
             return "direct"
         if policy == "slice":
             return "slice"
-        if strided:
-            raise ConfigError(
-                f"path={policy} gathers contiguous [slots, H, D] KV; a side's KV is strided: use direct or slice"
-            )
         assert is_staged(policy) and self.ring is not None  # the ring exists for these policies
         return staged
+
+    def _slice_pieces(self, instance: PrefillInstance) -> float:
+        """Slice-path descriptors per page from the worst writer of this rank (``path=auto``), once
+        per instance; infinite between contiguous pools, which keep staged for hetero TP or pages."""
+        found = self._slice_pieces_of.get(instance.bootstrap)
+        if found is not None:
+            return found
+        pool = self.pool
+        pieces = float("inf")
+        if pool.strides is not None or any(p.layout.strides is not None for p in instance.ranks):
+            layout = pool.layout
+            writers = heads.writers_of(
+                layout.num_heads, instance.tp_size, self.config.tp_size, self.config.tp_rank, layout.mla
+            )
+            src_heads = layout.heads_local(instance.tp_size)
+            pieces = max(
+                descriptors.slice_pieces_per_page(
+                    stride_rows_of(instance.ranks[w.prefill_rank].layout, src_heads),
+                    pool.stride_rows,
+                    pool.head_bytes,
+                    instance.ranks[w.prefill_rank].layout.page_size,
+                    layout.page_size,
+                    w.src_head_start,
+                    w.dst_head_start,
+                    w.num_heads,
+                    src_heads,
+                    pool.heads_local,
+                )  # fmt: skip
+                for w in writers
+            )
+        self._slice_pieces_of[instance.bootstrap] = pieces
+        return pieces
 
     async def _instance(self, bootstrap: str) -> PrefillInstance:
         """The prefill instance behind ``bootstrap``, connecting (once, shared by callers) if needed."""
@@ -1101,6 +1126,7 @@ class TransferEngine:
         for bootstrap, inst in list(self.instances.items()):
             if peer in inst.ranks:
                 del self.instances[bootstrap]
+                self._slice_pieces_of.pop(bootstrap, None)
         self.control.forget(peer.endpoint)
         for actor in list(self.rooms.values()):
             await self._to_room(actor.room, PeerDead(peer.agent_name, detail))

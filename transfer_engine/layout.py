@@ -107,6 +107,9 @@ class KVPool:
         first = self.tensors[0]
         self.strides: tuple[KVStrides, ...] | None = None
         """Set by :meth:`from_views`; None for contiguous ``[num_slots, heads_local, head_dim]`` tensors."""
+        self.kv_views: tuple[torch.Tensor, ...] = self.tensors
+        """The KV tensors in engine order as the staging kernels take them (``transfer_engine.kernels``):
+        the ``[num_slots, heads_local, head_dim]`` tensors, or the views given to :meth:`from_views`."""
         self._set_sizes(first.shape[0] // layout.page_size, first)
 
     def _init_common(
@@ -157,12 +160,14 @@ class KVPool:
         what gets registered with NIXL: contiguous tensors that every view lies inside (a view may
         share its tensor with others, as vLLM's K and V share a layer's tensor). The ``views_*``
         functions of this module build ``views`` for the serving systems' layouts. Raises
-        :class:`LayoutError` naming the first bad value; a pool that transfers such views uses the
-        direct and slice paths (the staged path's kernels take contiguous tensors only).
+        :class:`LayoutError` naming the first bad value. Every path moves such a pool: the direct
+        and slice paths from its strides, the staged and host paths' kernels from the views
+        themselves (``kv_views``), into and out of the same staging format as any other layout.
         """
         pool = cls.__new__(cls)
         pool._init_common(layout, tp_size, tp_rank, memory, aux)
         pool.strides = pool._validate_views(tuple(views))
+        pool.kv_views = tuple(views)
         pool._set_sizes(views[0].shape[0], pool.tensors[0])
         return pool
 

@@ -51,6 +51,14 @@ def _slots(pages: np.ndarray, page_size: int, num_tokens: int) -> torch.Tensor:
     )
 
 
+def slot_index(tensor: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Index of ``slots`` into a ``[num_slots, H, D]`` tensor or a ``[num_blocks, block_size, H, D]`` view."""
+    if tensor.dim() == 3:
+        return (slots,)
+    block_size = tensor.shape[1]
+    return (torch.div(slots, block_size, rounding_mode="floor"), slots % block_size)
+
+
 def fill(pool: KVPool, room: int, pages: np.ndarray, layers: tuple[int, int] | None = None) -> None:
     """Write the room's pattern into every slot of ``pages`` (request order) on a prefill rank;
     ``layers=(a, b)``: only the KV tensors of layers ``[a, b)`` (as a layer-wise forward does)."""
@@ -63,11 +71,11 @@ def fill(pool: KVPool, room: int, pages: np.ndarray, layers: tuple[int, int] | N
         if layers is None
         else set(group_tensors(pool.layout.num_layers, pool.layout.mla, *layers).tolist())
     )
-    for t, tensor in enumerate(pool.tensors):
+    for t, tensor in enumerate(pool.kv_views):
         if chosen is not None and t not in chosen:
             continue
         expected = values(room, t, hs, tokens, pool.layout.head_dim, pool.itemsize)
-        tensor.view(_INT_VIEW[pool.itemsize])[slots] = expected
+        tensor.view(_INT_VIEW[pool.itemsize])[slot_index(tensor, slots)] = expected
 
 
 def mismatches(pool: KVPool, room: int, pages: np.ndarray, num_tokens: int) -> int:
@@ -76,9 +84,9 @@ def mismatches(pool: KVPool, room: int, pages: np.ndarray, num_tokens: int) -> i
     tokens = torch.arange(num_tokens, dtype=torch.int64, device=pool.device)
     hs = global_heads(pool).to(pool.device)
     bad = 0
-    for t, tensor in enumerate(pool.tensors):
+    for t, tensor in enumerate(pool.kv_views):
         expected = values(room, t, hs, tokens, pool.layout.head_dim, pool.itemsize)
-        got = tensor.view(_INT_VIEW[pool.itemsize])[slots]
+        got = tensor.view(_INT_VIEW[pool.itemsize])[slot_index(tensor, slots)]
         bad += int((got != expected).sum())
     return bad
 

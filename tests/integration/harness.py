@@ -19,10 +19,10 @@ import torch
 from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
-from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine.layout import KVLayout, KVPool, views_flash_hnd, views_flash_nhd, views_vllm_cpu
 from transfer_engine.testing import Cluster, free_port, open_cluster
 
-__all__ = ["Cluster", "cluster", "free_port", "run_room", "shuffled_pages", "small_layout"]
+__all__ = ["Cluster", "cluster", "free_port", "make_pool", "run_room", "shuffled_pages", "small_layout"]
 
 DEVICE = os.environ.get("TE_TEST_DEVICE", "cpu")
 """Where the integration tests put their KV pools: ``cpu`` (CI), or ``cuda`` on a GPU machine."""
@@ -37,20 +37,42 @@ async def cluster(
     num_pages: int = 64,
     decode_layout: KVLayout | None = None,
     aux: int = 8,
+    kinds: tuple[str, str] = ("contiguous", "contiguous"),
     **config: object,
 ) -> AsyncIterator[Cluster]:
+    """``kinds``: the prefill's and the decode's KV layouts (see :func:`make_pool`)."""
+
     def make(role: str, rank: int, port: int) -> TransferEngine:
         tp = P if role == "prefill" else D
         extra = {"num_workers": 2} if role == "prefill" else {}
         cfg = EngineConfig(role=role, tp_size=tp, tp_rank=rank, bootstrap_port=port, **extra, **config)  # type: ignore[arg-type]
-        pool = KVPool.allocate(
-            (decode_layout or layout) if role == "decode" else layout, tp, rank, num_pages, device=DEVICE,
-            aux_slots=aux, aux_item_bytes=16 if aux else 0,
-        )  # fmt: skip
+        kind = kinds[0] if role == "prefill" else kinds[1]
+        pool = make_pool(
+            kind, (decode_layout or layout) if role == "decode" else layout, tp, rank, num_pages, aux
+        )
         return TransferEngine(cfg, pool)
 
     async with open_cluster(make, P, D) as c:
         yield c
+
+
+def make_pool(kind: str, layout: KVLayout, tp: int, rank: int, num_pages: int, aux: int = 0) -> KVPool:
+    """A zeroed pool on ``DEVICE`` laid out as ``kind``: "contiguous" (ours, ``KVPool.allocate``),
+    or a serving system's layout through ``KVPool.from_views``: "vllm_cpu" (per layer ``[blocks, H,
+    block_size, 2D]``), "flash_nhd" / "flash_hnd" (per layer ``(2, blocks, block_size, H, D)`` /
+    ``(2, blocks, H, block_size, D)``)."""
+    aux_args = {"aux_slots": aux, "aux_item_bytes": 16 if aux else 0}
+    if kind == "contiguous":
+        return KVPool.allocate(layout, tp, rank, num_pages, device=DEVICE, **aux_args)  # type: ignore[arg-type]
+    heads, bs, d = layout.heads_local(tp), layout.page_size, layout.head_dim
+    shape, views = {
+        "vllm_cpu": ((num_pages, heads, bs, 2 * d), lambda m: views_vllm_cpu(m, d)),
+        "flash_nhd": ((2, num_pages, bs, heads, d), views_flash_nhd),
+        "flash_hnd": ((2, num_pages, heads, bs, d), views_flash_hnd),
+    }[kind]
+    memory = [torch.zeros(shape, dtype=layout.dtype, device=DEVICE) for _ in range(layout.num_layers)]
+    aux_buf = torch.zeros(aux, 16, dtype=torch.uint8, device=DEVICE) if aux else None
+    return KVPool.from_views(layout, tp, rank, views(memory), memory, aux_buf)
 
 
 async def run_room(

@@ -22,7 +22,8 @@ from transfer_engine.layout import (
     views_flash_nhd,
     views_vllm_cpu,
 )
-from transfer_engine.protocol import descriptors
+from transfer_engine.protocol import descriptors, heads
+from transfer_engine.protocol.paths import TransferPath, auto_path
 
 L, H, D = 2, 4, 8
 LAYOUTS = ["ours", "vllm_cpu", "flash_nhd", "flash_hnd"]
@@ -295,3 +296,66 @@ def test_descriptor_errors_name_the_value() -> None:
         descriptors.strided_descriptors(**_args(src_page_size=0)[1])
     with pytest.raises(ConfigError, match=r"src head slice \[1, 5\) does not fit in 4 heads"):
         descriptors.strided_descriptors(**_args(src_head_start=1)[1])
+
+
+def _pieces(src_kind: str, dst_kind: str, P: int, Dtp: int, src_bs: int, dst_bs: int) -> float:
+    """The slice path's worst descriptors per page over every (writer, decode rank) of P -> Dtp."""
+    worst = 0.0
+    for d in range(Dtp):
+        dst, _ = pool_of(dst_kind, Dtp, d, 4, dst_bs, seed=1)
+        for w in heads.writers_of(H, P, Dtp, d):
+            src, _ = pool_of(src_kind, P, w.prefill_rank, 4, src_bs, seed=2)
+            worst = max(
+                worst,
+                descriptors.slice_pieces_per_page(
+                    src.stride_rows, dst.stride_rows, src.head_bytes, src_bs, dst_bs,
+                    w.src_head_start, w.dst_head_start, w.num_heads, src.heads_local, dst.heads_local,
+                ),
+            )  # fmt: skip
+    return worst
+
+
+@pytest.mark.parametrize(
+    ("src_kind", "dst_kind", "P", "Dtp", "src_bs", "dst_bs", "expected"),
+    [
+        ("vllm_cpu", "vllm_cpu", 2, 1, 4, 4, L),  # a rank's heads of a block: K and V in one run per layer
+        ("vllm_cpu", "vllm_cpu", 1, 2, 4, 4, L),
+        ("flash_hnd", "flash_hnd", 2, 1, 4, 4, 2 * L),  # one run per tensor and block
+        ("ours", "ours", 1, 1, 4, 8, 2 * L),  # equal TP, pages of 4 into pages of 8: page runs
+        ("ours", "ours", 2, 1, 4, 4, 2 * L * 4),  # a head slice of ours: one run per token
+        ("vllm_cpu", "vllm_cpu", 1, 1, 4, 8, L * H),  # head-major blocks of other sizes: per head
+        ("flash_nhd", "flash_hnd", 2, 1, 8, 4, 2 * L * 4 * (H // 2)),  # per (tensor, token, head)
+        ("vllm_cpu", "ours", 2, 1, 4, 8, 2 * L * 4 * (H // 2)),
+    ],
+)
+def test_slice_pieces_per_page(
+    src_kind: str, dst_kind: str, P: int, Dtp: int, src_bs: int, dst_bs: int, expected: int
+) -> None:
+    assert _pieces(src_kind, dst_kind, P, Dtp, src_bs, dst_bs) == expected
+
+
+AUTO_CASES = [
+    # (equal_tp, same_pages, has_ring, host, slice_pieces) -> path; 2L = 4 tensors
+    ((True, True, True, False, 1000.0), TransferPath.DIRECT),
+    ((False, True, True, False, 16.0), TransferPath.STAGED),
+    ((False, True, True, True, 16.0), TransferPath.HOST),
+    ((False, True, True, False, 4.0), TransferPath.SLICE),  # slice as coarse as direct
+    ((True, False, True, False, 2.0), TransferPath.SLICE),
+    ((True, False, True, False, 4.5), TransferPath.STAGED),
+    ((False, True, False, False, 16.0), TransferPath.SLICE),  # no ring: slice serves every shape
+    ((True, False, True, False, float("inf")), TransferPath.STAGED),  # contiguous pools: as before
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), AUTO_CASES)
+def test_auto_path(args: tuple[bool, bool, bool, bool, float], expected: TransferPath) -> None:
+    equal_tp, same_pages, has_ring, host, pieces = args
+    got = auto_path(
+        equal_tp=equal_tp,
+        same_pages=same_pages,
+        has_ring=has_ring,
+        host=host,
+        slice_pieces=pieces,
+        num_tensors=4,
+    )
+    assert got is expected

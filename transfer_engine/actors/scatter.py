@@ -46,7 +46,7 @@ class ScatterActor(Actor[ScatterJob]):
         self.memory = memory
         self.ring = ring
         self.rooms = rooms
-        self._kv = as_kv_table(pool.tensors)
+        self._kv = as_kv_table(pool.kv_views)
         self._cuda = pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.device) if self._cuda else None
 

@@ -304,7 +304,7 @@ class TransferWorker(Actor["WorkerMail"]):
         self.outbox = outbox
         self.staging_bytes = staging_bytes
         self._bases = np.array([t.data_ptr() for t in pool.tensors], dtype=np.uint64)
-        self._kv = as_kv_table(pool.tensors) if pool.strides is None else None
+        self._kv = as_kv_table(pool.kv_views)
         self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._buffers: dict[bool, tuple[StagingMemory, BufferLeases]] = {}
         self._granting: dict[tuple[str, int, int], _Staged] = {}
@@ -473,11 +473,6 @@ class TransferWorker(Actor["WorkerMail"]):
         assert chunk is not None
         if peer.ring is None:
             raise TransferError(f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring")
-        if self._kv is None:
-            raise TransferError(
-                f"room {job.room}: path={req.path} gathers contiguous [slots, H, D] tensors; this "
-                "prefill's KV is strided (KVPool.from_views): use path=direct or slice"
-            )
         src_slots = staged_slots(job, self.pool)
         if src_slots.size == 0:
             raise TransferError(
@@ -577,7 +572,6 @@ class TransferWorker(Actor["WorkerMail"]):
         head_slice = job.request.slices[0]
         out = memory.view(offset, staged.nbytes)
         slots = torch.from_numpy(staged.src_slots)
-        assert self._kv is not None  # _request_region refused staged chunks of a strided pool
         gather = functools.partial(
             gather_heads,
             self._kv if job.group is None else self._group_table(job),
@@ -788,6 +782,6 @@ class TransferWorker(Actor["WorkerMail"]):
         table = self._group_kv.get(key)
         if table is None:
             rows = group_tensors(self.pool.layout.num_layers, self.pool.layout.mla, *key)
-            table = as_kv_table([self.pool.tensors[int(i)] for i in rows])
+            table = as_kv_table([self.pool.kv_views[int(i)] for i in rows])
             self._group_kv[key] = table
         return table

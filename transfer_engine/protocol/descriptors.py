@@ -34,6 +34,7 @@ __all__ = [
     "direct_descriptors",
     "page_runs",
     "slice_descriptors",
+    "slice_pieces_per_page",
     "slots_of",
     "strided_descriptors",
 ]
@@ -364,3 +365,46 @@ def strided_descriptors(
     starts = np.flatnonzero(np.concatenate(([True], breaks)))
     counts = np.diff(np.append(starts, src.size)).astype(np.uint64)
     return src[starts], dst[starts], counts * step
+
+
+def slice_pieces_per_page(
+    src_strides: npt.ArrayLike,
+    dst_strides: npt.ArrayLike,
+    head_bytes: int,
+    src_page_size: int,
+    dst_page_size: int,
+    src_head_start: int,
+    dst_head_start: int,
+    num_heads: int,
+    src_heads_local: int,
+    dst_heads_local: int,
+) -> float:
+    """How many descriptors the slice path needs per page (of the smaller page size) for this head
+    slice between these two layouts: :func:`strided_descriptors` on a sample of ``lcm`` page-size
+    tokens laid on every other page of each side (so no two pages merge by adjacency), over
+    synthetic regions. The contiguous layout's direct path needs one per tensor per page; vLLM CPU
+    to vLLM CPU with a TP-2 head slice one per layer (K and V merge), while FlashAttention NHD to
+    HND needs one per (tensor, token, head). Pure; ConfigError as for :func:`strided_descriptors`.
+    """
+    src_t = _strides_table(src_strides, "src_strides")
+    dst_t = _strides_table(dst_strides, "dst_strides")
+    _check_at_least("src_page_size", src_page_size, 1)
+    _check_at_least("dst_page_size", dst_page_size, 1)
+    tokens = int(np.lcm(src_page_size, dst_page_size))
+    offsets = np.arange(tokens, dtype=np.int64)
+
+    def sample(table: I64Array, page_size: int) -> tuple[U64Array, U64Array, I64Array]:
+        regions = int(table[:, 0].max()) + 1 if table.size else 1
+        span = np.uint64(1 << 44)  # far beyond any table's reach: regions never look adjacent
+        bases = np.arange(regions, dtype=np.uint64) * span + span
+        lengths = np.full(regions, span >> np.uint64(1), dtype=np.uint64)
+        slots = 2 * (offsets // page_size) * page_size + offsets % page_size
+        return bases, lengths, slots
+
+    src_b, src_len, src_s = sample(src_t, src_page_size)
+    dst_b, dst_len, dst_s = sample(dst_t, dst_page_size)
+    src, _, _ = strided_descriptors(
+        src_b, src_len, src_t, dst_b, dst_len, dst_t, head_bytes, src_s, dst_s, src_page_size,
+        dst_page_size, src_head_start, dst_head_start, num_heads, src_heads_local, dst_heads_local,
+    )  # fmt: skip
+    return src.size / (tokens / min(src_page_size, dst_page_size))
