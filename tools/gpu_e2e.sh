@@ -3,6 +3,7 @@
 # in ./.whl. Usage, from the project root:
 #   tools/gpu_e2e.sh tests          # the whole suite with CUDA: gpu kernel tests + integration on CUDA pools
 #   tools/gpu_e2e.sh bench 1:1 2:1  # tools/bench_transfer.py sweeps for the listed P:D scenarios
+#   tools/gpu_e2e.sh strided        # paged KV layouts: compiled kernel tests, CUDA matrix, bench_kernels by layout
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -41,6 +42,15 @@ if [ "$phase" = trace ]; then  # issue 17: where a room's time goes (bench_trans
     timeout 200 python3 tools/bench_transfer.py $QWEN --trace --path $1 --concurrency $2 --rooms $3 --rounds 3 \
       --lat-rooms 50 2>&1 | grep -v "NIXL INFO" | tee "$OUT/trace-$1-$2.txt" | grep -E "^path=|post_write|planned|ready|posted|notif"
   done
+  exit 0
+fi
+if [ "$phase" = strided ]; then  # issue 20: paged KV views in the compiled kernels, then contiguous vs paged rates
+  python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -3 | tee -a "$OUT/strided.txt"
+  TE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/integration/test_matrix_strided.py 2>&1 \
+    | tail -3 | tee -a "$OUT/strided.txt"
+  timeout 360 python3 tools/bench_kernels.py --passes 2 --no-host --models qwen3-32b,mla-61x576 --splits 4:2,8:1 \
+    --layouts contiguous,vllm_cpu,flash_nhd,flash_hnd --json "$OUT/bench-strided.json" 2>&1 \
+    | grep -v "^  pass" | tee -a "$OUT/strided.txt"
   exit 0
 fi
 if [ "$phase" = tests ]; then

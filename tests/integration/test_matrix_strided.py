@@ -30,16 +30,25 @@ CASES = [
     ("contiguous", "vllm_cpu", 1, 2, 4, 4),
 ]
 PARAMS = [
-    pytest.param(*case, path, id=f"{case[0]}-P{case[2]}p{case[4]}-to-{case[1]}-D{case[3]}p{case[5]}-{path}")
+    pytest.param(
+        *case, path, 0, id=f"{case[0]}-P{case[2]}p{case[4]}-to-{case[1]}-D{case[3]}p{case[5]}-{path}"
+    )
     for case in CASES
     for path in ("staged", "host")
-] + [pytest.param("vllm_cpu", "flash_hnd", 2, 1, 4, 4, "auto", id="vllm_cpu-P2-to-flash_hnd-D1-auto")]
+] + [
+    # auto picks staged here: the slice path would need one descriptor per (tensor, token, head)
+    pytest.param("vllm_cpu", "flash_hnd", 2, 1, 4, 4, "auto", 0, id="vllm_cpu-P2-to-flash_hnd-D1-auto"),
+    # layer-wise chunks gather each layer group from the strided views
+    pytest.param(
+        "flash_hnd", "vllm_cpu", 2, 1, 4, 8, "staged", 1, id="flash_hnd-P2-to-vllm_cpu-D1-layerwise"
+    ),
+]
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("src_kind", "dst_kind", "P", "D", "src_page", "dst_page", "path"), PARAMS)
+@pytest.mark.parametrize(("src_kind", "dst_kind", "P", "D", "src_page", "dst_page", "path", "layers"), PARAMS)
 async def test_strided_staged(
-    src_kind: str, dst_kind: str, P: int, D: int, src_page: int, dst_page: int, path: str
+    src_kind: str, dst_kind: str, P: int, D: int, src_page: int, dst_page: int, path: str, layers: int
 ) -> None:
     rng = random.Random(f"{src_kind} {dst_kind} {P} {D} {path}")
     layout, decode_layout = small_layout(page_size=src_page), small_layout(page_size=dst_page)
@@ -59,7 +68,9 @@ async def test_strided_staged(
                 del src_free[:src_pages], dst_free[:dst_pages]
                 chunks = [1, src_pages - 1] if src_pages > 1 else [1]
                 written.append((dst, tokens))
-                tg.start_soon(functools.partial(run_room, c, 200 + room, src, dst, chunks, aux_slot=room))
+                tg.start_soon(
+                    functools.partial(run_room, c, 200 + room, src, dst, chunks, aux_slot=room, layers=layers)
+                )
         staged_writes = sum(w.counters["staged_writes"] for e in c.prefill for w in e.workers)
         assert staged_writes >= 3 * P, f"{path}: {staged_writes} staged WRITEs; the rooms took another path"
         assert_untouched_is_zero(c, written)
@@ -74,6 +85,7 @@ def assert_untouched_is_zero(c: Cluster, written: list[tuple[np.ndarray, int]]) 
         for pages, tokens in written:
             offsets = np.arange(tokens)
             slots = torch.from_numpy(pages[offsets // page_size] * page_size + offsets % page_size)
+            slots = slots.to(engine.pool.device)
             for view in engine.pool.kv_views:
                 view[patterns.slot_index(view, slots)] = 0
         for i, memory in enumerate(engine.pool.tensors):
