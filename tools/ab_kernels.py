@@ -1,12 +1,18 @@
-"""A/B the staging kernels' entry points of two source trees on CPU, interleaved in one process.
+"""A/B the staging kernels' CPU entry points, interleaved in one process: two source trees, or two
+KV layouts, on the same logical KV.
 
 On a loaded shared box two separate benchmark runs differ by more than any change could; here
-each round times tree A then tree B on the same tensors, and the median of the per-round ratios
-B/A is printed. What runs is what the engine runs on CPU (``impl="auto"`` without
-``TRITON_INTERPRET``: the torch implementation). Both trees' results are compared byte for byte.
+each round times A then B, and the median of the per-round ratios B/A is printed. What runs is what
+the engine runs on CPU (``impl="auto"`` without ``TRITON_INTERPRET``: the torch implementation).
 
-Usage: python tools/ab_kernels.py KERNELS_DIR_A KERNELS_DIR_B [--tokens N] [--rounds N]
-  e.g. python tools/ab_kernels.py /work/main/kernels kernels
+A and B are each ``KERNELS_DIR[:LAYOUT]``: a kernels source tree and a KV layout ("contiguous",
+"vllm_cpu", "flash_nhd", "flash_hnd"; default contiguous). Both hold the same logical KV (64 layers x
+2 KV heads x 128 bf16 on the prefill, 4 heads on the decode, pages of 16), so their gathers must
+give the same bytes and their scatters the same KV: both are checked.
+
+Usage: python tools/ab_kernels.py A B [--tokens N] [--rounds N]
+  e.g. python tools/ab_kernels.py /work/main/kernels kernels          (before / after, contiguous)
+       python tools/ab_kernels.py kernels kernels:vllm_cpu           (contiguous / vLLM CPU layout)
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from transfer_engine.layout import views_flash_hnd, views_flash_nhd, views_vllm_cpu
 
 LAYERS, HEADS_P, HEADS_D, DIM, SLOTS, PAGE = 64, 2, 4, 128, 2048, 16
 
@@ -35,6 +43,33 @@ def load(directory: str, name: str) -> ModuleType:
     return module
 
 
+def laid_out(kind: str, data: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``data`` (K then V, ``[SLOTS, H, DIM]`` each) copied into layout ``kind``: the tensors
+    themselves for "contiguous", else ``[blocks, PAGE, H, DIM]`` views of that layout's memory."""
+    if kind == "contiguous":
+        return [t.clone() for t in data]
+    heads, blocks = data[0].shape[1], SLOTS // PAGE
+
+    def memory(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=data[0].dtype)
+
+    if kind == "vllm_cpu":
+        views = views_vllm_cpu([memory(blocks, heads, PAGE, 2 * DIM) for _ in range(LAYERS)], DIM)
+    elif kind == "flash_nhd":
+        views = views_flash_nhd([memory(2, blocks, PAGE, heads, DIM) for _ in range(LAYERS)])
+    elif kind == "flash_hnd":
+        views = views_flash_hnd([memory(2, blocks, heads, PAGE, DIM) for _ in range(LAYERS)])
+    else:
+        raise SystemExit(f"layout {kind!r}: one of contiguous, vllm_cpu, flash_nhd, flash_hnd")
+    for view, t in zip(views, data, strict=True):
+        view.copy_(t.view(blocks, PAGE, heads, DIM))
+    return views
+
+
+def logical(kv: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.reshape(SLOTS, *t.shape[-2:]).view(torch.int16) for t in kv]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -44,7 +79,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    trees = [load(args.a, "kernels_a"), load(args.b, "kernels_b")]
+    specs = [(*arg.split(":", 1), "contiguous")[:2] for arg in (args.a, args.b)]
+    trees = [load(directory, f"kernels_{'ab'[i]}") for i, (directory, _) in enumerate(specs)]
     gen = torch.Generator().manual_seed(0)
 
     def pool(heads: int) -> list[torch.Tensor]:
@@ -60,7 +96,10 @@ def main() -> int:
     nbytes = 2 * LAYERS * args.tokens * 2 * DIM * 2
     second = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)  # the other writer's block
     outs = [torch.cat([torch.empty(nbytes, dtype=torch.uint8), second]) for _ in trees]
-    tables = [(k.as_kv_table(src), k.as_kv_table([t.clone() for t in dst])) for k in trees]
+    tables = [
+        (k.as_kv_table(laid_out(kind, src)), k.as_kv_table(laid_out(kind, dst)))
+        for k, (_, kind) in zip(trees, specs, strict=True)
+    ]
     gather_ms: list[list[float]] = [[], []]
     scatter_ms: list[list[float]] = [[], []]
     for _ in range(args.rounds):
@@ -72,10 +111,11 @@ def main() -> int:
             t2 = time.perf_counter()
             gather_ms[i].append((t1 - t0) * 1e3)
             scatter_ms[i].append((t2 - t1) * 1e3)
+    decoded = [logical(list(t[1].tensors)) for t in tables]
     exact = torch.equal(outs[0], outs[1]) and all(
-        torch.equal(a.view(torch.int16), b.view(torch.int16))
-        for a, b in zip(tables[0][1].tensors, tables[1][1].tensors, strict=True)
+        torch.equal(a, b) for a, b in zip(decoded[0], decoded[1], strict=True)
     )
+    print(f"A = {':'.join(specs[0])}, B = {':'.join(specs[1])}, {args.tokens} tokens, {args.rounds} rounds")
     for op, ms, mib in (("gather", gather_ms, nbytes / 2**20), ("scatter", scatter_ms, 2 * nbytes / 2**20)):
         ratio = statistics.median(b / a for a, b in zip(ms[0], ms[1], strict=True))
         print(

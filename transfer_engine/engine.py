@@ -781,9 +781,11 @@ class TransferEngine:
         equal = instance.tp_size == self.config.tp_size or layout.mla
         staged = "host" if self.host_staging else "staged"
         if policy == "auto":
+            has_ring = self.ring is not None
+            pieces = self._slice_pieces(instance) if has_ring and not (equal and same_pages) else float("inf")
             return auto_path(
-                equal_tp=equal, same_pages=same_pages, has_ring=self.ring is not None, host=self.host_staging,
-                slice_pieces=self._slice_pieces(instance), num_tensors=layout.num_kv_tensors,
+                equal_tp=equal, same_pages=same_pages, has_ring=has_ring, host=self.host_staging,
+                slice_pieces=pieces, num_tensors=layout.num_kv_tensors,
             ).value  # fmt: skip
         if policy == "direct":
             if not equal:
@@ -824,7 +826,7 @@ class TransferEngine:
                     w.num_heads,
                     src_heads,
                     pool.heads_local,
-                )  # fmt: skip
+                )
                 for w in writers
             )
         self._slice_pieces_of[instance.bootstrap] = pieces
