@@ -115,3 +115,36 @@ async def test_chunk_larger_than_staging_buffer_fails_naming_staging_bytes() -> 
             with pytest.raises(TransferFailed, match="staging_bytes"):
                 await receiver.wait()
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("grant", [True, False])
+async def test_first_chunk_takes_the_region_granted_with_the_request(grant: bool) -> None:
+    """Chunk 0 of a staged room is written into the region its TransferRequest carried, without a
+    StagingRequest: a whole-room chunk, a chunk smaller than the room (the region is sized for the
+    room), a layer-wise one. Later chunks ask. With ``grant_with_request=False`` every chunk asks."""
+    async with cluster(small_layout(), 2, 1, path="staged", grant_with_request=grant) as c:
+        await run_room(c, 1, np.arange(4), np.arange(4), [4], aux_slot=1)
+        await run_room(c, 2, np.arange(4, 10), np.arange(4, 10), [2, 2, 2])
+        await run_room(c, 3, np.arange(10, 13), np.arange(10, 13), [3], layers=1)
+        ahead = sum(w.counters["granted_ahead"] for e in c.prefill for w in e.workers)
+        asked = sum(w.counters["staging_requests"] for e in c.prefill for w in e.workers)
+        assert (ahead, asked) == ((6, 4) if grant else (0, 10))
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_region_granted_with_the_request_is_freed_when_the_room_fails_first() -> None:
+    """A room aborted before its prefill sends anything frees the region its request carried; the
+    ring then serves the next rooms."""
+    async with cluster(small_layout(), 2, 1, path="staged") as c:
+        ring = c.decode[0].ring
+        assert ring is not None
+        receiver = await c.decode[0].receiver(5, c.bootstrap, np.arange(4))
+        assert ring.live() == 1  # chunk 0's region, placed when the room opened
+        await receiver.abort("the scheduler dropped the request")
+        with anyio.fail_after(10), pytest.raises(TransferFailed):
+            await receiver.wait()
+        assert ring.live() == 0  # wait() returns once the room's regions are freed
+        await run_room(c, 6, np.arange(4), np.arange(4), [4])
+        c.assert_no_leaks()

@@ -11,7 +11,8 @@ it is given ends in exactly one reply to its room: that WriteEnded, or a
 :class:`~transfer_engine.mail.WriteDone` from here (refused, cancelled, staged WRITE finished).
 
 Staged paths (README, "Paths"; docs/DECISIONS.md, "Staged paths"): the worker asks the decode rank's ring for a region
-(``StagingRequest``) as soon as the chunk is known, and parks the chunk. Once granted, and once the
+(``StagingRequest``) as soon as the chunk is known, and parks the chunk; chunk 0 asks nothing when the
+room's TransferRequest carried its region (``first_region``: granted with the request). Once granted, and once the
 peer's latest ``Watermark`` admits the region, it gathers the chunk's head slice — every layer, K
 then V — into a lease of its staging buffer (on its own CUDA stream; on CPU in a worker thread) and
 posts ONE WRITE of it to ``region + writer offset``. A chunk that is not admissible yet stays parked
@@ -517,11 +518,41 @@ class TransferWorker(Actor["WorkerMail"]):
         except TransferError as exc:
             await self._done(job, False, str(exc), FailureReason.PROTOCOL)
             return
+        first = self._first_region(job, nbytes)
+        if isinstance(first, str):
+            await self._done(job, False, first, FailureReason.PROTOCOL)
+            return
+        if first is not None:  # granted with the request: no round trip
+            allocation, dst = first
+            self._parked[peer.agent_name].append(_Staged(job, src_slots, nbytes, host, allocation, dst))
+            self.counters["granted_ahead"] += 1
+            self.me.trace.mark(job.room, "granted_ahead")
+            await self._progress(peer.agent_name)
+            return
         request = self._staging_request(job, src_slots)
         self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(
             job, src_slots, nbytes, host, request=request, asked_at=time.monotonic()
         )
+        self.counters["staging_requests"] += 1
         self.outbox.send(peer.endpoint, request)
+
+    @staticmethod
+    def _first_region(job: WriteJob, nbytes: int) -> tuple[Allocation, int] | str | None:
+        """Chunk 0's region granted with the room's TransferRequest: ``(allocation, address of this
+        writer's block)``; None when the chunk must ask (another chunk, or none granted); a string
+        saying why when the grant cannot hold the chunk's ``nbytes`` (the decode broke the protocol)."""
+        chunk, first = job.chunk, job.request.first_region
+        if first is None or chunk is None or chunk.chunk_id != 0:
+            return None
+        ring = job.peer.ring
+        assert ring is not None  # _staged_source refused a peer without one
+        if nbytes > first.writer_bytes or first.writer_offset + first.writer_bytes > first.length:
+            return (
+                f"room {job.room}: chunk 0 stages {nbytes} bytes, the region granted with the request "
+                f"gives {first.writer_bytes} at +{first.writer_offset} of {first.length}"
+            )
+        allocation = Allocation(first.alloc_id, first.round, first.offset, first.length)
+        return allocation, ring.addr + first.offset + first.writer_offset
 
     async def _on_grant(self, grant: m.StagingGrant) -> None:
         staged = self._granting.pop((grant.agent, grant.room, grant.chunk_id), None)
@@ -726,8 +757,18 @@ class TransferWorker(Actor["WorkerMail"]):
                 request, peer.endpoint, peer.ring.addr, src_slots, tensor_bytes,
                 tensor_bytes * layout.num_kv_tensors, host, time.monotonic(),
             )  # fmt: skip
+            first = self._first_region(job, region.block_bytes)
+            if isinstance(first, str):
+                await self._done(job, False, first, FailureReason.PROTOCOL)
+                return False
             self._layer_regions[key] = region
-            self.outbox.send(peer.endpoint, request)
+            if first is None:
+                self.counters["staging_requests"] += 1
+                self.outbox.send(peer.endpoint, request)
+            else:  # granted with the request: no round trip
+                region.allocation, region.dst = first
+                self.counters["granted_ahead"] += 1
+                self.me.trace.mark(job.room, "granted_ahead")
         region.pending += 1
         region.closed = region.closed or group.closes
         return True
