@@ -245,6 +245,12 @@ class JobKey:
 
 
 @dataclass(frozen=True, slots=True)
+class Reached:
+    """Worker's completion waiter -> worker: a completion a held layer-wise job waits for was reached
+    (at most one of these is queued at a time)."""
+
+
+@dataclass(frozen=True, slots=True)
 class RepeatStaging:
     """Engine -> worker, every half heartbeat interval: repeat the StagingRequests asked before
     ``before`` and still unanswered (a lost request, grant or refusal; the ring answers a repeat

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+import threading
 
 import anyio
 import numpy as np
@@ -130,7 +131,11 @@ async def test_first_chunk_takes_the_region_granted_with_the_request(grant: bool
         ahead = sum(w.counters["granted_ahead"] for e in c.prefill for w in e.workers)
         asked = sum(w.counters["staging_requests"] for e in c.prefill for w in e.workers)
         assert (ahead, asked) == ((6, 4) if grant else (0, 10))
+        # the layer-wise room's layers were written after layers_ready: their threading.Events woke
+        # the workers through their completion waiters, not a poll
+        assert sum(w.completions.counters["handed"] for e in c.prefill for w in e.workers) > 0
         c.assert_no_leaks()
+    assert not [t for t in threading.enumerate() if t.name.startswith("te-completion-")]
 
 
 @pytest.mark.anyio

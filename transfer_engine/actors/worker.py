@@ -14,7 +14,8 @@ Staged paths (README, "Paths"; docs/DECISIONS.md, "Staged paths"): the worker as
 (``StagingRequest``) as soon as the chunk is known, and parks the chunk; chunk 0 asks nothing when the
 room's TransferRequest carried its region (``first_region``: granted with the request). Once granted, and once the
 peer's latest ``Watermark`` admits the region, it gathers the chunk's head slice — every layer, K
-then V — into a lease of its staging buffer (on its own CUDA stream; on CPU in a worker thread) and
+then V — into a lease of its staging buffer (on its own CUDA stream, its completion observed by the worker's
+:class:`~transfer_engine.completion.CompletionWaiter`; on CPU in a worker thread) and
 posts ONE WRITE of it to ``region + writer offset``. A chunk that is not admissible yet stays parked
 while the worker serves other chunks; newer watermarks and finished WRITEs (which release staging
 leases) retry the parked ones. Nothing here blocks on the watermark. ``CancelRoom`` ends a failed
@@ -33,18 +34,12 @@ import anyio
 import numpy as np
 import torch
 
-from transfer_engine import ticker
+from transfer_engine.completion import CompletionWaiter, recorded
 from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import KVTable, as_kv_table, gather_heads
 from transfer_engine.layout import KVPool, stride_rows_of
-from transfer_engine.mail import CancelRoom, Ready, RepeatStaging, WriteDone, WriteEnded, WriteJob
-from transfer_engine.memory import (
-    StagingMemory,
-    allocate_staging,
-    event_reached,
-    run_cpu_copy,
-    stream_reached,
-)
+from transfer_engine.mail import CancelRoom, Reached, Ready, RepeatStaging, WriteDone, WriteEnded, WriteJob
+from transfer_engine.memory import StagingMemory, allocate_staging, run_cpu_copy
 from transfer_engine.ports import Outbox, RankIdentity, RoomBoard, WritePort
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
@@ -62,9 +57,6 @@ from transfer_engine.transport.nixl import WriteSpec
 from .base import Actor
 
 log = logging.getLogger(__name__)
-
-READY_POLL_S = 0.0001
-"""How often a worker holding layer-wise jobs checks their ``ready`` events (fine timers, ticker)."""
 
 
 def is_ready(ready: Ready) -> bool:
@@ -130,7 +122,14 @@ class _Lease:
 
 
 WorkerMail = (
-    WriteJob | CancelRoom | RepeatStaging | m.StagingGrant | m.StagingRefused | m.Watermark | WriteEnded
+    WriteJob
+    | CancelRoom
+    | RepeatStaging
+    | m.StagingGrant
+    | m.StagingRefused
+    | m.Watermark
+    | WriteEnded
+    | Reached
 )
 
 
@@ -317,6 +316,10 @@ class TransferWorker(Actor["WorkerMail"]):
         self._layer_regions: dict[tuple[str, int, int], _LayerRegion] = {}
         """(decode agent, room, chunk id) -> the region of a layer-wise staged chunk."""
         self._group_kv: dict[tuple[int, int], KVTable] = {}
+        self.completions = CompletionWaiter(f"worker-{index}")
+        """Wakes this worker when its gathers' stream or its jobs' ready events complete."""
+        self._reached_posted = False
+        """A :class:`Reached` is in the inbox (one at most)."""
 
     # --- introspection -------------------------------------------------------------------------
 
@@ -348,27 +351,19 @@ class TransferWorker(Actor["WorkerMail"]):
     # --- mailbox -------------------------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Handle mail until the inbox closes; while layer-wise jobs wait for their events, poll
-        those every :data:`READY_POLL_S` between mails (nothing signals the loop when they complete)."""
-        task_status.started()
-        while True:
-            if not self._unready:
-                try:
-                    mail = await self.inbox.receive()
-                except anyio.EndOfStream:
-                    return
-                await self.handle(mail)
-                continue
-            try:
-                await self.handle(self.inbox.receive_nowait())
-                continue
-            except anyio.WouldBlock:
-                pass
-            except anyio.EndOfStream:
-                return
-            await self._start_ready()
-            if self._unready:
-                await ticker.sleep(READY_POLL_S)
+        """Handle mail until the inbox closes. Layer-wise jobs whose ``waits`` have not completed are
+        held; the completion waiter's thread posts :class:`Reached` when one does (no polling)."""
+        self.completions.start()
+        try:
+            await super().run(task_status=task_status)
+        finally:
+            self.completions.close()
+
+    def _on_reached(self) -> None:
+        """On the loop, from the completion waiter: a held job's wait completed."""
+        if not self._reached_posted:
+            self._reached_posted = True
+            self.inbox.post(Reached())
 
     async def handle(self, mail: WorkerMail) -> None:
         self.me.trace.mark_mail("worker", mail)
@@ -413,6 +408,9 @@ class TransferWorker(Actor["WorkerMail"]):
                     await self._progress(agent)
             case CancelRoom(room=room):
                 await self._cancel(room)
+            case Reached():
+                self._reached_posted = False
+                await self._start_ready()
             case RepeatStaging(before=before):
                 for staged in list(self._granting.values()):
                     if staged.request is not None and staged.asked_at < before:
@@ -433,7 +431,7 @@ class TransferWorker(Actor["WorkerMail"]):
 
     async def _execute(self, job: WriteJob) -> None:
         if job.ready is not None:
-            await event_reached(job.ready)  # NIXL reads the KV itself: it must be written first
+            await self.completions.wait(job.ready)  # NIXL reads the KV itself: it must be written first
             self.me.trace.mark(job.room, "ready")
         room = self.rooms.get(job.room)
         if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
@@ -626,7 +624,7 @@ class TransferWorker(Actor["WorkerMail"]):
                 if job.ready is not None:
                     self.stream.wait_event(job.ready)  # the gather reads KV the caller's stream wrote
                 gather()
-                await stream_reached(self.stream)
+                await self.completions.wait(recorded(self.stream))
             self.me.trace.mark(job.room, "gathered")
         except Exception as exc:  # a kernel error fails the room, never the worker
             log.exception("worker %d: gather for room %d failed", self.index, job.room)
@@ -691,6 +689,9 @@ class TransferWorker(Actor["WorkerMail"]):
             await self._start_layer(job)
         else:
             self._unready.append(job)
+            for wait in job.waits:
+                if wait is not None and not is_ready(wait):
+                    self.completions.notify(wait, self._on_reached)
 
     async def _start_ready(self) -> None:
         """Start the layer-wise jobs whose events completed, in arrival order."""
