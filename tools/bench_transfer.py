@@ -527,7 +527,8 @@ def main() -> int:
         placement += f" cpus prefill={pre[0]}-{pre[-1]} decode={dec[0]}-{dec[-1]}"
     r.update(path=args.path, P=args.prefill_tp, D=args.decode_tp, tokens=args.tokens, rooms=args.rooms,
              concurrency=args.concurrency, chunks=args.chunks, device=args.device, peer_copy_gbps=peer_copy,
-             placement=placement.strip())  # fmt: skip
+             placement=placement.strip(), loadavg=[round(x, 1) for x in os.getloadavg()],
+             grant_with_request=_config(args, "decode", 0, 0).grant_with_request)  # fmt: skip
     if args.json:
         print(json.dumps(r))
     copy = (
@@ -542,7 +543,8 @@ def main() -> int:
         f"{r['throughput_ratio']:.2f} (rounds {r['round_ratios']}){copy}; room p50 {r['room_p50_ms']:.2f} ms p99 {r['room_p99_ms']:.2f} ms; "
         f"descriptors/room {r['descriptors_per_room']:.0f}; small room p50 {r['engine_lat_p50_ms']:.3f} ms "
         f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added (median of pairs) "
-        f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}"
+        f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}; "
+        f"grant_with_request={r['grant_with_request']}; load average {r['loadavg']}"
     )
     if args.trace:
         print(f"prefill rank 0, post_write per WRITE (us): {r['post_us']}")

@@ -3,6 +3,7 @@
 # in ./.whl. Usage, from the project root:
 #   tools/gpu_e2e.sh tests          # the whole suite with CUDA: gpu kernel tests + integration on CUDA pools
 #   tools/gpu_e2e.sh bench 1:1 2:1  # tools/bench_transfer.py sweeps for the listed P:D scenarios
+#   tools/gpu_e2e.sh percall        # issue 17 on one GPU: direct/staged c1/c8 with --trace (< 8 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -40,6 +41,20 @@ if [ "$phase" = trace ]; then  # issue 17: where a room's time goes (bench_trans
     set -- $a
     timeout 200 python3 tools/bench_transfer.py $QWEN --trace --path $1 --concurrency $2 --rooms $3 --rounds 3 \
       --lat-rooms 50 2>&1 | grep -v "NIXL INFO" | tee "$OUT/trace-$1-$2.txt" | grep -E "^path=|post_write|planned|ready|posted|notif"
+  done
+  exit 0
+fi
+if [ "$phase" = percall ]; then  # issue 17 on ONE GPU (both processes on cuda:0): direct and staged, c1 and c8,
+  # with --trace; staged twice, the region granted with the request on and off (TE_GRANT_WITH_REQUEST=0).
+  # The ring holds four rooms: a room's region is granted with the request only when at most half the ring.
+  QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device ${DEV:-cuda}"
+  [ -n "${SMALL:-}" ] && QWEN="--layers 8 --heads 8 --head-dim 128 --page-size 16 --tokens 512 --chunks 1 --device ${DEV:-cuda}"
+  export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
+  for a in "direct 1 6 1" "direct 8 16 1" "staged 1 6 1" "staged 1 6 0" "staged 8 16 1" "staged 8 16 0"; do
+    set -- $a
+    TE_GRANT_WITH_REQUEST=$4 timeout 75 python3 tools/bench_transfer.py $QWEN --trace --path $1 --concurrency $2 \
+      --rooms $3 --rounds 2 --lat-rooms 40 --json 2>&1 | grep -v "NIXL INFO" | tee "$OUT/percall-$1-c$2-g$4.txt" \
+      | grep -E "^path=|post_write|granted|StagingGrant|gathered|posted|notif|Scattered|d.waited|Error|Traceback"
   done
   exit 0
 fi

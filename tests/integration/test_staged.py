@@ -12,6 +12,7 @@ import pytest
 
 from transfer_engine import patterns
 from transfer_engine.errors import FailureReason, TransferFailed
+from transfer_engine.protocol import messages as m
 
 from .harness import cluster, run_room, shuffled_pages, small_layout
 
@@ -147,6 +148,13 @@ async def test_region_granted_with_the_request_is_freed_when_the_room_fails_firs
         assert ring is not None
         receiver = await c.decode[0].receiver(5, c.bootstrap, np.arange(4))
         assert ring.live() == 1  # chunk 0's region, placed when the room opened
+        # a writer that asks for chunk 0 anyway is refused: it must write where its request said
+        ask = m.StagingRequest(
+            agent=c.prefill[0].agent_name, room=5, chunk_id=0, sender=0, page_start=0, num_pages=4, tokens=16
+        )
+        granted, _, detail = await ring._place(ask)
+        assert granted is None and "granted with the TransferRequest" in detail
+        assert ring.live() == 1
         await receiver.abort("the scheduler dropped the request")
         with anyio.fail_after(10), pytest.raises(TransferFailed):
             await receiver.wait()
