@@ -7,8 +7,9 @@ import time
 
 import anyio
 import pytest
+import torch
 
-from transfer_engine.completion import STOP_CHECK_S, CompletionWaiter, reached
+from transfer_engine.completion import STOP_CHECK_S, CompletionWaiter, reached, recorded
 
 pytestmark = pytest.mark.anyio
 
@@ -154,5 +155,39 @@ async def test_started_twice_is_refused() -> None:
     try:
         with pytest.raises(RuntimeError, match="started twice"):
             waiter.start()
+    finally:
+        waiter.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+async def test_cuda_events_of_one_stream_wake_in_order_while_the_loop_runs() -> None:
+    """On a GPU: events recorded behind long kernels on a side stream wake their waiters, oldest
+    first, and the loop keeps running meanwhile (no synchronize on the loop's thread)."""
+    waiter = CompletionWaiter("cuda")
+    waiter.start()
+    stream = torch.cuda.Stream()
+    woken: list[int] = []
+    ticks = 0
+
+    async def one(i: int, event: torch.cuda.Event) -> None:
+        await waiter.wait(event)
+        woken.append(i)
+
+    try:
+        events = []
+        with torch.cuda.stream(stream):
+            for _ in range(4):
+                torch.cuda._sleep(20_000_000)  # tens of ms per kernel
+                events.append(recorded(stream))
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i, event in enumerate(events):
+                    tg.start_soon(one, i, event)
+                while len(woken) < len(events):
+                    ticks += 1
+                    await anyio.sleep(0.001)
+        assert woken == [0, 1, 2, 3]
+        assert ticks > 4  # the loop ran while the GPU worked
+        assert waiter.counters["handed"] == 4
     finally:
         waiter.close()
