@@ -361,9 +361,10 @@ class TransferWorker(Actor["WorkerMail"]):
 
     def _on_reached(self) -> None:
         """On the loop, from the completion waiter: a held job's wait completed."""
-        if not self._reached_posted:
-            self._reached_posted = True
-            self.inbox.post(Reached())
+        if self._reached_posted or self.inbox.closed:  # closed: the worker ended, nobody waits
+            return
+        self._reached_posted = True
+        self.inbox.post(Reached())
 
     async def handle(self, mail: WorkerMail) -> None:
         self.me.trace.mark_mail("worker", mail)
