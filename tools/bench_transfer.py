@@ -346,6 +346,7 @@ async def _decode(
         ratios: list[float] = []
         for rnd in range(args.rounds):
             ids = _round_rooms(args, rnd)
+            _ab_grant(args, engine, rnd)
             await anyio.to_thread.run_sync(barrier.wait)
             if raw is not None and conn is not None:
                 _raw_wait_notifs(raw, args.raw_reps)  # progress here: UCX may need the target's calls
@@ -367,6 +368,7 @@ async def _decode(
                 while not conn.poll():  # "ready": the prefill has sent this sample's room
                     raw.agent.get_new_notifs()  # keep the raw agent progressing meanwhile
                 conn.recv()
+            _ab_grant(args, engine, i)
             t1 = time.perf_counter()
             receiver = await engine.receiver(SMALL_ROOM + i, bootstrap, _room_pages(args, 0)[:1])
             await receiver.wait()
@@ -389,6 +391,16 @@ async def _decode(
                 added_latency_p50_ms=statistics.median([e - r for e, r in zip(lat, raw_lat, strict=True)])
                 * 1e3,
             )
+            if args.ab_grant:  # even rounds and samples with the grant, odd ones without
+                added = [e - r for e, r in zip(lat, raw_lat, strict=True)]
+                result["ab_grant"] = {
+                    half: {
+                        "ratio": round(statistics.median(ratios[k::2]), 3) if ratios[k::2] else None,
+                        "added_ms": round(statistics.median(added[k::2]) * 1e3, 3) if added[k::2] else None,
+                        "small_p50_ms": round(statistics.median(lat[k::2]) * 1e3, 3) if lat[k::2] else None,
+                    }
+                    for k, half in ((0, "on"), (1, "off"))
+                }
             _, posted, prefill_marks, post_ns = await anyio.to_thread.run_sync(conn.recv)
             result["post_us"] = {
                 k: round(v / 1e3 / max(post_ns.get("writes", 1), 1), 1)
@@ -409,6 +421,14 @@ async def _decode(
     result["mismatches"] = bad
     if conn is not None:
         out.put(result)
+
+
+def _ab_grant(args: argparse.Namespace, engine: TransferEngine, index: int) -> None:
+    """``--ab-grant``: the rooms opened next get chunk 0's region with their request iff ``index`` is
+    even (the decode ring's switch, ``EngineConfig.grant_with_request``, flipped between rounds and
+    between small-room samples: both halves run in the same processes, minutes apart at most)."""
+    if args.ab_grant and engine.ring is not None:
+        engine.ring.grant_ahead = index % 2 == 0
 
 
 def _peer_copy_gbps(args: argparse.Namespace, nbytes: int) -> float | None:
@@ -471,6 +491,12 @@ def main() -> int:
         action="store_true",
         help="mark every room's steps (EngineConfig.trace_steps) and print, per step, the median time "
         "from the decode's receiver(): for the rooms of the rounds and for the small rooms",
+    )
+    parser.add_argument(
+        "--ab-grant",
+        action="store_true",
+        help="staged paths: even rounds and small-room samples with the ring region granted with the "
+        "request, odd ones without; prints both halves (use an even --rounds)",
     )
     args = parser.parse_args()
     if args.warmup < 0:
@@ -546,6 +572,12 @@ def main() -> int:
         f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}; "
         f"grant_with_request={r['grant_with_request']}; load average {r['loadavg']}"
     )
+    if "ab_grant" in r:
+        for half, got in r["ab_grant"].items():
+            print(
+                f"  grant with the request {half:3s}: ratio {got['ratio']} (median of its rounds), small room "
+                f"p50 {got['small_p50_ms']} ms, added {got['added_ms']} ms (median of its pairs)"
+            )
     if args.trace:
         print(f"prefill rank 0, post_write per WRITE (us): {r['post_us']}")
     for key, what in (("trace_rooms", "rooms of the rounds"), ("trace_small", "small rooms")):
