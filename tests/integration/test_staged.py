@@ -161,3 +161,31 @@ async def test_region_granted_with_the_request_is_freed_when_the_room_fails_firs
         assert ring.live() == 0  # wait() returns once the room's regions are freed
         await run_room(c, 6, np.arange(4), np.arange(4), [4])
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("path", "P", "D", "offset", "match"),
+    [
+        ("direct", 1, 1, 0, "the path is not staged"),
+        ("staged", 2, 4, 0, "this rank writes nothing there"),  # prefill rank 1 writes nothing to decode 0
+        ("staged", 1, 1, 1 << 40, "outside its ring"),
+    ],
+)
+async def test_a_bad_region_granted_with_the_request_fails_the_room_naming_it(
+    path: str, P: int, D: int, offset: int, match: str
+) -> None:
+    async with cluster(small_layout(), P, D, path="staged") as c:
+        decode, prefill = c.decode[0], c.prefill[P - 1]
+        await decode.connect(c.bootstrap)
+        sender = prefill.sender(7)
+        spec = [m.SliceSpec(0, 0, 0, 8 // D)] if P == 1 else []
+        request = m.TransferRequest(
+            agent=decode.agent_name, room=7, decode_rank=0, decode_tp=D, path=path, dst_pages=[0, 1],
+            aux_slot=None, slices=spec, first_region=m.FirstRegion(0, 0, offset, 1024, 0, 1024, 8),
+        )  # fmt: skip
+        decode.control.send(prefill.endpoint, request)
+        with anyio.fail_after(10), pytest.raises(TransferFailed, match=match) as info:
+            await sender.wait()
+        assert info.value.reason is FailureReason.PROTOCOL
+        c.assert_no_leaks()

@@ -321,6 +321,23 @@ class SenderRoomActor(_RoomActor):
             raise ProtocolError(
                 f"path {req.path!r} but decode rank {req.decode_rank} registered no staging ring"
             )
+        first = req.first_region
+        if first is not None:
+            if not is_staged(req.path) or got is None:
+                why = "this rank writes nothing there" if got is None else "the path is not staged"
+                raise ProtocolError(
+                    f"decode rank {req.decode_rank} granted ring region {first.alloc_id} with its request on "
+                    f"path {req.path!r}, but {why}"
+                )
+            assert peer.ring is not None
+            if (
+                first.offset + first.length > peer.ring.length
+                or first.writer_offset + first.writer_bytes > first.length
+            ):
+                raise ProtocolError(
+                    f"decode rank {req.decode_rank} granted {first} with the request: outside its ring of "
+                    f"{peer.ring.length} bytes"
+                )
         bad = [p for p in req.dst_pages if not 0 <= p < peer.layout.num_pages]
         if bad:
             raise ProtocolError(f"decode page {bad[0]} outside [0, {peer.layout.num_pages})")
