@@ -18,7 +18,8 @@ thread also wakes every younger completion that is already reached.
 :meth:`notify` calls back on the loop, for an actor that keeps serving its mail meanwhile (a worker
 holding layer-wise jobs whose layers are not written yet). Started by its actor's ``run`` and closed
 when the actor ends (:meth:`close` joins the thread). Without an asyncio loop (another anyio
-backend) :meth:`wait` polls on the loop's fine timers, as before.
+backend) :meth:`wait` polls on the loop's fine timers, as before issue 17; so does a waiter made with
+``threaded=False`` (``EngineConfig.completion_thread``), the switch for before/after benchmarks.
 """
 
 from __future__ import annotations
@@ -86,22 +87,33 @@ def _wake(future: asyncio.Future[None]) -> None:
 class CompletionWaiter:
     """One thread that wakes the loop's tasks when their completions are reached; see the module."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, threaded: bool = True) -> None:
         self.name = name
+        self.threaded = threaded
+        """False (``EngineConfig.completion_thread``, for A/B): no thread; completions are polled on
+        the loop every POLL_S (its fine timers), as before issue 17."""
+        self._started = False
         self._queue: queue.SimpleQueue[_Wait | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.counters: Counter[str] = Counter()
-        """``reached`` at once (no thread hop), ``handed`` to the thread, ``woken`` by it."""
+        """``reached`` at once (no thread hop), ``handed`` to the thread, ``woken`` by it, ``polled``
+        on the loop (no thread, or no asyncio loop)."""
 
     @property
     def running(self) -> bool:
+        """Started and not closed (with ``threaded``: its thread is alive)."""
+        if not self.threaded:
+            return self._started and not self._stopping.is_set()
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
         """Start the thread (once)."""
-        if self._thread is not None:
+        if self._started:
             raise RuntimeError(f"completion waiter {self.name} started twice")
+        self._started = True
+        if not self.threaded:
+            return
         self._thread = threading.Thread(target=self._run, name=f"te-completion-{self.name}", daemon=True)
         self._thread.start()
 
@@ -111,10 +123,10 @@ class CompletionWaiter:
         A thread blocked on a CUDA event returns when the GPU reaches it; one blocked on a
         ``threading.Event`` checks for the stop every STOP_CHECK_S.
         """
+        self._stopping.set()
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        self._stopping.set()
         self._queue.put(None)
         thread.join(JOIN_S)
         if thread.is_alive():
@@ -132,7 +144,8 @@ class CompletionWaiter:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if loop is None or not self.running:
+        if loop is None or not self.running or not self.threaded:
+            self.counters["polled"] += 1
             await poll_reached(done)
             return
         future: asyncio.Future[None] = loop.create_future()
@@ -148,7 +161,30 @@ class CompletionWaiter:
             return
         if not self.running:
             raise RuntimeError(f"completion waiter {self.name} is not running")
-        self._hand(_Wait(done, asyncio.get_running_loop(), callback))
+        if self.threaded:
+            self._hand(_Wait(done, asyncio.get_running_loop(), callback))
+        else:
+            self.counters["polled"] += 1
+            self._poll_later(done, callback)
+
+    def _poll_later(self, done: Completion, callback: Callable[[], object]) -> None:
+        """Without the thread: query ``done`` every POLL_S on the loop until reached (or closed)."""
+        timers = ticker.fine_timers()
+        loop = asyncio.get_running_loop()
+
+        def check() -> None:
+            if reached(done):
+                callback()
+            elif not self._stopping.is_set():
+                later(POLL_S, check)
+
+        def later(delay: float, fn: Callable[[], None]) -> None:
+            if timers is not None and timers.open:
+                timers.call_later(delay, fn)
+            else:
+                loop.call_later(delay, fn)
+
+        later(POLL_S, check)
 
     def _hand(self, wait: _Wait) -> None:
         self.counters["handed"] += 1

@@ -73,6 +73,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """After NIXL activity (a WRITE posted, a room started, a notification) poll without sleeping for
     this long: a sleep costs at least 1 ms (epoll's resolution) and a small WRITE and its notification
     need several progress calls on both sides. 0 turns spinning off (for machines short of cores)."""
+    completion_thread: bool = True
+    """Workers and the scatter actor observe CUDA events (and layer-wise ``threading.Event``s) with one
+    waiting thread each, which wakes the loop when one completes (:mod:`transfer_engine.completion`).
+    False polls them on the loop every 100 us instead (the behaviour before issue 17, for A/B)."""
     trace_steps: int = 0
     """Keep the last this many step marks of rooms (:mod:`transfer_engine.steptrace`), for
     benchmarks; 0 (the default) records nothing."""

@@ -523,6 +523,7 @@ class TransferEngine:
                 worker = TransferWorker(
                     i, self.me, self.pool, self.poller, self.board, self.control,
                     staging_bytes=staging_bytes, capacity=ACTOR_MAILBOX, reserve=(JOBS_PER_ROOM + 1) * cfg.max_rooms,
+                    completion_thread=cfg.completion_thread,
                 )  # fmt: skip
                 self.workers.append(worker)
                 await tg.start(worker.run)
@@ -569,6 +570,7 @@ class TransferEngine:
             self.board,
             capacity=ACTOR_MAILBOX,
             reserve=SCATTERS_PER_ROOM * cfg.max_rooms,
+            completion_thread=cfg.completion_thread,
         )
         await tg.start(self.scatter.run)
         log.info("decode rank %d: %s staging ring of %d bytes", cfg.tp_rank, memory.mem_type, size)

@@ -14,7 +14,7 @@ from transfer_engine import patterns
 from transfer_engine.errors import FailureReason, TransferFailed
 from transfer_engine.protocol import messages as m
 
-from .harness import cluster, run_room, shuffled_pages, small_layout
+from .harness import DEVICE, cluster, run_room, shuffled_pages, small_layout
 
 # small_layout(): 3 layers, 8 heads of 16 bf16 -> one token of all 8 heads over K and V is 1536 B.
 TOKEN_BYTES = 6 * 8 * 16 * 2
@@ -132,11 +132,44 @@ async def test_first_chunk_takes_the_region_granted_with_the_request(grant: bool
         ahead = sum(w.counters["granted_ahead"] for e in c.prefill for w in e.workers)
         asked = sum(w.counters["staging_requests"] for e in c.prefill for w in e.workers)
         assert (ahead, asked) == ((6, 4) if grant else (0, 10))
-        # the layer-wise room's layers were written after layers_ready: their threading.Events woke
-        # the workers through their completion waiters, not a poll
-        assert sum(w.completions.counters["handed"] for e in c.prefill for w in e.workers) > 0
         c.assert_no_leaks()
-    assert not [t for t in threading.enumerate() if t.name.startswith("te-completion-")]
+
+
+def _waiter_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("te-completion-")]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("thread", [True, False])
+async def test_held_layer_jobs_wake_through_the_completion_waiter(thread: bool) -> None:
+    """A layer-wise chunk whose layers are written only once the workers hold its job: the
+    ``threading.Event`` wakes them through their completion waiter's thread, or with
+    ``completion_thread=False`` (the A/B switch) through polls on the loop. Bytes checked."""
+    async with cluster(small_layout(), 2, 1, path="staged", completion_thread=thread) as c:
+        # one per worker (2 per prefill engine), and the decode's scatter actor when it has a CUDA stream
+        assert len(_waiter_threads()) == ((2 * 2 + (DEVICE == "cuda")) if thread else 0)
+        src, dst = np.arange(3), np.arange(3)
+        receiver = await c.decode[0].receiver(4, c.bootstrap, dst)
+        written = threading.Event()
+        for engine in c.prefill:
+            sender = engine.sender(4)
+            await sender.begin_chunk(src, last=True)
+            await sender.layers_ready(0, engine.pool.layout.num_layers, ready=written)
+        workers = [w for e in c.prefill for w in e.workers]
+        with anyio.fail_after(10):
+            while sum(w.layer_jobs for w in workers) < 2:  # noqa: ASYNC110 - observing the workers
+                await anyio.sleep(0.001)
+        for engine in c.prefill:
+            patterns.fill(engine.pool, 4, src)
+        written.set()
+        with anyio.fail_after(30):
+            await receiver.wait()
+        assert patterns.mismatches(c.decode[0].pool, 4, dst, 3 * 4) == 0
+        counters = [w.completions.counters for w in workers]
+        handed, polled = sum(k["handed"] for k in counters), sum(k["polled"] for k in counters)
+        assert (handed > 0, polled > 0) == (thread, not thread)
+        c.assert_no_leaks()
+    assert not _waiter_threads()
 
 
 @pytest.mark.anyio

@@ -42,6 +42,7 @@ class ScatterActor(Actor[ScatterJob]):
         *,
         capacity: int = 4096,
         reserve: int = 0,
+        completion_thread: bool = True,
     ) -> None:
         super().__init__(capacity, reserve)
         self.pool = pool
@@ -51,7 +52,7 @@ class ScatterActor(Actor[ScatterJob]):
         self._kv = as_kv_table(pool.tensors)
         self._cuda = pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.device) if self._cuda else None
-        self.completions = CompletionWaiter("scatter")
+        self.completions = CompletionWaiter("scatter", threaded=completion_thread)
         """Wakes this actor when its stream reached the end of a scatter."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -294,6 +294,7 @@ class TransferWorker(Actor["WorkerMail"]):
         staging_bytes: int,
         capacity: int = 4096,
         reserve: int = 0,
+        completion_thread: bool = True,
     ) -> None:
         super().__init__(capacity, reserve)
         self.index = index
@@ -316,7 +317,7 @@ class TransferWorker(Actor["WorkerMail"]):
         self._layer_regions: dict[tuple[str, int, int], _LayerRegion] = {}
         """(decode agent, room, chunk id) -> the region of a layer-wise staged chunk."""
         self._group_kv: dict[tuple[int, int], KVTable] = {}
-        self.completions = CompletionWaiter(f"worker-{index}")
+        self.completions = CompletionWaiter(f"worker-{index}", threaded=completion_thread)
         """Wakes this worker when its gathers' stream or its jobs' ready events complete."""
         self._reached_posted = False
         """A :class:`Reached` is in the inbox (one at most)."""
