@@ -45,16 +45,18 @@ if [ "$phase" = trace ]; then  # issue 17: where a room's time goes (bench_trans
   exit 0
 fi
 if [ "$phase" = percall ]; then  # issue 17 on ONE GPU (both processes on cuda:0): direct and staged, c1 and c8,
-  # with --trace; staged twice, the region granted with the request on and off (TE_GRANT_WITH_REQUEST=0).
-  # The ring holds four rooms: a room's region is granted with the request only when at most half the ring.
+  # with --trace, each run an A/B in the same processes (bench_transfer --ab: even rounds and small-room
+  # samples on, odd ones off): the completion waiter's thread (else polls), and for staged the region
+  # granted with the request. The ring holds four rooms (a room is granted ahead only within half of it).
   QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device ${DEV:-cuda}"
   [ -n "${SMALL:-}" ] && QWEN="--layers 8 --heads 8 --head-dim 128 --page-size 16 --tokens 512 --chunks 1 --device ${DEV:-cuda}"
   export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
-  for a in "direct 1 6 1" "direct 8 16 1" "staged 1 6 1" "staged 1 6 0" "staged 8 16 1" "staged 8 16 0"; do
-    set -- $a
-    TE_GRANT_WITH_REQUEST=$4 timeout 75 python3 tools/bench_transfer.py $QWEN --trace --path $1 --concurrency $2 \
-      --rooms $3 --rounds 2 --lat-rooms 40 --json 2>&1 | grep -v "NIXL INFO" | tee "$OUT/percall-$1-c$2-g$4.txt" \
-      | grep -E "^path=|post_write|granted|StagingGrant|gathered|posted|notif|Scattered|d.waited|Error|Traceback"
+  for a in ${RUNS:-direct:1:8:completion direct:8:16:completion staged:1:8:grant staged:1:8:completion \
+      staged:8:16:grant staged:8:16:completion}; do
+    IFS=: read -r path conc rooms ab <<<"$a"
+    timeout 75 python3 tools/bench_transfer.py $QWEN --trace --path $path --concurrency $conc --rooms $rooms \
+      --rounds 4 --lat-rooms 40 --ab $ab --json 2>&1 | grep -v "NIXL INFO" | tee "$OUT/percall-$path-c$conc-$ab.txt" \
+      | grep -E "^path=|--ab|post_write|granted|StagingGrant|gathered|posted|notif|Scattered|d.waited|Error|Traceback"
   done
   exit 0
 fi

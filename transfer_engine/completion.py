@@ -91,7 +91,8 @@ class CompletionWaiter:
         self.name = name
         self.threaded = threaded
         """False (``EngineConfig.completion_thread``, for A/B): no thread; completions are polled on
-        the loop every POLL_S (its fine timers), as before issue 17."""
+        the loop every POLL_S (its fine timers), as before issue 17. A waiter made threaded may be
+        switched to False and back while it runs (``tools/bench_transfer.py --ab completion``)."""
         self._started = False
         self._queue: queue.SimpleQueue[_Wait | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
