@@ -51,10 +51,11 @@ if [ "$phase" = percall ]; then  # issue 17 on ONE GPU (both processes on cuda:0
   QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device ${DEV:-cuda}"
   [ -n "${SMALL:-}" ] && QWEN="--layers 8 --heads 8 --head-dim 128 --page-size 16 --tokens 512 --chunks 1 --device ${DEV:-cuda}"
   export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
-  for a in ${RUNS:-direct:1:8:completion direct:8:16:completion staged:1:8:grant staged:1:8:completion \
-      staged:8:16:grant staged:8:16:completion}; do
+  # default: 4 runs of at most 100 s; the staged completion A/B is a second call:
+  #   RUNS="staged:1:8:completion staged:8:16:completion" tools/gpu_e2e.sh percall
+  for a in ${RUNS:-direct:1:8:completion direct:8:16:completion staged:1:8:grant staged:8:16:grant}; do
     IFS=: read -r path conc rooms ab <<<"$a"
-    timeout 75 python3 tools/bench_transfer.py $QWEN --trace --path $path --concurrency $conc --rooms $rooms \
+    timeout ${T:-100} python3 tools/bench_transfer.py $QWEN --trace --path $path --concurrency $conc --rooms $rooms \
       --rounds 4 --lat-rooms 40 --ab $ab --json 2>&1 | grep -v "NIXL INFO" | tee "$OUT/percall-$path-c$conc-$ab.txt" \
       | grep -E "^path=|--ab|post_write|granted|StagingGrant|gathered|posted|notif|Scattered|d.waited|Error|Traceback"
   done
