@@ -252,6 +252,7 @@ async def _prefill(
                     _raw_write(raw, peer, dst, room_bytes, f"raw{rnd}.{i}".encode())
                 conn.send(room_bytes * args.raw_reps / (time.perf_counter() - t0) / 1e9)
             await anyio.to_thread.run_sync(barrier.wait)
+            _ab(args, engine, rnd)
             await rooms(_round_rooms(args, rnd))
         lat_page = _room_pages(args, 0)[:1]
         for i in range(args.lat_rooms):
@@ -259,6 +260,7 @@ async def _prefill(
             if raw is not None and conn is not None:
                 conn.recv()  # "go": blocking, as a raw user's writer would wait
                 _raw_write(raw, peer, dst_small, small, f"lat{i}".encode())
+            _ab(args, engine, i)
             sender = engine.sender(SMALL_ROOM + i)
             await sender.send(lat_page, last=True)  # the prefill has sent before the decode asks
             if conn is not None:
@@ -346,6 +348,7 @@ async def _decode(
         ratios: list[float] = []
         for rnd in range(args.rounds):
             ids = _round_rooms(args, rnd)
+            _ab(args, engine, rnd)
             await anyio.to_thread.run_sync(barrier.wait)
             if raw is not None and conn is not None:
                 _raw_wait_notifs(raw, args.raw_reps)  # progress here: UCX may need the target's calls
@@ -367,6 +370,7 @@ async def _decode(
                 while not conn.poll():  # "ready": the prefill has sent this sample's room
                     raw.agent.get_new_notifs()  # keep the raw agent progressing meanwhile
                 conn.recv()
+            _ab(args, engine, i)
             t1 = time.perf_counter()
             receiver = await engine.receiver(SMALL_ROOM + i, bootstrap, _room_pages(args, 0)[:1])
             await receiver.wait()
@@ -389,6 +393,16 @@ async def _decode(
                 added_latency_p50_ms=statistics.median([e - r for e, r in zip(lat, raw_lat, strict=True)])
                 * 1e3,
             )
+            if args.ab != "none":  # even rounds and samples on, odd ones off
+                added = [e - r for e, r in zip(lat, raw_lat, strict=True)]
+                result["ab"] = {
+                    half: {
+                        "ratio": round(statistics.median(ratios[k::2]), 3) if ratios[k::2] else None,
+                        "added_ms": round(statistics.median(added[k::2]) * 1e3, 3) if added[k::2] else None,
+                        "small_p50_ms": round(statistics.median(lat[k::2]) * 1e3, 3) if lat[k::2] else None,
+                    }
+                    for k, half in ((0, "on"), (1, "off"))
+                }
             _, posted, prefill_marks, post_ns = await anyio.to_thread.run_sync(conn.recv)
             result["post_us"] = {
                 k: round(v / 1e3 / max(post_ns.get("writes", 1), 1), 1)
@@ -409,6 +423,24 @@ async def _decode(
     result["mismatches"] = bad
     if conn is not None:
         out.put(result)
+
+
+def _ab(args: argparse.Namespace, engine: TransferEngine, index: int) -> None:
+    """``--ab``: what the rooms opened next run with, on iff ``index`` is even (flipped between rounds
+    and between small-room samples, on both sides: both halves run in the same processes).
+
+    ``grant``: the decode ring grants chunk 0's region with the request (``EngineConfig.
+    grant_with_request``). ``completion``: the workers' and scatter actor's completion waiters use
+    their threads, else poll on the loop (``EngineConfig.completion_thread``).
+    """
+    on = index % 2 == 0
+    if args.ab == "grant" and engine.ring is not None:
+        engine.ring.grant_ahead = on
+    elif args.ab == "completion":
+        for waiter in [w.completions for w in engine.workers] + (
+            [engine.scatter.completions] if engine.scatter is not None else []
+        ):
+            waiter.threaded = on
 
 
 def _peer_copy_gbps(args: argparse.Namespace, nbytes: int) -> float | None:
@@ -472,6 +504,14 @@ def main() -> int:
         help="mark every room's steps (EngineConfig.trace_steps) and print, per step, the median time "
         "from the decode's receiver(): for the rooms of the rounds and for the small rooms",
     )
+    parser.add_argument(
+        "--ab",
+        default="none",
+        choices=["none", "grant", "completion"],
+        help="even rounds and small-room samples with this on, odd ones with it off; prints both halves "
+        "(use an even --rounds). grant: chunk 0's ring region granted with the request (staged paths); "
+        "completion: CUDA completions observed by the waiter threads, else polled on the loop",
+    )
     args = parser.parse_args()
     if args.warmup < 0:
         args.warmup = args.concurrency
@@ -527,7 +567,8 @@ def main() -> int:
         placement += f" cpus prefill={pre[0]}-{pre[-1]} decode={dec[0]}-{dec[-1]}"
     r.update(path=args.path, P=args.prefill_tp, D=args.decode_tp, tokens=args.tokens, rooms=args.rooms,
              concurrency=args.concurrency, chunks=args.chunks, device=args.device, peer_copy_gbps=peer_copy,
-             placement=placement.strip())  # fmt: skip
+             placement=placement.strip(), loadavg=[round(x, 1) for x in os.getloadavg()],
+             grant_with_request=_config(args, "decode", 0, 0).grant_with_request)  # fmt: skip
     if args.json:
         print(json.dumps(r))
     copy = (
@@ -542,8 +583,15 @@ def main() -> int:
         f"{r['throughput_ratio']:.2f} (rounds {r['round_ratios']}){copy}; room p50 {r['room_p50_ms']:.2f} ms p99 {r['room_p99_ms']:.2f} ms; "
         f"descriptors/room {r['descriptors_per_room']:.0f}; small room p50 {r['engine_lat_p50_ms']:.3f} ms "
         f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added (median of pairs) "
-        f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}"
+        f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}; "
+        f"grant_with_request={r['grant_with_request']}; load average {r['loadavg']}"
     )
+    if "ab" in r:
+        for half, got in r["ab"].items():
+            print(
+                f"  --ab {args.ab} {half:3s}: ratio {got['ratio']} (median of its rounds), small room "
+                f"p50 {got['small_p50_ms']} ms, added {got['added_ms']} ms (median of its pairs)"
+            )
     if args.trace:
         print(f"prefill rank 0, post_write per WRITE (us): {r['post_us']}")
     for key, what in (("trace_rooms", "rooms of the rounds"), ("trace_small", "small rooms")):

@@ -4,6 +4,7 @@
 #   tools/gpu_e2e.sh tests          # the whole suite with CUDA: gpu kernel tests + integration on CUDA pools
 #   tools/gpu_e2e.sh bench 1:1 2:1  # tools/bench_transfer.py sweeps for the listed P:D scenarios
 #   tools/gpu_e2e.sh strided        # paged KV layouts: compiled kernel tests, CUDA matrix, bench_kernels by layout
+#   tools/gpu_e2e.sh percall        # issue 17 on one GPU: direct/staged c1/c8 with --trace (< 8 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -51,6 +52,23 @@ if [ "$phase" = strided ]; then  # issue 20: paged KV views in the compiled kern
   timeout 360 python3 tools/bench_kernels.py --passes 2 --no-host --models qwen3-32b,mla-61x576 --splits 4:2,8:1 \
     --layouts contiguous,vllm_cpu,flash_nhd,flash_hnd --json "$OUT/bench-strided.json" 2>&1 \
     | grep -v "^  pass" | tee -a "$OUT/strided.txt"
+  exit 0
+fi
+if [ "$phase" = percall ]; then  # issue 17 on ONE GPU (both processes on cuda:0): direct and staged, c1 and c8,
+  # with --trace, each run an A/B in the same processes (bench_transfer --ab: even rounds and small-room
+  # samples on, odd ones off): the completion waiter's thread (else polls), and for staged the region
+  # granted with the request. The ring holds four rooms (a room is granted ahead only within half of it).
+  QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device ${DEV:-cuda}"
+  [ -n "${SMALL:-}" ] && QWEN="--layers 8 --heads 8 --head-dim 128 --page-size 16 --tokens 512 --chunks 1 --device ${DEV:-cuda}"
+  export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
+  # default: 4 runs of at most 100 s; the staged completion A/B is a second call:
+  #   RUNS="staged:1:8:completion staged:8:16:completion" tools/gpu_e2e.sh percall
+  for a in ${RUNS:-direct:1:8:completion direct:8:16:completion staged:1:8:grant staged:8:16:grant}; do
+    IFS=: read -r path conc rooms ab <<<"$a"
+    timeout ${T:-100} python3 tools/bench_transfer.py $QWEN --trace --path $path --concurrency $conc --rooms $rooms \
+      --rounds 4 --lat-rooms 40 --ab $ab --json 2>&1 | grep -v "NIXL INFO" | tee "$OUT/percall-$path-c$conc-$ab.txt" \
+      | grep -E "^path=|--ab|post_write|granted|StagingGrant|gathered|posted|notif|Scattered|d.waited|Error|Traceback"
+  done
   exit 0
 fi
 if [ "$phase" = tests ]; then

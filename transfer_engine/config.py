@@ -52,6 +52,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Prefill staging buffer per worker; 0 sizes it to two chunks of ``staging_chunk_pages`` pages
     (double buffering: the next chunk is gathered while the previous one's WRITE is in flight)."""
     staging_chunk_pages: int = 64
+    grant_with_request: bool = True
+    """Decode, staged paths: the ring may grant a room's first-chunk region when the room opens, so
+    that chunk's writers skip the StagingRequest/Grant round trip
+    (``protocol.staging.grant_with_request`` decides per room). False: every chunk asks."""
     layers_per_write: int = 4
     """Layer-wise sending (``Sender.begin_chunk``/``layers_ready``): ready layers are gathered into
     one WRITE per decode rank until a group holds at least this many (the chunk's last layer always
@@ -69,6 +73,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """After NIXL activity (a WRITE posted, a room started, a notification) poll without sleeping for
     this long: a sleep costs at least 1 ms (epoll's resolution) and a small WRITE and its notification
     need several progress calls on both sides. 0 turns spinning off (for machines short of cores)."""
+    completion_thread: bool = True
+    """Workers and the scatter actor observe CUDA events (and layer-wise ``threading.Event``s) with one
+    waiting thread each, which wakes the loop when one completes (:mod:`transfer_engine.completion`).
+    False polls them on the loop every 100 us instead (the behaviour before issue 17, for A/B)."""
     trace_steps: int = 0
     """Keep the last this many step marks of rooms (:mod:`transfer_engine.steptrace`), for
     benchmarks; 0 (the default) records nothing."""

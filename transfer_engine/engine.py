@@ -520,6 +520,7 @@ class TransferEngine:
                 worker = TransferWorker(
                     i, self.me, self.pool, self.poller, self.board, self.control,
                     staging_bytes=staging_bytes, capacity=ACTOR_MAILBOX, reserve=(JOBS_PER_ROOM + 1) * cfg.max_rooms,
+                    completion_thread=cfg.completion_thread,
                 )  # fmt: skip
                 self.workers.append(worker)
                 await tg.start(worker.run)
@@ -530,6 +531,7 @@ class TransferEngine:
             self.me, self.pool, self.control, self.peers, self.board, self.poller, self.counters,
             workers=WorkerShards([w.inbox for w in self.workers]) if self.workers else None,
             ring=None if self.ring is None else self.ring.inbox,
+            ring_port=self.ring,
             scatter=None if self.scatter is None else self.scatter.inbox,
         )  # fmt: skip
         tg.start_soon(self._heartbeat_loop)
@@ -555,6 +557,7 @@ class TransferEngine:
         self.ring = RingActor(
             self.me, self.pool, memory, self.peers, self.control, self.board,
             capacity=ACTOR_MAILBOX, reserve=RING_POSTS_PER_ROOM * cfg.max_rooms,
+            grant_ahead=cfg.grant_with_request,
         )  # fmt: skip
         await tg.start(self.ring.run)
         self.scatter = ScatterActor(
@@ -564,6 +567,7 @@ class TransferEngine:
             self.board,
             capacity=ACTOR_MAILBOX,
             reserve=SCATTERS_PER_ROOM * cfg.max_rooms,
+            completion_thread=cfg.completion_thread,
         )
         await tg.start(self.scatter.run)
         log.info("decode rank %d: %s staging ring of %d bytes", cfg.tp_rank, memory.mem_type, size)
@@ -744,10 +748,10 @@ class TransferEngine:
         actor.set_pages(arr)
         aux_writer = actor.slices[0].prefill_rank if aux_slot is not None else None
         actor.core.wants_aux_from = aux_writer
-        by_rank = {w.prefill_rank: w for w in actor.slices}
+        by_rank = {w.prefill_rank: (i, w) for i, w in enumerate(actor.slices)}
         pages_list = arr.tolist()
         for peer in actor.everyone:
-            w = by_rank.get(peer.rank)
+            index, w = by_rank.get(peer.rank, (-1, None))
             slices = (
                 []
                 if w is None
@@ -763,6 +767,7 @@ class TransferEngine:
                 aux_slot=aux_slot if peer.rank == aux_writer else None,
                 slices=slices,
                 decode_prefix_len=decode_prefix_len,
+                first_region=None if w is None else actor.first_region(index),
             )
             actor.requests.append((peer, request))  # repeated until the room is final
             self.control.send(peer.endpoint, request)

@@ -245,6 +245,12 @@ class JobKey:
 
 
 @dataclass(frozen=True, slots=True)
+class Reached:
+    """Worker's completion waiter -> worker: a completion a held layer-wise job waits for was reached
+    (at most one of these is queued at a time)."""
+
+
+@dataclass(frozen=True, slots=True)
 class RepeatStaging:
     """Engine -> worker, every half heartbeat interval: repeat the StagingRequests asked before
     ``before`` and still unanswered (a lost request, grant or refusal; the ring answers a repeat
@@ -299,6 +305,9 @@ class Drained:
 class RoomOpened:
     """Room -> ring, before the room's first TransferRequest leaves: a staged room exists.
 
+    Handed over by a call (:meth:`~transfer_engine.ports.RingPort.open_room`), not posted: its answer,
+    the region of chunk 0 granted with the request, rides on the TransferRequests.
+
     ``slices`` are the writers' head slices in ``dst_head_start`` order (their block order in a
     region); ``writer_page_size`` each writer's page size; ``capacity`` the tokens the room's
     pages hold on this rank.
@@ -312,9 +321,14 @@ class RoomOpened:
 
 @dataclass(frozen=True, slots=True)
 class RoomClosed:
-    """Room -> ring: the room is final; grant it no more regions."""
+    """Room -> ring: the room is final; grant it no more regions.
+
+    ``opened`` is what the room opened with: a room of the same id opened since (its RoomOpened a
+    call, this a post) is not closed by it.
+    """
 
     room: int
+    opened: RoomOpened
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +352,12 @@ class Subscribe:
 
 @dataclass(frozen=True, slots=True)
 class RegionGranted:
-    """Ring -> room: chunk ``chunk_id`` has region ``allocation`` with these writer blocks."""
+    """Ring -> room: chunk ``chunk_id`` has region ``allocation`` with these writer blocks.
+
+    ``ahead``: chunk 0's region, placed when the room opened and sent with its TransferRequests
+    (``protocol.staging.grant_with_request``); its layout is for ``tokens``, the room's whole
+    capacity, and ``page_start``/``num_pages`` are not known until the chunk lands.
+    """
 
     chunk_id: int
     allocation: Allocation
@@ -346,6 +365,7 @@ class RegionGranted:
     page_start: int
     num_pages: int
     tokens: int
+    ahead: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,4 +420,4 @@ RoomMail = (
     | m.ChunkLanded
     | m.AuxLanded
 )
-RingMail = m.StagingRequest | FreeRegions | Subscribe | RoomOpened | RoomClosed
+RingMail = m.StagingRequest | FreeRegions | Subscribe | RoomClosed

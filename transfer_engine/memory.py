@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import anyio
 import torch
 
-from transfer_engine import ticker
 from transfer_engine.layout import KVPool
 from transfer_engine.protocol.messages import MemRegion
 
@@ -69,21 +68,3 @@ async def run_cpu_copy(copy: Callable[[], None], nbytes: int) -> None:
         copy()
     else:
         await anyio.to_thread.run_sync(copy)
-
-
-async def stream_reached(stream: torch.cuda.Stream, poll_s: float = 0.0001) -> None:
-    """Return once ``stream`` has run everything enqueued so far, without blocking the event loop.
-
-    A CUDA event cannot wake an asyncio loop, so the event is queried every ``poll_s`` seconds (on
-    the loop's fine timers: a plain sleep would last a millisecond); staging kernels take micro- to
-    milliseconds, so the added delay is at most one poll.
-    """
-    done = torch.cuda.Event()
-    done.record(stream)
-    await event_reached(done, poll_s)
-
-
-async def event_reached(event: torch.cuda.Event, poll_s: float = 0.0001) -> None:
-    """Return once ``event`` has completed, polling it without blocking the event loop."""
-    while not event.query():  # noqa: ASYNC110 - nothing can signal an anyio.Event from the GPU
-        await ticker.sleep(poll_s)

@@ -8,6 +8,7 @@
   here; they never hold a room.
 - :class:`WorkerShards`: the prefill workers' mailboxes, sharded by destination decode agent.
 - :class:`WritePort`: posts WRITEs (the NIXL poller implements it).
+- :class:`RingPort`: opens a staged room at the decode ring (the ring actor implements it).
 - :class:`DrainPort`: asks the NIXL poller for a :class:`~transfer_engine.mail.Drained` reply.
 
 Per-room bounds (:data:`JOBS_PER_ROOM`, :data:`SCATTERS_PER_ROOM`, :data:`RING_POSTS_PER_ROOM`)
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 import anyio
 
 from transfer_engine.layout import KVPool
-from transfer_engine.mail import Mailbox, RingMail, RoomMail, ScatterJob
+from transfer_engine.mail import Mailbox, RegionGranted, RingMail, RoomMail, RoomOpened, ScatterJob
 from transfer_engine.peers import Peer
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.messages import MemRegion
@@ -37,7 +38,8 @@ JOBS_PER_ROOM = 32
 SCATTERS_PER_ROOM = 4
 """ScatterJobs a decode room has at the scatter actor at once."""
 RING_POSTS_PER_ROOM = 3
-"""Mails a decode room ever posts to the ring: RoomOpened, RoomClosed, FreeRegions."""
+"""Mails a decode room ever posts to the ring: RoomClosed, FreeRegions (RoomOpened is a call now;
+the bound keeps one spare)."""
 ROOM_MAILBOX = 256
 """Ordinary capacity of a room's mailbox (senders wait beyond it)."""
 ROOM_RESERVE = 8
@@ -85,6 +87,15 @@ class WritePort(Protocol):
 
     def register(self, regions: list[MemRegion], mem_type: str) -> int:
         """Register local memory (a staging buffer) with the NIXL agent."""
+        ...
+
+
+class RingPort(Protocol):
+    """The decode ring's one synchronous entry (the ring actor implements it; all else is mail)."""
+
+    def open_room(self, opened: RoomOpened) -> RegionGranted | None:
+        """A staged room exists; called by the room before its TransferRequests leave, on the loop's
+        thread. Returns the region of its chunk 0 when the ring grants it with the request."""
         ...
 
 
@@ -165,7 +176,7 @@ class WorkerShards:
 class RoomPorts:
     """Everything a room actor is handed: the same object for every room of an engine.
 
-    ``workers`` exist on prefill ranks; ``ring`` and ``scatter`` on decode ranks with a staging
+    ``workers`` exist on prefill ranks; ``ring``, ``ring_port`` and ``scatter`` on decode ranks with a staging
     ring. ``counters`` is the engine's stats sink (rooms only add to it).
     """
 
@@ -178,4 +189,5 @@ class RoomPorts:
     counters: Counter[str]
     workers: WorkerShards | None = None
     ring: Mailbox[RingMail] | None = None
+    ring_port: RingPort | None = None
     scatter: Mailbox[ScatterJob] | None = None

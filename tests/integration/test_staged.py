@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+import threading
 
 import anyio
 import numpy as np
@@ -11,8 +12,9 @@ import pytest
 
 from transfer_engine import patterns
 from transfer_engine.errors import FailureReason, TransferFailed
+from transfer_engine.protocol import messages as m
 
-from .harness import cluster, run_room, shuffled_pages, small_layout
+from .harness import DEVICE, cluster, run_room, shuffled_pages, small_layout
 
 # small_layout(): 3 layers, 8 heads of 16 bf16 -> one token of all 8 heads over K and V is 1536 B.
 TOKEN_BYTES = 6 * 8 * 16 * 2
@@ -114,4 +116,109 @@ async def test_chunk_larger_than_staging_buffer_fails_naming_staging_bytes() -> 
                 assert info.value.reason is FailureReason.STAGING
             with pytest.raises(TransferFailed, match="staging_bytes"):
                 await receiver.wait()
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("grant", [True, False])
+async def test_first_chunk_takes_the_region_granted_with_the_request(grant: bool) -> None:
+    """Chunk 0 of a staged room is written into the region its TransferRequest carried, without a
+    StagingRequest: a whole-room chunk, a chunk smaller than the room (the region is sized for the
+    room), a layer-wise one. Later chunks ask. With ``grant_with_request=False`` every chunk asks."""
+    async with cluster(small_layout(), 2, 1, path="staged", grant_with_request=grant) as c:
+        await run_room(c, 1, np.arange(4), np.arange(4), [4], aux_slot=1)
+        await run_room(c, 2, np.arange(4, 10), np.arange(4, 10), [2, 2, 2])
+        await run_room(c, 3, np.arange(10, 13), np.arange(10, 13), [3], layers=1)
+        ahead = sum(w.counters["granted_ahead"] for e in c.prefill for w in e.workers)
+        asked = sum(w.counters["staging_requests"] for e in c.prefill for w in e.workers)
+        assert (ahead, asked) == ((6, 4) if grant else (0, 10))
+        c.assert_no_leaks()
+
+
+def _waiter_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("te-completion-")]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("thread", [True, False])
+async def test_held_layer_jobs_wake_through_the_completion_waiter(thread: bool) -> None:
+    """A layer-wise chunk whose layers are written only once the workers hold its job: the
+    ``threading.Event`` wakes them through their completion waiter's thread, or with
+    ``completion_thread=False`` (the A/B switch) through polls on the loop. Bytes checked."""
+    async with cluster(small_layout(), 2, 1, path="staged", completion_thread=thread) as c:
+        # one per worker (2 per prefill engine), and the decode's scatter actor when it has a CUDA stream
+        assert len(_waiter_threads()) == ((2 * 2 + (DEVICE == "cuda")) if thread else 0)
+        src, dst = np.arange(3), np.arange(3)
+        receiver = await c.decode[0].receiver(4, c.bootstrap, dst)
+        written = threading.Event()
+        for engine in c.prefill:
+            sender = engine.sender(4)
+            await sender.begin_chunk(src, last=True)
+            await sender.layers_ready(0, engine.pool.layout.num_layers, ready=written)
+        workers = [w for e in c.prefill for w in e.workers]
+        with anyio.fail_after(10):
+            while sum(w.layer_jobs for w in workers) < 2:  # noqa: ASYNC110 - observing the workers
+                await anyio.sleep(0.001)
+        for engine in c.prefill:
+            patterns.fill(engine.pool, 4, src)
+        written.set()
+        with anyio.fail_after(30):
+            await receiver.wait()
+        assert patterns.mismatches(c.decode[0].pool, 4, dst, 3 * 4) == 0
+        counters = [w.completions.counters for w in workers]
+        handed, polled = sum(k["handed"] for k in counters), sum(k["polled"] for k in counters)
+        assert (handed > 0, polled > 0) == (thread, not thread)
+        c.assert_no_leaks()
+    assert not _waiter_threads()
+
+
+@pytest.mark.anyio
+async def test_region_granted_with_the_request_is_freed_when_the_room_fails_first() -> None:
+    """A room aborted before its prefill sends anything frees the region its request carried; the
+    ring then serves the next rooms."""
+    async with cluster(small_layout(), 2, 1, path="staged") as c:
+        ring = c.decode[0].ring
+        assert ring is not None
+        receiver = await c.decode[0].receiver(5, c.bootstrap, np.arange(4))
+        assert ring.live() == 1  # chunk 0's region, placed when the room opened
+        # a writer that asks for chunk 0 anyway is refused: it must write where its request said
+        ask = m.StagingRequest(
+            agent=c.prefill[0].agent_name, room=5, chunk_id=0, sender=0, page_start=0, num_pages=4, tokens=16
+        )
+        granted, _, detail = await ring._place(ask)
+        assert granted is None and "granted with the TransferRequest" in detail
+        assert ring.live() == 1
+        await receiver.abort("the scheduler dropped the request")
+        with anyio.fail_after(10), pytest.raises(TransferFailed):
+            await receiver.wait()
+        assert ring.live() == 0  # wait() returns once the room's regions are freed
+        await run_room(c, 6, np.arange(4), np.arange(4), [4])
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("path", "P", "D", "offset", "match"),
+    [
+        ("direct", 1, 1, 0, "the path is not staged"),
+        ("staged", 2, 4, 0, "this rank writes nothing there"),  # prefill rank 1 writes nothing to decode 0
+        ("staged", 1, 1, 1 << 40, "outside its ring"),
+    ],
+)
+async def test_a_bad_region_granted_with_the_request_fails_the_room_naming_it(
+    path: str, P: int, D: int, offset: int, match: str
+) -> None:
+    async with cluster(small_layout(), P, D, path="staged") as c:
+        decode, prefill = c.decode[0], c.prefill[P - 1]
+        await decode.connect(c.bootstrap)
+        sender = prefill.sender(7)
+        spec = [m.SliceSpec(0, 0, 0, 8 // D)] if P == 1 else []
+        request = m.TransferRequest(
+            agent=decode.agent_name, room=7, decode_rank=0, decode_tp=D, path=path, dst_pages=[0, 1],
+            aux_slot=None, slices=spec, first_region=m.FirstRegion(0, 0, offset, 1024, 0, 1024, 8),
+        )  # fmt: skip
+        decode.control.send(prefill.endpoint, request)
+        with anyio.fail_after(10), pytest.raises(TransferFailed, match=match) as info:
+            await sender.wait()
+        assert info.value.reason is FailureReason.PROTOCOL
         c.assert_no_leaks()

@@ -16,6 +16,7 @@ from transfer_engine.protocol.staging import (
     Watermark,
     WatermarkTracker,
     admits,
+    grant_with_request,
     region_layout,
     writer_block_bytes,
 )
@@ -198,6 +199,57 @@ def test_free_unknown_or_twice_names_the_id() -> None:
 )
 def test_admits_table(watermark: tuple[int, int], allocation: tuple[int, int, int], expected: bool) -> None:
     assert admits(Watermark(*watermark), Allocation(0, *allocation)) is expected
+
+
+# ---------------------------------------------------------------- granted with the request
+
+
+def _ring(size: int, live: list[int], freed: list[int]) -> RingAllocator:
+    """A ring of ``size`` bytes after assigning ``live`` lengths in order and freeing the ``freed`` indices."""
+    ring = RingAllocator(size)
+    ids = [ring.assign(length).alloc_id for length in live]
+    for i in freed:
+        ring.free(ids[i])
+    return ring
+
+
+@pytest.mark.parametrize(
+    ("size", "live", "freed", "region", "expected"),
+    [
+        (100, [], [], 50, True),  # empty ring, half of it: granted
+        (100, [], [], 51, False),  # more than half the ring: the chunk asks when it exists
+        (100, [], [], 0, False),  # nothing for this decode rank
+        (100, [30], [], 50, True),  # fits after a live region in round 0
+        (100, [30, 30], [], 50, False),  # would wrap over the live region at 0: under pressure
+        (100, [30, 30], [0], 40, True),  # fits in round 0 after the two
+        (100, [30, 30], [0], 50, False),  # wraps; round 1 over [0, 50) while [30, 60) lives
+        (100, [30, 30, 30], [0], 30, True),  # wraps to [0, 30): the region there was freed
+        (100, [40, 40], [0, 1], 50, True),  # all freed: the ring restarted, round 2 at 0
+        (100, [60], [], 40, True),  # exact fit at the end of round 0
+    ],
+)
+def test_grant_with_request_table(
+    size: int, live: list[int], freed: list[int], region: int, expected: bool
+) -> None:
+    ring = _ring(size, live, freed)
+    before = (ring.round, ring.head, ring.live, ring.watermark)
+    assert grant_with_request(ring, region) is expected
+    assert (ring.round, ring.head, ring.live, ring.watermark) == before  # a decision changes nothing
+    if expected:  # what it promised: the region is admitted at once against the ring's watermark
+        assert admits(ring.watermark, ring.assign(region))
+
+
+def test_peek_is_what_assign_does_next() -> None:
+    ring = _ring(100, [30, 50], [])
+    for length in (20, 21, 100):
+        peeked = ring.peek(length)
+        assert ring.peek(length) == peeked
+    assert ring.assign(20) == Allocation(2, 0, 80, 20)
+    assert ring.peek(1) == Allocation(3, 1, 0, 1)
+    with pytest.raises(StagingError, match="ring_bytes"):
+        ring.peek(101)
+    with pytest.raises(ConfigError, match="length=0"):
+        ring.peek(0)
 
 
 def test_watermark_orders_lexicographically() -> None:

@@ -1,8 +1,12 @@
 """Ring actor (decode): the only owner of this rank's staging ring.
 
 A decode room on a staged path announces itself before its first TransferRequest leaves
-(:class:`~transfer_engine.mail.RoomOpened`: its writers' slices, page sizes and capacity) and says
-when it is final (``RoomClosed``); the ring keeps its own table of those rooms.
+(:meth:`RingActor.open_room`, a call: its writers' slices, page sizes and capacity) and says when it
+is final (``RoomClosed``); the ring keeps its own table of those rooms. When
+:func:`~transfer_engine.protocol.staging.grant_with_request` says so, ``open_room`` places the
+region of the room's chunk 0 at once, sized for the room's whole capacity, and returns it: it rides
+on the room's TransferRequests, so that chunk needs no StagingRequest. A StagingRequest for it is
+refused (the writer must use the region it was given).
 
 Prefill writers ask for a region per (room, chunk) with ``StagingRequest``. The first request of a
 chunk places its region — every writer's block packed in ``dst_head_start`` order — and tells the
@@ -36,7 +40,7 @@ from transfer_engine.peers import Peer
 from transfer_engine.ports import Outbox, PeerBook, RankIdentity, RoomBoard
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.staging import RingAllocator, region_layout
+from transfer_engine.protocol.staging import RingAllocator, grant_with_request, region_layout
 
 from .base import Actor
 
@@ -57,8 +61,11 @@ class RingActor(Actor[RingMail]):
         *,
         capacity: int = 4096,
         reserve: int = 0,
+        grant_ahead: bool = True,
     ) -> None:
         super().__init__(capacity, reserve)
+        self.grant_ahead = grant_ahead
+        """Whether :meth:`open_room` may grant chunk 0's region with the request (``EngineConfig.grant_with_request``)."""
         self.me = me
         self.pool = pool
         self.memory = memory
@@ -84,15 +91,39 @@ class RingActor(Actor[RingMail]):
                     self._free(alloc_id)
                 if done is not None:
                     done.set()
-            case RoomOpened(room=room):
-                self._open[room] = mail
-            case RoomClosed(room=room):
-                self._open.pop(room, None)
+            case RoomClosed(room=room, opened=opened) if self._open.get(room) is opened:
+                del self._open[room]
                 self._placed.pop(room, None)
+            case RoomClosed():
+                pass  # a room of that id opened again since: it is not the one closing
             case Subscribe(peer=peer):
                 self._send_watermark([peer])
 
-    # --- requests ------------------------------------------------------------------------------
+    # --- rooms and requests -----------------------------------------------------------------------
+
+    def open_room(self, opened: RoomOpened) -> RegionGranted | None:
+        """A staged room exists (:class:`~transfer_engine.ports.RingPort`); returns its chunk 0's region
+        when it is granted with the request. Synchronous: it runs between this actor's mails."""
+        self._open[opened.room] = opened
+        if not self.grant_ahead:
+            return None
+        pool = self.pool
+        layout = region_layout(
+            pool.layout.num_kv_tensors,
+            opened.capacity,
+            pool.layout.head_dim,
+            pool.itemsize,
+            list(opened.slices),
+        )
+        if not grant_with_request(self.allocator, layout.total_bytes):
+            return None
+        allocation = self.allocator.assign(layout.total_bytes)
+        granted = RegionGranted(0, allocation, layout, 0, 0, opened.capacity, ahead=True)
+        key = (opened.room, 0)
+        self._by_chunk[key] = granted
+        self._chunk_of[allocation.alloc_id] = key
+        self._placed.setdefault(opened.room, set()).add(0)
+        return granted
 
     async def _on_request(self, req: m.StagingRequest) -> None:
         peer = self.peers.get(req.agent)
@@ -155,6 +186,15 @@ class RingActor(Actor[RingMail]):
             # A repeat (protocol.retransmit) that came after the chunk's region was scattered and
             # freed: placing it again would hand the room a region nobody writes.
             return None, -1, f"room {req.room} chunk {req.chunk_id} was placed and scattered already"
+        if granted is not None and granted.ahead:
+            return (
+                None,
+                -1,
+                (
+                    f"room {req.room} chunk {req.chunk_id}: its region {granted.allocation.alloc_id} was granted "
+                    f"with the TransferRequest; writer {req.sender} must write there, not ask"
+                ),
+            )
         if granted is not None:
             if (granted.page_start, granted.num_pages) != (req.page_start, req.num_pages):
                 return (
@@ -195,7 +235,9 @@ class RingActor(Actor[RingMail]):
         if key is None:
             log.error("ring: free of unknown allocation %d", alloc_id)
             return
-        del self._by_chunk[key]
+        granted = self._by_chunk.get(key)
+        if granted is not None and granted.allocation.alloc_id == alloc_id:
+            del self._by_chunk[key]
         if self.allocator.free(alloc_id) is not None:
             self._send_watermark(self.peers.live())
 

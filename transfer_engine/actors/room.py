@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 
 import anyio
 import numpy as np
@@ -76,6 +77,7 @@ from transfer_engine.protocol.rooms import (
     reason_name,
     remote_failure_reason,
 )
+from transfer_engine.protocol.staging import RegionLayout, writer_block_bytes
 
 log = logging.getLogger("transfer_engine.room")
 
@@ -319,6 +321,23 @@ class SenderRoomActor(_RoomActor):
             raise ProtocolError(
                 f"path {req.path!r} but decode rank {req.decode_rank} registered no staging ring"
             )
+        first = req.first_region
+        if first is not None:
+            if not is_staged(req.path) or got is None:
+                why = "this rank writes nothing there" if got is None else "the path is not staged"
+                raise ProtocolError(
+                    f"decode rank {req.decode_rank} granted ring region {first.alloc_id} with its request on "
+                    f"path {req.path!r}, but {why}"
+                )
+            assert peer.ring is not None
+            if (
+                first.offset + first.length > peer.ring.length
+                or first.writer_offset + first.writer_bytes > first.length
+            ):
+                raise ProtocolError(
+                    f"decode rank {req.decode_rank} granted {first} with the request: outside its ring of "
+                    f"{peer.ring.length} bytes"
+                )
         bad = [p for p in req.dst_pages if not 0 <= p < peer.layout.num_pages]
         if bad:
             raise ProtocolError(f"decode page {bad[0]} outside [0, {peer.layout.num_pages})")
@@ -506,6 +525,8 @@ class ReceiverRoomActor(_RoomActor):
         """The TransferRequest sent to each prefill rank (set by the engine), repeated until final."""
         self._abort: m.Abort | None = None
         self.backoff = Backoff.start(REPEAT_BASE_S, REPEAT_CAP_S, time.monotonic())
+        self.opened: RoomOpened | None = None
+        """What this staged room told the ring when its pages were given."""
         self.requested = False
         """Whether the room's pages were given (:meth:`set_pages`) and its TransferRequests sent."""
         if len(pages):
@@ -520,16 +541,57 @@ class ReceiverRoomActor(_RoomActor):
         self.requested = True
         self.pages = pages
         if self.staged:
-            ring = self.ports.ring
+            ring = self.ports.ring_port
             assert ring is not None, "a staged room needs the ring"
-            ring.post(
-                RoomOpened(
-                    self.room,
-                    tuple(self.slices),
-                    {rank: peer.layout.page_size for rank, peer in self.writers.items()},
-                    len(pages) * self.ports.pool.layout.page_size,
-                )
+            self.opened = RoomOpened(
+                self.room,
+                tuple(self.slices),
+                {rank: peer.layout.page_size for rank, peer in self.writers.items()},
+                len(pages) * self.ports.pool.layout.page_size,
             )
+            first = ring.open_room(self.opened)
+            if first is not None:
+                self.regions[0] = first
+
+    def first_region(self, writer: int) -> m.FirstRegion | None:
+        """What the TransferRequest to ``writer`` (its index in :attr:`slices`) carries of chunk 0's
+        region when the ring granted it with the request, else None."""
+        granted = self.regions.get(0)
+        if granted is None or not granted.ahead:
+            return None
+        allocation = granted.allocation
+        return m.FirstRegion(
+            allocation.alloc_id, allocation.round, allocation.offset, allocation.length,
+            granted.layout.offsets[writer], granted.layout.sizes[writer], granted.tokens,
+        )  # fmt: skip
+
+    def _landed_ahead(self, granted: RegionGranted, mail: m.ChunkLanded) -> None:
+        """Chunk 0 landed in the region granted with the request: the region's scatter needs the
+        chunk's real pages and tokens (its writer blocks stay where the request put them)."""
+        writer_ps = self.writers[mail.sender].layout.page_size
+        capacity = len(self.pages) * self.ports.pool.layout.page_size
+        tokens = descriptors.chunk_tokens(mail.page_start * writer_ps, mail.num_pages, writer_ps, capacity)
+        if tokens < 1:
+            raise ProtocolError(
+                f"chunk 0 from prefill rank {mail.sender} landed pages [{mail.page_start}, "
+                f"+{mail.num_pages}), which carry no tokens here"
+            )
+        pool = self.ports.pool
+        sizes = tuple(
+            writer_block_bytes(
+                pool.layout.num_kv_tensors, tokens, spec.num_heads, pool.layout.head_dim, pool.itemsize
+            )
+            for spec in self.slices
+        )
+        layout = RegionLayout(granted.layout.offsets, sizes, granted.layout.total_bytes)
+        self.regions[0] = replace(
+            granted,
+            layout=layout,
+            page_start=mail.page_start,
+            num_pages=mail.num_pages,
+            tokens=tokens,
+            ahead=False,
+        )
 
     # --- mailbox -------------------------------------------------------------------------------
 
@@ -553,6 +615,13 @@ class ReceiverRoomActor(_RoomActor):
                         raise ProtocolError(
                             f"chunk {chunk_id} from prefill rank {sender} landed in region {region}, "
                             f"but the room holds {None if granted is None else granted.allocation.alloc_id}"
+                        )
+                    if granted.ahead:
+                        self._landed_ahead(granted, mail)
+                    elif (granted.page_start, granted.num_pages) != (mail.page_start, mail.num_pages):
+                        raise ProtocolError(
+                            f"chunk {chunk_id} from prefill rank {sender} landed pages [{mail.page_start}, "
+                            f"+{mail.num_pages}), its region holds [{granted.page_start}, +{granted.num_pages})"
                         )
                 elif region != -1:
                     raise ProtocolError(
@@ -635,8 +704,8 @@ class ReceiverRoomActor(_RoomActor):
         if not self.core.status.final:
             return
         self.to_scatter.clear()
-        if self.staged and self.ports.ring is not None:
-            self.ports.ring.post(RoomClosed(self.room))
+        if self.opened is not None and self.ports.ring is not None:
+            self.ports.ring.post(RoomClosed(self.room, self.opened))
         if self.core.status is RoomStatus.FAILED:
             self.start_abort()
 
@@ -678,9 +747,9 @@ class ReceiverRoomActor(_RoomActor):
     async def finish(self) -> None:
         if not self.core.status.final:
             self._fail(FailureReason.SHUTDOWN, "room actor stopped")
-            if self.staged and self.ports.ring is not None:
+            if self.staged and self.ports.ring is not None and self.opened is not None:
                 try:
-                    self.ports.ring.post(RoomClosed(self.room))
+                    self.ports.ring.post(RoomClosed(self.room, self.opened))
                 except (anyio.ClosedResourceError, MailboxOverflow):
                     pass
         ring = self.ports.ring

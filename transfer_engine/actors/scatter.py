@@ -4,7 +4,7 @@ The room counts its writers' ``ChunkLanded`` notifications (in any order, in its
 writer of a chunk has landed it sends a :class:`~transfer_engine.mail.ScatterJob` here. The actor scatters all writer
 blocks of the region in one launch on its own CUDA stream (on CPU: the torch implementation, in a
 worker thread so the event loop keeps polling), waits for the stream's event without blocking the
-loop, then frees the region through the ring actor and tells the room
+loop or polling it (:class:`~transfer_engine.completion.CompletionWaiter`), then frees the region through the ring actor and tells the room
 (:class:`~transfer_engine.mail.Scattered`, addressed by room id). Jobs run in arrival order, one at
 a time.
 """
@@ -15,12 +15,14 @@ import functools
 import logging
 
 import anyio
+import anyio.abc
 import torch
 
+from transfer_engine.completion import CompletionWaiter, recorded
 from transfer_engine.kernels import as_kv_table, scatter_heads
 from transfer_engine.layout import KVPool
 from transfer_engine.mail import FreeRegions, Mailbox, RingMail, Scattered, ScatterJob
-from transfer_engine.memory import StagingMemory, run_cpu_copy, stream_reached
+from transfer_engine.memory import StagingMemory, run_cpu_copy
 from transfer_engine.ports import RoomBoard
 
 from .base import Actor
@@ -40,6 +42,7 @@ class ScatterActor(Actor[ScatterJob]):
         *,
         capacity: int = 4096,
         reserve: int = 0,
+        completion_thread: bool = True,
     ) -> None:
         super().__init__(capacity, reserve)
         self.pool = pool
@@ -49,6 +52,18 @@ class ScatterActor(Actor[ScatterJob]):
         self._kv = as_kv_table(pool.kv_views)
         self._cuda = pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.device) if self._cuda else None
+        self.completions = CompletionWaiter("scatter", threaded=completion_thread)
+        """Wakes this actor when its stream reached the end of a scatter."""
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        if self.stream is None:  # CPU scatters run inline or in a worker thread: nothing to wait for
+            await super().run(task_status=task_status)
+            return
+        self.completions.start()
+        try:
+            await super().run(task_status=task_status)
+        finally:
+            self.completions.close()
 
     async def handle(self, job: ScatterJob) -> None:
         ok, detail = True, ""
@@ -70,4 +85,4 @@ class ScatterActor(Actor[ScatterJob]):
             await run_cpu_copy(launch, job.length)
             return
         launch()
-        await stream_reached(self.stream)
+        await self.completions.wait(recorded(self.stream))

@@ -11,9 +11,11 @@ it is given ends in exactly one reply to its room: that WriteEnded, or a
 :class:`~transfer_engine.mail.WriteDone` from here (refused, cancelled, staged WRITE finished).
 
 Staged paths (README, "Paths"; docs/DECISIONS.md, "Staged paths"): the worker asks the decode rank's ring for a region
-(``StagingRequest``) as soon as the chunk is known, and parks the chunk. Once granted, and once the
+(``StagingRequest``) as soon as the chunk is known, and parks the chunk; chunk 0 asks nothing when the
+room's TransferRequest carried its region (``first_region``: granted with the request). Once granted, and once the
 peer's latest ``Watermark`` admits the region, it gathers the chunk's head slice — every layer, K
-then V — into a lease of its staging buffer (on its own CUDA stream; on CPU in a worker thread) and
+then V — into a lease of its staging buffer (on its own CUDA stream, its completion observed by the worker's
+:class:`~transfer_engine.completion.CompletionWaiter`; on CPU in a worker thread) and
 posts ONE WRITE of it to ``region + writer offset``. A chunk that is not admissible yet stays parked
 while the worker serves other chunks; newer watermarks and finished WRITEs (which release staging
 leases) retry the parked ones. Nothing here blocks on the watermark. ``CancelRoom`` ends a failed
@@ -32,18 +34,12 @@ import anyio
 import numpy as np
 import torch
 
-from transfer_engine import ticker
+from transfer_engine.completion import CompletionWaiter, recorded
 from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import KVTable, as_kv_table, gather_heads
 from transfer_engine.layout import KVPool, stride_rows_of
-from transfer_engine.mail import CancelRoom, Ready, RepeatStaging, WriteDone, WriteEnded, WriteJob
-from transfer_engine.memory import (
-    StagingMemory,
-    allocate_staging,
-    event_reached,
-    run_cpu_copy,
-    stream_reached,
-)
+from transfer_engine.mail import CancelRoom, Reached, Ready, RepeatStaging, WriteDone, WriteEnded, WriteJob
+from transfer_engine.memory import StagingMemory, allocate_staging, run_cpu_copy
 from transfer_engine.ports import Outbox, RankIdentity, RoomBoard, WritePort
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
@@ -61,9 +57,6 @@ from transfer_engine.transport.nixl import WriteSpec
 from .base import Actor
 
 log = logging.getLogger(__name__)
-
-READY_POLL_S = 0.0001
-"""How often a worker holding layer-wise jobs checks their ``ready`` events (fine timers, ticker)."""
 
 
 def is_ready(ready: Ready) -> bool:
@@ -129,7 +122,14 @@ class _Lease:
 
 
 WorkerMail = (
-    WriteJob | CancelRoom | RepeatStaging | m.StagingGrant | m.StagingRefused | m.Watermark | WriteEnded
+    WriteJob
+    | CancelRoom
+    | RepeatStaging
+    | m.StagingGrant
+    | m.StagingRefused
+    | m.Watermark
+    | WriteEnded
+    | Reached
 )
 
 
@@ -294,6 +294,7 @@ class TransferWorker(Actor["WorkerMail"]):
         staging_bytes: int,
         capacity: int = 4096,
         reserve: int = 0,
+        completion_thread: bool = True,
     ) -> None:
         super().__init__(capacity, reserve)
         self.index = index
@@ -316,6 +317,10 @@ class TransferWorker(Actor["WorkerMail"]):
         self._layer_regions: dict[tuple[str, int, int], _LayerRegion] = {}
         """(decode agent, room, chunk id) -> the region of a layer-wise staged chunk."""
         self._group_kv: dict[tuple[int, int], KVTable] = {}
+        self.completions = CompletionWaiter(f"worker-{index}", threaded=completion_thread)
+        """Wakes this worker when its gathers' stream or its jobs' ready events complete."""
+        self._reached_posted = False
+        """A :class:`Reached` is in the inbox (one at most)."""
 
     # --- introspection -------------------------------------------------------------------------
 
@@ -347,27 +352,20 @@ class TransferWorker(Actor["WorkerMail"]):
     # --- mailbox -------------------------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Handle mail until the inbox closes; while layer-wise jobs wait for their events, poll
-        those every :data:`READY_POLL_S` between mails (nothing signals the loop when they complete)."""
-        task_status.started()
-        while True:
-            if not self._unready:
-                try:
-                    mail = await self.inbox.receive()
-                except anyio.EndOfStream:
-                    return
-                await self.handle(mail)
-                continue
-            try:
-                await self.handle(self.inbox.receive_nowait())
-                continue
-            except anyio.WouldBlock:
-                pass
-            except anyio.EndOfStream:
-                return
-            await self._start_ready()
-            if self._unready:
-                await ticker.sleep(READY_POLL_S)
+        """Handle mail until the inbox closes. Layer-wise jobs whose ``waits`` have not completed are
+        held; the completion waiter's thread posts :class:`Reached` when one does (no polling)."""
+        self.completions.start()
+        try:
+            await super().run(task_status=task_status)
+        finally:
+            self.completions.close()
+
+    def _on_reached(self) -> None:
+        """On the loop, from the completion waiter: a held job's wait completed."""
+        if self._reached_posted or self.inbox.closed:  # closed: the worker ended, nobody waits
+            return
+        self._reached_posted = True
+        self.inbox.post(Reached())
 
     async def handle(self, mail: WorkerMail) -> None:
         self.me.trace.mark_mail("worker", mail)
@@ -412,6 +410,9 @@ class TransferWorker(Actor["WorkerMail"]):
                     await self._progress(agent)
             case CancelRoom(room=room):
                 await self._cancel(room)
+            case Reached():
+                self._reached_posted = False
+                await self._start_ready()
             case RepeatStaging(before=before):
                 for staged in list(self._granting.values()):
                     if staged.request is not None and staged.asked_at < before:
@@ -432,7 +433,7 @@ class TransferWorker(Actor["WorkerMail"]):
 
     async def _execute(self, job: WriteJob) -> None:
         if job.ready is not None:
-            await event_reached(job.ready)  # NIXL reads the KV itself: it must be written first
+            await self.completions.wait(job.ready)  # NIXL reads the KV itself: it must be written first
             self.me.trace.mark(job.room, "ready")
         room = self.rooms.get(job.room)
         if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
@@ -512,11 +513,41 @@ class TransferWorker(Actor["WorkerMail"]):
         except TransferError as exc:
             await self._done(job, False, str(exc), FailureReason.PROTOCOL)
             return
+        first = self._first_region(job, nbytes)
+        if isinstance(first, str):
+            await self._done(job, False, first, FailureReason.PROTOCOL)
+            return
+        if first is not None:  # granted with the request: no round trip
+            allocation, dst = first
+            self._parked[peer.agent_name].append(_Staged(job, src_slots, nbytes, host, allocation, dst))
+            self.counters["granted_ahead"] += 1
+            self.me.trace.mark(job.room, "granted_ahead")
+            await self._progress(peer.agent_name)
+            return
         request = self._staging_request(job, src_slots)
         self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = _Staged(
             job, src_slots, nbytes, host, request=request, asked_at=time.monotonic()
         )
+        self.counters["staging_requests"] += 1
         self.outbox.send(peer.endpoint, request)
+
+    @staticmethod
+    def _first_region(job: WriteJob, nbytes: int) -> tuple[Allocation, int] | str | None:
+        """Chunk 0's region granted with the room's TransferRequest: ``(allocation, address of this
+        writer's block)``; None when the chunk must ask (another chunk, or none granted); a string
+        saying why when the grant cannot hold the chunk's ``nbytes`` (the decode broke the protocol)."""
+        chunk, first = job.chunk, job.request.first_region
+        if first is None or chunk is None or chunk.chunk_id != 0:
+            return None
+        ring = job.peer.ring
+        assert ring is not None  # _staged_source refused a peer without one
+        if nbytes > first.writer_bytes or first.writer_offset + first.writer_bytes > first.length:
+            return (
+                f"room {job.room}: chunk 0 stages {nbytes} bytes, the region granted with the request "
+                f"gives {first.writer_bytes} at +{first.writer_offset} of {first.length}"
+            )
+        allocation = Allocation(first.alloc_id, first.round, first.offset, first.length)
+        return allocation, ring.addr + first.offset + first.writer_offset
 
     async def _on_grant(self, grant: m.StagingGrant) -> None:
         staged = self._granting.pop((grant.agent, grant.room, grant.chunk_id), None)
@@ -589,7 +620,7 @@ class TransferWorker(Actor["WorkerMail"]):
                 if job.ready is not None:
                     self.stream.wait_event(job.ready)  # the gather reads KV the caller's stream wrote
                 gather()
-                await stream_reached(self.stream)
+                await self.completions.wait(recorded(self.stream))
             self.me.trace.mark(job.room, "gathered")
         except Exception as exc:  # a kernel error fails the room, never the worker
             log.exception("worker %d: gather for room %d failed", self.index, job.room)
@@ -654,6 +685,9 @@ class TransferWorker(Actor["WorkerMail"]):
             await self._start_layer(job)
         else:
             self._unready.append(job)
+            for wait in job.waits:
+                if wait is not None and not is_ready(wait):
+                    self.completions.notify(wait, self._on_reached)
 
     async def _start_ready(self) -> None:
         """Start the layer-wise jobs whose events completed, in arrival order."""
@@ -720,8 +754,18 @@ class TransferWorker(Actor["WorkerMail"]):
                 request, peer.endpoint, peer.ring.addr, src_slots, tensor_bytes,
                 tensor_bytes * layout.num_kv_tensors, host, time.monotonic(),
             )  # fmt: skip
+            first = self._first_region(job, region.block_bytes)
+            if isinstance(first, str):
+                await self._done(job, False, first, FailureReason.PROTOCOL)
+                return False
             self._layer_regions[key] = region
-            self.outbox.send(peer.endpoint, request)
+            if first is None:
+                self.counters["staging_requests"] += 1
+                self.outbox.send(peer.endpoint, request)
+            else:  # granted with the request: no round trip
+                region.allocation, region.dst = first
+                self.counters["granted_ahead"] += 1
+                self.me.trace.mark(job.room, "granted_ahead")
         region.pending += 1
         region.closed = region.closed or group.closes
         return True

@@ -15,7 +15,7 @@ import msgspec
 
 from transfer_engine.errors import FailureReason, RemoteProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any incompatible change to a message below."""
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -180,6 +180,24 @@ class PeerHelloAck(Message, frozen=True):
 # --- per room -------------------------------------------------------------------------------------
 
 
+class FirstRegion(_Base, frozen=True):
+    """A decode ring region granted with the TransferRequest, for the room's chunk 0 (``protocol.staging``,
+    "Granted with the request"): sized for ``tokens``, every token the room's pages hold.
+
+    The writer puts its block — ``[num_kv_tensors, chunk tokens, its heads, head_dim]`` — at ``offset +
+    writer_offset`` of round ``round``, once the watermark admits it; the block of a chunk of fewer
+    tokens is smaller, never larger, than ``writer_bytes``. Its notification names ``alloc_id``.
+    """
+
+    alloc_id: U63
+    round: U63
+    offset: U63
+    length: U63
+    writer_offset: U63
+    writer_bytes: U63
+    tokens: U63
+
+
 class TransferRequest(Message, frozen=True):
     """decode rank -> every prefill rank: where this room's KV goes on that decode rank.
 
@@ -200,6 +218,9 @@ class TransferRequest(Message, frozen=True):
     decode_prefix_len: int = 0
     """Tokens of the request the decode rank already holds: ``dst_pages`` start after them, and the
     prefill application sends only the rest (``Sender.decode_prefix_len`` tells it)."""
+    first_region: FirstRegion | None = None
+    """Staged paths: the ring region of the room's chunk 0, granted with the request (None: chunk 0
+    asks with a StagingRequest like every other chunk). Only in a writer's request."""
 
 
 class StagingRequest(Message, frozen=True):

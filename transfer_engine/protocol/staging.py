@@ -11,6 +11,13 @@ overlap a still-live region of an older round. What keeps bytes safe is the writ
 :func:`admits`, against the ring's :class:`Watermark` — ``(round, offset)`` of the oldest live
 region, which the decode side broadcasts and the prefill side tracks with :class:`WatermarkTracker`.
 
+Granted with the request: when a staged room opens, the decode ring may place the region of the
+room's first chunk at once, sized for every token the room's pages hold, and the room's
+TransferRequests carry it (``messages.FirstRegion``); the writers then need no StagingRequest/Grant
+round trip for that chunk. :func:`grant_with_request` decides. Such a region is a region like any
+other: writers check :func:`admits` before writing into it, and the decode room frees it once
+scattered, or when it ends.
+
 The ring is owned by exactly one actor; nothing here is thread-safe or needs to be.
 """
 
@@ -31,6 +38,7 @@ __all__ = [
     "Watermark",
     "WatermarkTracker",
     "admits",
+    "grant_with_request",
     "region_layout",
     "writer_block_bytes",
 ]
@@ -208,13 +216,10 @@ class RingAllocator:
         """The live allocations, oldest first (for introspection and leak checks)."""
         return tuple(self._live.values())
 
-    def assign(self, length: int) -> Allocation:
-        """Place a region of ``length`` bytes; it never splits and never blocks.
+    def peek(self, length: int) -> Allocation:
+        """The allocation :meth:`assign` would make for ``length`` now; nothing changes.
 
-        If ``[head, head + length)`` fits in the ring it is taken in the current round; otherwise a
-        new round starts at offset 0. The region may overlap live regions of older rounds:
-        writers must check :func:`admits` before writing. Raises :class:`ConfigError` when
-        ``length < 1`` and :class:`StagingError` (``oversized``) when ``length`` exceeds the ring.
+        Same errors as :meth:`assign`.
         """
         if length < 1:
             raise ConfigError(f"ring allocation length={length} must be >= 1")
@@ -224,11 +229,20 @@ class RingAllocator:
                 f"raise the config option `ring_bytes` to at least {length} (or send smaller chunks)"
             )
         if self._head + length > self.size:
-            self._round += 1
-            self._head = 0
-        allocation = Allocation(self._next_id, self._round, self._head, length)
+            return Allocation(self._next_id, self._round + 1, 0, length)
+        return Allocation(self._next_id, self._round, self._head, length)
+
+    def assign(self, length: int) -> Allocation:
+        """Place a region of ``length`` bytes; it never splits and never blocks.
+
+        If ``[head, head + length)`` fits in the ring it is taken in the current round; otherwise a
+        new round starts at offset 0. The region may overlap live regions of older rounds:
+        writers must check :func:`admits` before writing. Raises :class:`ConfigError` when
+        ``length < 1`` and :class:`StagingError` (``oversized``) when ``length`` exceeds the ring.
+        """
+        allocation = self.peek(length)
+        self._round, self._head = allocation.round, allocation.end
         self._next_id += 1
-        self._head += length
         self._live[allocation.alloc_id] = allocation
         return allocation
 
@@ -256,6 +270,23 @@ class RingAllocator:
             self._watermark = new
             return new
         return None
+
+
+def grant_with_request(ring: RingAllocator, region_bytes: int) -> bool:
+    """Whether a staged room that opens now gets its first chunk's region with its request.
+
+    ``region_bytes`` is the region of a chunk covering every token the room's pages hold (the
+    first chunk's real size is not known before the prefill sends it; it is never larger).
+    Yes iff the region is at most half the ring, so that rooms granted ahead never hold the whole
+    ring, and :meth:`RingAllocator.peek` places it where :func:`admits` lets a writer write at once
+    against the ring's own watermark: a region placed ahead of its bytes must not wait on
+    back-pressure, nor make the regions placed after it wait longer. Otherwise (a room of 0 bytes
+    here, a big room, a ring under pressure) the first chunk asks with a StagingRequest, as the
+    others do, once its bytes exist. Pure.
+    """
+    if region_bytes < 1 or 2 * region_bytes > ring.size:
+        return False
+    return admits(ring.watermark, ring.peek(region_bytes))
 
 
 class WatermarkTracker:

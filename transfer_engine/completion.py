@@ -1,0 +1,232 @@
+"""Waking the event loop when a CUDA event, or a ``threading.Event`` of a CPU thread, completes.
+
+Nothing on the GPU can signal an asyncio loop, and polling an event from the loop costs a poll
+period plus however late the loop's timer fires while it is busy (a 50 us gather read 0.57 ms in
+the step trace, docs/PERF.md "Per-room overhead"). A :class:`CompletionWaiter` owns ONE thread that
+blocks on the completions handed to it, oldest first (``torch.cuda.Event.synchronize`` and
+``threading.Event.wait`` release the GIL), and wakes each waiting task with
+``loop.call_soon_threadsafe`` as soon as its completion is reached: no poll period, and the loop
+sleeps meanwhile.
+
+One waiter per actor that owns a CUDA stream (each prefill worker, the scatter actor), never one per
+room or per event: the completions of one stream are reached in the order they were recorded, so
+blocking on the oldest delays no younger one. Completions of other origins (a layer's ready event on
+the application's stream) may sit behind an older one of another stream; after each wake-up the
+thread also wakes every younger completion that is already reached.
+
+:meth:`wait` is for a task that has nothing else to do meanwhile (a gather, a scatter);
+:meth:`notify` calls back on the loop, for an actor that keeps serving its mail meanwhile (a worker
+holding layer-wise jobs whose layers are not written yet). Started by its actor's ``run`` and closed
+when the actor ends (:meth:`close` joins the thread). Without an asyncio loop (another anyio
+backend) :meth:`wait` polls on the loop's fine timers, as before issue 17; so does a waiter made with
+``threaded=False`` (``EngineConfig.completion_thread``), the switch for before/after benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from transfer_engine import ticker
+
+log = logging.getLogger(__name__)
+
+Completion = torch.cuda.Event | threading.Event
+"""What a waiter waits for: a recorded CUDA event, or an Event a CPU thread sets."""
+
+POLL_S = 0.0001
+"""Poll period of :func:`poll_reached`, the path without a waiter thread."""
+
+JOIN_S = 5.0
+"""How long :meth:`CompletionWaiter.close` waits for the thread (it is blocked on a completion)."""
+
+STOP_CHECK_S = 0.05
+"""How often a thread blocked on a ``threading.Event`` looks whether its waiter is closing."""
+
+
+def reached(done: Completion) -> bool:
+    """Whether ``done`` has completed (never blocks)."""
+    if isinstance(done, threading.Event):
+        return done.is_set()
+    return bool(done.query())
+
+
+async def poll_reached(done: Completion, poll_s: float = POLL_S) -> None:
+    """Return once ``done`` completed, querying it every ``poll_s`` on the loop's fine timers."""
+    while not reached(done):  # noqa: ASYNC110 - nothing of ours is told when it completes
+        await ticker.sleep(poll_s)
+
+
+def recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event recorded on ``stream`` now: reached once everything enqueued there so far has run."""
+    done = torch.cuda.Event()
+    done.record(stream)
+    return done
+
+
+@dataclass(slots=True)
+class _Wait:
+    done: Completion
+    loop: asyncio.AbstractEventLoop
+    callback: Callable[[], object]
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():  # the waiting task was cancelled meanwhile
+        future.set_result(None)
+
+
+class CompletionWaiter:
+    """One thread that wakes the loop's tasks when their completions are reached; see the module."""
+
+    def __init__(self, name: str, *, threaded: bool = True) -> None:
+        self.name = name
+        self.threaded = threaded
+        """False (``EngineConfig.completion_thread``, for A/B): no thread; completions are polled on
+        the loop every POLL_S (its fine timers), as before issue 17. A waiter made threaded may be
+        switched to False and back while it runs (``tools/bench_transfer.py --ab completion``)."""
+        self._started = False
+        self._queue: queue.SimpleQueue[_Wait | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.counters: Counter[str] = Counter()
+        """``reached`` at once (no thread hop), ``handed`` to the thread, ``woken`` by it, ``polled``
+        on the loop (no thread, or no asyncio loop)."""
+
+    @property
+    def running(self) -> bool:
+        """Started and not closed (with ``threaded``: its thread is alive)."""
+        if not self.threaded:
+            return self._started and not self._stopping.is_set()
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        if self._started:
+            raise RuntimeError(f"completion waiter {self.name} started twice")
+        self._started = True
+        if not self.threaded:
+            return
+        self._thread = threading.Thread(target=self._run, name=f"te-completion-{self.name}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread; what it still holds is dropped (its actor ended: nobody waits for it).
+
+        A thread blocked on a CUDA event returns when the GPU reaches it; one blocked on a
+        ``threading.Event`` checks for the stop every STOP_CHECK_S.
+        """
+        self._stopping.set()
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._queue.put(None)
+        thread.join(JOIN_S)
+        if thread.is_alive():
+            log.warning("completion waiter %s: thread still blocked after %.0f s", self.name, JOIN_S)
+
+    async def wait(self, done: Completion) -> None:
+        """Return once ``done`` has completed, without blocking the loop or polling it.
+
+        Cancellable: a cancelled wait leaves the thread nothing to do but drop it once reached.
+        """
+        if reached(done):
+            self.counters["reached"] += 1
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or not self.running or not self.threaded:
+            self.counters["polled"] += 1
+            await poll_reached(done)
+            return
+        future: asyncio.Future[None] = loop.create_future()
+        self._hand(_Wait(done, loop, functools.partial(_wake, future)))
+        await future
+
+    def notify(self, done: Completion, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` on the running loop's thread once ``done`` has completed (at once,
+        from here, when it already has). Needs the thread running and an asyncio loop."""
+        if reached(done):
+            self.counters["reached"] += 1
+            callback()
+            return
+        if not self.running:
+            raise RuntimeError(f"completion waiter {self.name} is not running")
+        if self.threaded:
+            self._hand(_Wait(done, asyncio.get_running_loop(), callback))
+        else:
+            self.counters["polled"] += 1
+            self._poll_later(done, callback)
+
+    def _poll_later(self, done: Completion, callback: Callable[[], object]) -> None:
+        """Without the thread: query ``done`` every POLL_S on the loop until reached (or closed)."""
+        timers = ticker.fine_timers()
+        loop = asyncio.get_running_loop()
+
+        def check() -> None:
+            if reached(done):
+                callback()
+            elif not self._stopping.is_set():
+                later(POLL_S, check)
+
+        def later(delay: float, fn: Callable[[], None]) -> None:
+            if timers is not None and timers.open:
+                timers.call_later(delay, fn)
+            else:
+                loop.call_later(delay, fn)
+
+        later(POLL_S, check)
+
+    def _hand(self, wait: _Wait) -> None:
+        self.counters["handed"] += 1
+        self._queue.put(wait)
+
+    def _block(self, done: Completion) -> bool:
+        """Block until ``done`` completed (True) or the waiter is closing (False)."""
+        if isinstance(done, threading.Event):
+            while not done.wait(STOP_CHECK_S):
+                if self._stopping.is_set():
+                    return False
+            return True
+        done.synchronize()
+        return not self._stopping.is_set()
+
+    def _run(self) -> None:
+        pending: list[_Wait] = []
+        while not self._stopping.is_set():
+            if not pending:
+                item = self._queue.get()
+                if item is None:
+                    return
+                pending.append(item)
+            if not self._block(pending[0].done):
+                return
+            while True:  # take what came meanwhile: it may be reached too
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    return
+                pending.append(item)
+            still: list[_Wait] = []
+            for wait in pending:
+                if wait is pending[0] or reached(wait.done):
+                    self.counters["woken"] += 1
+                    try:
+                        wait.loop.call_soon_threadsafe(wait.callback)
+                    except RuntimeError:  # the loop closed: nobody waits any more
+                        pass
+                else:
+                    still.append(wait)
+            pending = still
