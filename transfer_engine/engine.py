@@ -639,6 +639,10 @@ class TransferEngine:
     def sender(self, room: int, *, layers_per_write: int | None = None) -> Sender:
         """Open ``room`` on this prefill rank. RoomInUseError while a room with that id is live.
 
+        A room that a decode rank aborted before this rank opened it (its Abort came first, with or
+        without a request) opens failed, ABORTED: it can no longer complete, and its ``wait()``
+        returns at once instead of at ``bootstrap_timeout``.
+
         ``layers_per_write``: this room's layer grouping for layer-wise chunks (None: the config's).
         """
         if self.config.role != "prefill":
@@ -651,10 +655,15 @@ class TransferEngine:
             raise RoomInUseError(room)
         self._check_capacity(room)
         actor = SenderRoomActor(self.room_ports, room, self.deadlines)
-        self.tombstones.reopen(room)
+        ended = self.tombstones.get(room, time.monotonic())
+        aborted_before = not self.tombstones.reopen(room)
         self._start_room(actor)
         for request in self._stash.take(room):
             actor.inbox.send_nowait(request)
+        if aborted_before:  # a decode rank aborted the room before this rank opened it: it cannot
+            assert ended is not None  # complete, so it fails now instead of at bootstrap_timeout
+            actor.failed_by.update(ended.aborted_by)
+            actor.inbox.send_nowait(LocalAbort(ended.detail))
         return Sender(actor, self.pool, per_write)
 
     def _check_capacity(self, room: int) -> None:

@@ -28,6 +28,33 @@ async def test_room_never_opened_by_prefill_fails_the_decode() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("requested", [True, False], ids=["requested", "no-request"])
+async def test_a_room_the_decode_aborted_before_the_prefill_opened_it_fails_once_opened(
+    requested: bool,
+) -> None:
+    """The decode aborts a room (after asking for it, or without ever asking) before the prefill
+    opens it: sender() then fails the room at once, ABORTED, instead of holding the prefill's pages
+    until bootstrap_timeout for a request that can no longer come (issue 20: vLLM's prefill kept a
+    cancelled request's blocks that long)."""
+    async with cluster(small_layout(), 2, 1, bootstrap_timeout=120) as c:
+        receiver = await c.decode[0].receiver(7, c.bootstrap, np.arange(3) if requested else None)
+        if requested:
+            with anyio.fail_after(30):
+                while not all(e.leaks()["stashed"] == 1 for e in c.prefill):  # noqa: ASYNC110 (no event for it)
+                    await anyio.sleep(0.01)
+        await receiver.abort()  # returns once every prefill rank acknowledged the Abort
+        senders = [e.sender(7) for e in c.prefill]
+        with anyio.fail_after(30):  # a hang guard far below bootstrap_timeout
+            for rank, sender in enumerate(senders):
+                with pytest.raises(TransferFailed, match=f"before prefill rank {rank} opened") as info:
+                    await sender.wait()
+                assert info.value.reason is FailureReason.ABORTED
+        assert not any(e.counters["stash_expired"] for e in c.prefill)
+        await run_room(c, 8, np.arange(3), np.arange(3), [2, 1])
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("path", ["slice", "staged"])
 async def test_one_decode_rank_aborting_fails_the_other(path: str) -> None:
     """D=2: decode rank 0 aborts; decode rank 1 learns it from the prefill instead of waiting."""
