@@ -176,6 +176,10 @@ class EngineThread:
         """Abort the request's room; its task reports it once no WRITE can land (see the module doc)."""
         self._submit(self._abort(req_id, room))
 
+    def cancel(self, req_id: str, room: int, bootstrap: str) -> None:
+        """Decode: the request ended before its room opened here; tell the prefill (see ``_cancel``)."""
+        self._submit(self._cancel(req_id, room, bootstrap))
+
     def take_finished(self) -> tuple[set[str], set[str]]:
         """Requests whose room ended since the last call: (prefill side, decode side)."""
         with self._lock:
@@ -282,3 +286,16 @@ class EngineThread:
                 await self.engine.sender(room).abort("vLLM aborted the request on the prefill")
             except TransferError as exc:
                 log.warning("request %s (room %d): abort: %s", req_id, room, exc)
+
+    async def _cancel(self, req_id: str, room: int, bootstrap: str) -> None:
+        """Open ``room`` without pages and abort it: every prefill rank then knows the decode will
+        never ask, and fails its room at once (now or when it opens) instead of holding the
+        request's blocks until ``bootstrap_timeout``. Nothing is reported to vLLM: no blocks here."""
+        assert self.engine is not None
+        if room in self._live:
+            return  # the room is this instance's, live under another request: not ours to end
+        try:
+            receiver = await self.engine.receiver(room, bootstrap)
+            await receiver.abort("vLLM finished the request before its KV was asked for")
+        except TransferError as exc:
+            log.warning("request %s (room %d): cancelling on the prefill: %s", req_id, room, exc)

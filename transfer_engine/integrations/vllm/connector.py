@@ -36,7 +36,11 @@ Blocks: the prefill holds a finished request's blocks (``request_finished`` retu
 room ended on every TP rank, i.e. until no WRITE from them can still be in flight; the decode's
 blocks are reported loaded only once the room succeeded, and a decode request aborted while waiting
 holds its blocks until its room was aborted (no WRITE can land any more). A prefill request aborted
-before it finished aborts its room, which fails the decode's room at once.
+before it finished aborts its room, which fails the decode's room at once. A decode request that
+ends before its blocks were allocated (aborted in the queue) opens its room without pages and
+aborts it, so the prefill learns it will never ask: a prefill room whose decode aborted first (even
+before the prefill opened it) fails at once and frees the blocks, instead of holding them until
+``bootstrap_timeout``. The scheduler side's decisions are :class:`TransferBook`, plain Python.
 
 The decode must run without prefix caching (``enable_prefix_caching=False``): the transfer fills
 the request's blocks from token 0, and cached blocks are shared with other requests. Constructing
@@ -51,8 +55,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -77,7 +82,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["TransferEngineConnector", "digest_of", "engine_cpus", "room_of"]
+__all__ = ["TransferBook", "TransferEngineConnector", "digest_of", "engine_cpus", "room_of"]
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +127,109 @@ class Transfer:
 
 @dataclass
 class TransferMetadata(KVConnectorMetadata):
-    """Scheduler -> workers, once per step: transfers to start and requests to abort."""
+    """Scheduler -> workers, once per step: transfers to start, requests to abort, and (decode)
+    requests that ended before their room opened, whose prefill must hear it (``cancel``)."""
 
     start: list[Transfer] = field(default_factory=list)
     abort: list[Transfer] = field(default_factory=list)
+    cancel: list[Transfer] = field(default_factory=list)
+
+
+class RequestView(Protocol):
+    """What :class:`TransferBook` reads of a vLLM ``Request``."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
+    @property
+    def prompt_token_ids(self) -> list[int] | None: ...
+    @property
+    def status(self) -> RequestStatus: ...
+
+
+class TransferBook:
+    """The scheduler side's state and decisions, plain Python (no vLLM process needed to test it)."""
+
+    def __init__(self, *, is_prefill: bool, block_size: int) -> None:
+        self.is_prefill = is_prefill
+        self.block_size = block_size
+        self.pending = TransferMetadata()
+        self.in_flight: dict[str, Transfer] = {}
+        """Requests whose transfer the workers have not reported ended yet."""
+        self.asked: set[str] = set()
+        """Decode: requests whose blocks were already given to a transfer (never ask twice)."""
+
+    def _num_blocks(self, request: RequestView) -> int:
+        return -(-len(request.prompt_token_ids or ()) // self.block_size)
+
+    def matched(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        """Decode: the whole prompt comes from the prefill, loaded asynchronously. Prefill: nothing."""
+        params = request.kv_transfer_params or {}
+        if self.is_prefill or not params.get("do_remote_prefill") or request.request_id in self.asked:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def allocated(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
+        """Decode: the blocks for the prompt exist; the workers open the room next step."""
+        if self.is_prefill or num_external_tokens == 0:
+            return
+        params = request.kv_transfer_params or {}
+        transfer_id, bootstrap = params.get("transfer_id"), params.get("bootstrap")
+        if not isinstance(transfer_id, str) or not isinstance(bootstrap, str):
+            raise ConfigError(
+                f"request {request.request_id}: kv_transfer_params {params!r} need string transfer_id and bootstrap"
+            )
+        transfer = Transfer(
+            request.request_id, transfer_id, tuple(block_ids[: self._num_blocks(request)]), bootstrap
+        )
+        self.asked.add(request.request_id)
+        self.in_flight[request.request_id] = transfer
+        self.pending.start.append(transfer)
+
+    def ended(self, req_ids: Iterable[str]) -> None:
+        """The workers reported these requests' rooms ended."""
+        for req_id in req_ids:
+            self.in_flight.pop(req_id, None)
+
+    def finished(self, request: RequestView, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: (hold the blocks?, kv_transfer_params for the response)."""
+        req_id = request.request_id
+        asked = req_id in self.asked
+        self.asked.discard(req_id)
+        params = request.kv_transfer_params or {}
+        transfer_id = params.get("transfer_id")
+        if self.is_prefill:
+            if not params.get("do_remote_decode") or not isinstance(transfer_id, str):
+                return False, None
+            transfer = Transfer(req_id, transfer_id, tuple(block_ids[: self._num_blocks(request)]))
+            if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+                self.in_flight[req_id] = transfer
+                self.pending.start.append(transfer)
+                return True, {"transfer_id": transfer_id, "room": room_of(transfer_id)}
+            self.pending.abort.append(transfer)  # the workers fail the room; the blocks free now
+            return False, None
+        receiving = self.in_flight.get(req_id)
+        if receiving is not None:  # its room may still take WRITEs: hold the blocks until it ended
+            self.pending.abort.append(receiving)
+            return True, None
+        bootstrap = params.get("bootstrap")
+        if (
+            not asked
+            and params.get("do_remote_prefill")
+            and isinstance(transfer_id, str)
+            and isinstance(bootstrap, str)
+        ):  # ended before its blocks were allocated: its room never opened here, tell the prefill
+            self.pending.cancel.append(Transfer(req_id, transfer_id, (), bootstrap))
+        return False, None
+
+    def take_meta(self) -> TransferMetadata:
+        meta, self.pending = self.pending, TransferMetadata()
+        return meta
+
+    def has_work(self) -> bool:
+        return bool(self.in_flight or self.pending.start or self.pending.abort or self.pending.cancel)
 
 
 class TransferEngineConnector(KVConnectorBase_V1):
@@ -153,12 +257,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
                 "enable_prefix_caching=True on the decode (kv_consumer): transfers fill a request's blocks "
                 "from token 0, so run the decode with --no-enable-prefix-caching"
             )
-        # scheduler side
-        self._pending: TransferMetadata = TransferMetadata()
-        self._in_flight: dict[str, Transfer] = {}
-        """Requests whose transfer the workers have not reported ended yet."""
-        self._asked: set[str] = set()
-        """Decode: requests whose blocks were already given to a transfer (never ask twice)."""
+        self._book = TransferBook(is_prefill=self.is_prefill, block_size=self.block_size)
         # worker side
         self._runner: EngineThread | None = None
         if role == KVConnectorRole.WORKER:
@@ -167,71 +266,31 @@ class TransferEngineConnector(KVConnectorBase_V1):
     # ==== scheduler side ============================================================================
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Decode: the whole prompt comes from the prefill, loaded asynchronously. Prefill: nothing."""
-        params = request.kv_transfer_params or {}
-        if self.is_prefill or not params.get("do_remote_prefill") or request.request_id in self._asked:
-            return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        return self._book.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Decode: the blocks for the prompt exist; the workers open the room next step."""
-        if self.is_prefill or num_external_tokens == 0:
-            return
-        params = request.kv_transfer_params or {}
-        transfer_id, bootstrap = params.get("transfer_id"), params.get("bootstrap")
-        if not isinstance(transfer_id, str) or not isinstance(bootstrap, str):
-            raise ConfigError(
-                f"request {request.request_id}: kv_transfer_params {params!r} need string transfer_id and bootstrap"
-            )
-        num_blocks = -(-len(request.prompt_token_ids or ()) // self.block_size)
-        block_ids = tuple(blocks.get_block_ids()[0][:num_blocks])
-        transfer = Transfer(request.request_id, transfer_id, block_ids, bootstrap)
-        self._asked.add(request.request_id)
-        self._in_flight[request.request_id] = transfer
-        self._pending.start.append(transfer)
+        self._book.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta, self._pending = self._pending, TransferMetadata()
-        return meta
+        return self._book.take_meta()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        for req_id in (
-            *(connector_output.finished_sending or ()),
-            *(connector_output.finished_recving or ()),
-        ):
-            self._in_flight.pop(req_id, None)
+        self._book.ended(
+            (*(connector_output.finished_sending or ()), *(connector_output.finished_recving or ()))
+        )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Prefill: hold the blocks of a finished request until its KV went out (or failed); an
         aborted one aborts its room. Decode: a request aborted while its KV was coming holds its
-        blocks until the room is aborted."""
-        req_id = request.request_id
-        self._asked.discard(req_id)
-        params = request.kv_transfer_params or {}
-        if self.is_prefill:
-            transfer_id = params.get("transfer_id")
-            if not params.get("do_remote_decode") or not isinstance(transfer_id, str):
-                return False, None
-            num_blocks = -(-len(request.prompt_token_ids or ()) // self.block_size)
-            transfer = Transfer(req_id, transfer_id, tuple(block_ids[:num_blocks]))
-            if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
-                self._in_flight[req_id] = transfer
-                self._pending.start.append(transfer)
-                return True, {"transfer_id": transfer_id, "room": room_of(transfer_id)}
-            self._pending.abort.append(transfer)  # the workers fail the room; the blocks free now
-            return False, None
-        receiving = self._in_flight.get(req_id)
-        if receiving is None:
-            return False, None
-        self._pending.abort.append(receiving)
-        return True, None
+        blocks until the room is aborted; one that ended before its room opened cancels the room
+        on the prefill."""
+        return self._book.finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         """Keep vLLM stepping while transfers are out: their ends arrive through ``get_finished``."""
-        return bool(self._in_flight or self._pending.start or self._pending.abort)
+        return self._book.has_work()
 
     # ==== worker side ===============================================================================
 
@@ -268,6 +327,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
         assert isinstance(meta, TransferMetadata)
         for t in meta.abort:
             self._runner.abort(t.req_id, room_of(t.transfer_id))
+        for t in meta.cancel:
+            self._runner.cancel(t.req_id, room_of(t.transfer_id), t.bootstrap)
         for t in meta.start:
             room, digest = room_of(t.transfer_id), digest_of(t.transfer_id)
             if self.is_prefill:
