@@ -31,6 +31,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,10 +53,11 @@ CONNECTOR = {
     "kv_connector_module_path": "transfer_engine.integrations.vllm.connector",
 }
 
-LIVENESS = {"heartbeat_interval": 30.0, "connect_timeout": 120.0}
+LIVENESS = {"heartbeat_interval": 30.0, "connect_timeout": 120.0, "bootstrap_timeout": 300.0}
 """Four vLLM workers share the 2-core box: with other jobs loading it (load average 20-40 here) an
 engine's loop was seen stalled for up to 58 s, far past the default 10 s lease; liveness is not what
-this test is about (tests/chaos is)."""
+this test is about (tests/chaos is). ``bootstrap_timeout`` is far above the 90 s that
+:func:`assert_nothing_held` allows, so a room can only pass it by ending for its own reasons."""
 
 _taken: set[int] = set()
 
@@ -103,6 +105,10 @@ class Setup:
     router2: Proc
     bootstrap1: int
     introspect: list[int]
+
+
+SERVERS: list[Proc] = []
+"""The module's processes, for failure messages (filled by the ``setup`` fixture)."""
 
 
 def serve(
@@ -188,6 +194,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     router1 = router("router1", tmp, free_port(), prefill1.port, b1, decode.port)
     router2 = router("router2", tmp, free_port(), prefill2.port, b2, decode.port)
     procs = [decode, prefill1, prefill2, router1, router2]
+    SERVERS[:] = procs
     try:
         wait_healthy([decode, prefill1, prefill2])
         wait_healthy([router1, router2], "/healthz")
@@ -198,21 +205,32 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         stop(procs)
 
 
-def complete(port: int, prompt: list[int], max_tokens: int, timeout: float = 300.0) -> list[int]:
-    body = {
+def complete(
+    port: int,
+    prompt: list[int],
+    max_tokens: int,
+    timeout: float = 300.0,
+    params: dict[str, Any] | None = None,
+) -> list[int]:
+    body: dict[str, Any] = {
         "model": "m",
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "return_token_ids": True,
     }
+    if params is not None:
+        body["kv_transfer_params"] = params
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
         json.dumps(body).encode(),
         {"content-type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return list(json.loads(response.read())["choices"][0]["token_ids"])
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return list(json.loads(response.read())["choices"][0]["token_ids"])
+    except urllib.error.HTTPError as exc:  # a failed transfer is HTTP 500 (kv_load_failure_policy=fail)
+        pytest.fail(f"HTTP {exc.code} from :{port}: {exc.read()[:500]!r}\n{logs_report(SERVERS)}")
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -228,13 +246,43 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
-def live_rooms(port: int) -> int:
-    """Rooms live in the engine serving ``transfer-engine dump`` on ``port``."""
+def dump(port: int) -> dict[str, Any]:
+    """``transfer-engine dump --json`` of the engine serving introspection on ``port``."""
     out = subprocess.run(
         [str(Path(sys.executable).parent / "transfer-engine"), "dump", "--endpoint", f"tcp://127.0.0.1:{port}", "--json", "--timeout", "60"],
         capture_output=True, timeout=120, check=True,
     )  # fmt: skip
-    return len(json.loads(out.stdout)["rooms"])
+    snapshot: dict[str, Any] = json.loads(out.stdout)
+    return snapshot
+
+
+def held_report(s: Setup, rooms: dict[int, list[dict[str, Any]]]) -> str:
+    """What is still held, for a failure message: each live room, then :func:`logs_report`."""
+    lines = [
+        f"engine :{port}: room {r['room']} {r['side']} {r['state']} age {r['age_s']:.1f} s, "
+        f"waiting for {r['waiting_for']!r}"
+        for port, live in rooms.items()
+        for r in live
+    ]
+    return "\n".join([*lines, logs_report(SERVERS)])
+
+
+OURS = re.compile(r"transfer_engine|room \d|heartbeat|declared dead|stalled|Error|Traceback")
+
+
+def logs_report(procs: list[Proc]) -> str:
+    """For a failure message: each process's log lines from our connector and engine (their
+    warnings and errors reach vLLM's log through Python's last-resort handler) and vLLM's errors,
+    then the last lines of the log."""
+    lines = []
+    for p in procs:
+        text = p.log.read_text(errors="replace").splitlines()
+        ours = [line for line in text if OURS.search(line)]
+        lines.append(f"--- {p.name}: {len(ours)} connector/engine/error lines, last 40:")
+        lines.extend(ours[-40:])
+        lines.append(f"--- {p.name}: last 15 lines:")
+        lines.extend(text[-15:])
+    return "\n".join(lines)
 
 
 def assert_nothing_held(s: Setup) -> None:
@@ -244,11 +292,11 @@ def assert_nothing_held(s: Setup) -> None:
         usage = {
             p.name: metrics(p.port)["vllm:kv_cache_usage_perc"] for p in (s.decode, s.prefill1, s.prefill2)
         }
-        rooms = {port: live_rooms(port) for port in s.introspect}
+        rooms: dict[int, list[dict[str, Any]]] = {port: dump(port)["rooms"] for port in s.introspect}
         if not any(usage.values()) and not any(rooms.values()):
             return
         if time.monotonic() > deadline:
-            pytest.fail(f"still held after 90 s: KV cache usage {usage}, live rooms {rooms}")
+            pytest.fail(f"still held after 90 s: KV cache usage {usage}\n{held_report(s, rooms)}")
         time.sleep(0.5)
 
 
@@ -312,4 +360,20 @@ def test_cancelled_requests_free_their_blocks_on_both_sides(setup: Setup) -> Non
         assert [complete(route.port, p, 8) for p in batch] == [
             complete(setup.decode.port, p, 8) for p in batch
         ]
+    assert_nothing_held(setup)
+
+
+def test_a_request_cancelled_on_the_decode_before_its_prefill_ran_frees_the_prefills_blocks(
+    setup: Setup,
+) -> None:
+    """The decode's request is cancelled first (its room aborted on prefill1 before prefill1 opened
+    it), and only then does prefill1 compute the prompt: prefill1's room fails at once and frees the
+    blocks, instead of waiting for a decode that will never ask (until bootstrap_timeout)."""
+    prompt = prompts(11, (300,))[0]
+    params = {"transfer_id": "cancelled-on-the-decode-first"}
+    decode = {**params, "do_remote_prefill": True, "bootstrap": f"tcp://127.0.0.1:{setup.bootstrap1}"}
+    with pytest.raises((TimeoutError, urllib.error.URLError)):
+        complete(setup.decode.port, prompt, 4, timeout=3, params=decode)
+    assert_nothing_held(setup)  # the decode's room ended: prefill1 heard its Abort
+    assert len(complete(setup.prefill1.port, prompt, 1, params={**params, "do_remote_decode": True})) == 1
     assert_nothing_held(setup)
