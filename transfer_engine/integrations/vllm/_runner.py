@@ -106,6 +106,10 @@ class EngineThread:
         self._sent: set[str] = set()
         self._received: set[str] = set()
         self._load_errors: set[int] = set()
+        self._outstanding = 0
+        """Transfers handed to the loop and not reported yet (under ``_lock``)."""
+        self._news = threading.Event()
+        """Set while a report waits to be taken (set and cleared under ``_lock``)."""
         self._live: dict[int, _Entry] = {}
         """Rooms of this rank, by room (loop thread only)."""
 
@@ -164,12 +168,16 @@ class EngineThread:
 
     def send(self, req_id: str, room: int, transfer_id: str, block_ids: list[int], digest: bytes) -> None:
         """Prefill: send the request's blocks (and the ID digest) into whatever decode asks for ``room``."""
+        with self._lock:
+            self._outstanding += 1
         self._submit(self._send(req_id, room, transfer_id, block_ids, digest))
 
     def receive(
         self, req_id: str, room: int, transfer_id: str, block_ids: list[int], bootstrap: str, digest: bytes
     ) -> None:
         """Decode: open ``room`` into the request's blocks; report them loaded once the digest matched."""
+        with self._lock:
+            self._outstanding += 1
         self._submit(self._receive(req_id, room, transfer_id, block_ids, bootstrap, digest))
 
     def abort(self, req_id: str, room: int) -> None:
@@ -185,7 +193,16 @@ class EngineThread:
         with self._lock:
             sent, received = self._sent, self._received
             self._sent, self._received = set(), set()
+            self._news.clear()
         return sent, received
+
+    def wait_for_news(self, timeout: float) -> None:
+        """Block up to ``timeout`` s until a transfer is reported (at once if one already is, or
+        none is outstanding). Releases the GIL while it waits."""
+        with self._lock:
+            if not self._outstanding:
+                return
+        self._news.wait(timeout)
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
@@ -213,6 +230,8 @@ class EngineThread:
 
     def _report(self, entry: _Entry, ok: bool, prefill: bool) -> None:
         with self._lock:
+            self._outstanding -= 1
+            self._news.set()
             if prefill:
                 self._sent.add(entry.req_id)
             else:
