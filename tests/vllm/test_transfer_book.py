@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -133,4 +134,87 @@ def test_prefill_request_aborted_before_it_finished_aborts_its_room_and_frees_it
     assert book.finished(req, [1, 2, 3]) == (False, None)
     meta = book.take_meta()
     assert [t.transfer_id for t in meta.abort] == ["t-r1"] and not meta.start
+    assert not book.has_work()
+
+
+def step(
+    new: list[tuple[str, list[int], int]],
+    cached: list[tuple[str, list[int] | None, int]],
+    tokens: dict[str, int],
+) -> Any:
+    """A vLLM ``SchedulerOutput`` with what the book reads: (req_id, block ids, computed tokens) of
+    new and of cached requests, and the tokens each computes this step."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached],
+            resumed_req_ids=set(),
+            new_block_ids=[None if b is None else (b,) for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached],
+        ),
+        num_scheduled_tokens=tokens,
+        total_num_scheduled_tokens=sum(tokens.values()),
+    )
+
+
+def test_prefill_sends_layer_wise_in_the_step_that_computes_the_last_prompt_tokens() -> None:
+    book = TransferBook(is_prefill=True, block_size=32)
+    req = prefill_req(tokens=70)
+    book.allocated(req, [4, 5, 6, 7], 0)
+    book.scheduled(step([("r1", [4, 5, 6, 7], 0)], [], {"r1": 70}))
+    meta = book.take_meta()
+    assert meta.layerwise == [Transfer("r1", "t-r1", (4, 5, 6))] and not meta.start
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert book.finished(req, [4, 5, 6, 7]) == (True, {"transfer_id": "t-r1", "room": room_of("t-r1")})
+    assert book.take_meta() == type(meta)()  # no second send
+    assert book.has_work()
+    assert book.sent({"r1"}) == {"r1"}  # vLLM frees the finished request's blocks now
+    assert not book.has_work()
+
+
+def test_a_prompt_over_several_steps_sends_every_block_in_its_last_step() -> None:
+    book = TransferBook(is_prefill=True, block_size=32)
+    book.allocated(prefill_req(tokens=70), [4], 0)
+    book.scheduled(step([("r1", [4], 0)], [], {"r1": 32}))
+    assert not book.take_meta().layerwise
+    book.scheduled(step([], [("r1", None, 32)], {"r1": 0}))  # not scheduled this step
+    assert not book.take_meta().layerwise
+    book.scheduled(step([], [("r1", [5, 6], 32)], {"r1": 38}))
+    assert book.take_meta().layerwise == [Transfer("r1", "t-r1", (4, 5, 6))]
+
+
+def test_a_layer_wise_room_that_ends_before_its_request_finished_frees_the_blocks_at_the_finish() -> None:
+    """vLLM frees blocks on finished_sending only for finished requests: the report waits."""
+    book = TransferBook(is_prefill=True, block_size=32)
+    req = prefill_req(tokens=10)
+    book.allocated(req, [1], 0)
+    book.scheduled(step([("r1", [1], 0)], [], {"r1": 10}))
+    book.take_meta()
+    assert book.sent({"r1"}) == set()
+    req.status = RequestStatus.FINISHED_STOPPED
+    held, params = book.finished(req, [1])
+    assert not held and params is not None
+    assert not book.has_work() and not book.sent_early and not book.layerwise
+
+
+def test_a_request_aborted_after_its_layer_wise_send_started_holds_its_blocks_until_the_room_ended() -> None:
+    book = TransferBook(is_prefill=True, block_size=32)
+    req = prefill_req(tokens=10)
+    book.allocated(req, [1], 0)
+    book.scheduled(step([("r1", [1], 0)], [], {"r1": 10}))
+    book.take_meta()
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert book.finished(req, [1]) == (True, None)
+    assert [t.req_id for t in book.take_meta().abort] == ["r1"]
+    assert book.sent({"r1"}) == {"r1"}
+    assert not book.has_work()
+
+
+def test_prefill_requests_without_transfer_params_are_not_planned() -> None:
+    book = TransferBook(is_prefill=True, block_size=32)
+    book.allocated(Req("p", list(range(10))), [1], 0)
+    book.scheduled(step([("p", [1], 0)], [], {"p": 10}))
+    assert book.take_meta() == type(book.pending)()
     assert not book.has_work()

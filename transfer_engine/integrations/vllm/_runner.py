@@ -60,6 +60,15 @@ class _Entry:
     aborted: bool = False
 
 
+@dataclass
+class _Layers:
+    """A layer-wise room's layers as the worker thread reports them (worker thread only)."""
+
+    queue: asyncio.Queue[tuple[int, int]]
+    next: int = 0
+    """The first layer not handed to the room yet."""
+
+
 class EngineThread:
     """A TransferEngine on an asyncio loop in a daemon thread, driven from synchronous code."""
 
@@ -78,6 +87,7 @@ class EngineThread:
         introspect_port: int,
         heartbeat_interval: float,
         connect_timeout: float,
+        layers_per_write: int = 4,
         cpus: frozenset[int],
     ) -> None:
         self._cpus = cpus
@@ -95,6 +105,7 @@ class EngineThread:
             introspect_port=introspect_port + tp_rank if introspect_port else 0,
             heartbeat_interval=heartbeat_interval,
             connect_timeout=connect_timeout,
+            layers_per_write=layers_per_write,
         )
         self.engine: TransferEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -108,6 +119,8 @@ class EngineThread:
         self._load_errors: set[int] = set()
         self._outstanding = 0
         """Transfers handed to the loop and not reported yet (under ``_lock``)."""
+        self._layerwise: list[_Layers] = []
+        """Rooms opened by send_layerwise() whose layers are not all reported (worker thread only)."""
         self._news = threading.Event()
         """Set while a report waits to be taken (set and cleared under ``_lock``)."""
         self._live: dict[int, _Entry] = {}
@@ -184,6 +197,36 @@ class EngineThread:
         """Abort the request's room; its task reports it once no WRITE can land (see the module doc)."""
         self._submit(self._abort(req_id, room))
 
+    def send_layerwise(
+        self, req_id: str, room: int, transfer_id: str, block_ids: list[int], digest: bytes
+    ) -> None:
+        """Prefill: like :meth:`send`, for a request whose last prompt tokens this step computes:
+        each layer goes out once :meth:`layer_written` (or :meth:`step_written`) reports it."""
+        with self._lock:
+            self._outstanding += 1
+        layers: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+        self._layerwise.append(_Layers(layers))
+        self._submit(self._send(req_id, room, transfer_id, block_ids, digest, layers))
+
+    def layer_written(self, index: int) -> None:
+        """vLLM wrote layer ``index`` of this step's KV (layers come in order): rooms opened by
+        :meth:`send_layerwise` this step may send it."""
+        for pending in self._layerwise:
+            if index >= pending.next:
+                self._layers_ready(pending, index + 1)
+        self._layerwise = [p for p in self._layerwise if p.next < self.pool.layout.num_layers]
+
+    def step_written(self) -> None:
+        """The step's forward is over, every layer is written: send what was not reported yet."""
+        for pending in self._layerwise:
+            self._layers_ready(pending, self.pool.layout.num_layers)
+        self._layerwise = []
+
+    def _layers_ready(self, pending: _Layers, end: int) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(pending.queue.put_nowait, (pending.next, end))
+        pending.next = end
+
     def cancel(self, req_id: str, room: int, bootstrap: str) -> None:
         """Decode: the request ended before its room opened here; tell the prefill (see ``_cancel``)."""
         self._submit(self._cancel(req_id, room, bootstrap))
@@ -240,8 +283,16 @@ class EngineThread:
                     self._load_errors.update(entry.block_ids)
 
     async def _send(
-        self, req_id: str, room: int, transfer_id: str, block_ids: list[int], digest: bytes
+        self,
+        req_id: str,
+        room: int,
+        transfer_id: str,
+        block_ids: list[int],
+        digest: bytes,
+        layers: asyncio.Queue[tuple[int, int]] | None = None,
     ) -> None:
+        """One prefill room: the whole chunk at once, or (``layers`` given) one chunk whose layers
+        go out as the worker reports them written (``layers_ready``)."""
         assert self.engine is not None
         entry = _Entry(req_id, transfer_id, block_ids)
         if not self._claim(room, entry):
@@ -252,11 +303,22 @@ class EngineThread:
         try:
             self._aux[slot] = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
             sender = entry.handle = self.engine.sender(room)
-            await sender.send(block_ids, last=True, aux_slot=slot)
+            if entry.aborted:
+                await sender.abort("vLLM aborted the request")
+            if layers is None:
+                await sender.send(block_ids, last=True, aux_slot=slot)
+            else:
+                await sender.begin_chunk(block_ids, last=True, aux_slot=slot)
+                end = 0
+                while end < self.pool.layout.num_layers:
+                    start, end = await layers.get()
+                    await sender.layers_ready(start, end)
             await sender.wait()
             ok = True
         except TransferError as exc:
             log.warning("request %s (room %d): send failed: %s", req_id, room, exc)
+            if entry.handle is not None:  # returns once no WRITE of the room can still read the blocks
+                await entry.handle.abort(f"send failed: {exc}")
         finally:
             self._free_aux.append(slot)
             del self._live[room]

@@ -15,7 +15,8 @@ request may wait for the prefill to reach it, default 120: it covers the prefill
 ``introspect_port`` (TP rank ``r`` serves ``transfer-engine dump`` on this port + ``r``; 0 picks one)
 and ``heartbeat_interval`` (default 5 s, a peer is dead after two silent intervals: the engine's
 thread shares the GIL with vLLM's worker, which can hold it for seconds on a loaded CPU box), and
-``connect_timeout`` (default 30 s, for the decode's first handshake with a prefill, for the same reason).
+``connect_timeout`` (default 30 s, for the decode's first handshake with a prefill, for the same reason),
+``layers_per_write`` (prefill, default 4: the layers of a request that go out in one WRITE).
 ``engine_cpus`` (default every CPU: a list of CPU ids the engine thread and the threads it starts may
 run on; vLLM's CPU worker pins its main thread to one core before registering its KV caches, and a
 thread left with that pin waits behind the main threads of every instance spinning there).
@@ -46,8 +47,13 @@ The decode must run without prefix caching (``enable_prefix_caching=False``): th
 the request's blocks from token 0, and cached blocks are shared with other requests. Constructing
 the decode side with it on raises :class:`~transfer_engine.errors.ConfigError`.
 
-Layer-wise saving (``save_kv_layer``) is a no-op: the engine has no layer-wise send yet, so the
-prefill sends a request's KV once its last layer is computed (the step after it finished).
+Layer-wise sending: in the step that computes a request's last prompt tokens, the prefill opens its
+room before the forward (``bind_connector_metadata``) with the request's blocks as one layer-wise
+chunk (``Sender.begin_chunk``), and each ``save_kv_layer`` hands the layer just written to it
+(``layers_ready``): layers go out in groups of ``layers_per_write`` (default 4) while the forward
+computes the next ones, instead of all after the request finished. A prompt computed over several
+steps (chunked prefill) sends all its blocks' layers in its last step (the earlier steps' KV is
+written by then).
 """
 
 from __future__ import annotations
@@ -91,9 +97,8 @@ DIGEST_BYTES = 16
 IDLE_WAIT_S = 0.02
 """How long a worker waits in ``get_finished`` on a step that runs no model, for a transfer to end
 (it returns as soon as one does). vLLM steps without pause while a connector has transfers out
-(``has_pending_push_work``): without this wait, a prefill whose only work is sends in flight ran
-empty steps back to back (its two TP workers took 80 % of a 2-core box) and starved the very engine
-threads that end the transfers (a decode's engine loop was seen stalled 85 s)."""
+(``has_pending_push_work``), and each empty step is broadcast to every TP worker: on a 2-core box
+those steps starved the engine threads that end the transfers (docs/DECISIONS.md, issue 20)."""
 
 
 def room_of(transfer_id: str) -> int:
@@ -138,6 +143,9 @@ class TransferMetadata(KVConnectorMetadata):
     requests that ended before their room opened, whose prefill must hear it (``cancel``)."""
 
     start: list[Transfer] = field(default_factory=list)
+    layerwise: list[Transfer] = field(default_factory=list)
+    """Prefill: requests whose last prompt tokens this step computes; their layers go out as the
+    forward writes them (``save_kv_layer``)."""
     abort: list[Transfer] = field(default_factory=list)
     cancel: list[Transfer] = field(default_factory=list)
     idle: bool = False
@@ -168,6 +176,12 @@ class TransferBook:
         """Requests whose transfer the workers have not reported ended yet."""
         self.asked: set[str] = set()
         """Decode: requests whose blocks were already given to a transfer (never ask twice)."""
+        self.prefilling: dict[str, _Prefilling] = {}
+        """Prefill: requests to send whose last prompt tokens are not scheduled yet."""
+        self.layerwise: set[str] = set()
+        """Prefill: requests whose layer-wise send started and that have not finished."""
+        self.sent_early: set[str] = set()
+        """Prefill: requests of ``layerwise`` whose room ended before they finished."""
 
     def _num_blocks(self, request: RequestView) -> int:
         return -(-len(request.prompt_token_ids or ()) // self.block_size)
@@ -181,8 +195,17 @@ class TransferBook:
         return (count, True) if count > 0 else (0, False)
 
     def allocated(self, request: RequestView, block_ids: list[int], num_external_tokens: int) -> None:
-        """Decode: the blocks for the prompt exist; the workers open the room next step."""
-        if self.is_prefill or num_external_tokens == 0:
+        """Decode: the blocks for the prompt exist; the workers open the room next step. Prefill:
+        a request to send is scheduled for the first time (see :meth:`scheduled`)."""
+        if self.is_prefill:
+            params = request.kv_transfer_params or {}
+            transfer_id = params.get("transfer_id")
+            if params.get("do_remote_decode") and isinstance(transfer_id, str):
+                self.prefilling[request.request_id] = _Prefilling(
+                    transfer_id, len(request.prompt_token_ids or ())
+                )
+            return
+        if num_external_tokens == 0:
             return
         params = request.kv_transfer_params or {}
         transfer_id, bootstrap = params.get("transfer_id"), params.get("bootstrap")
@@ -197,10 +220,48 @@ class TransferBook:
         self.in_flight[request.request_id] = transfer
         self.pending.start.append(transfer)
 
+    def scheduled(self, output: SchedulerOutput) -> None:
+        """Prefill: a request whose last prompt tokens this step computes starts its layer-wise send
+        (its blocks are all allocated now); vLLM writes its KV layer by layer in this step."""
+        if not self.prefilling:
+            return
+        steps: list[tuple[str, list[int] | None, bool, int]] = [
+            (new.req_id, list(new.block_ids[0]), True, new.num_computed_tokens)
+            for new in output.scheduled_new_reqs
+        ]
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            blocks = None if new_blocks is None else list(new_blocks[0])
+            steps.append((req_id, blocks, req_id in cached.resumed_req_ids, cached.num_computed_tokens[i]))
+        for req_id, blocks, replace, computed in steps:
+            prefilling = self.prefilling.get(req_id)
+            if prefilling is None:
+                continue
+            if blocks is not None:
+                prefilling.block_ids = blocks if replace else prefilling.block_ids + blocks
+            if computed + output.num_scheduled_tokens.get(req_id, 0) < prefilling.num_tokens:
+                continue
+            del self.prefilling[req_id]
+            num_blocks = -(-prefilling.num_tokens // self.block_size)
+            transfer = Transfer(req_id, prefilling.transfer_id, tuple(prefilling.block_ids[:num_blocks]))
+            self.layerwise.add(req_id)
+            self.in_flight[req_id] = transfer
+            self.pending.layerwise.append(transfer)
+
     def ended(self, req_ids: Iterable[str]) -> None:
         """The workers reported these requests' rooms ended."""
         for req_id in req_ids:
             self.in_flight.pop(req_id, None)
+
+    def sent(self, req_ids: set[str]) -> set[str]:
+        """Prefill: these requests' rooms ended. Returns those whose blocks vLLM may free now: a
+        layer-wise room can end while its request still runs (vLLM frees only finished requests'
+        blocks on ``finished_sending``), so the others are kept and freed when they finish."""
+        self.ended(req_ids)
+        running = req_ids & self.layerwise
+        self.sent_early |= running
+        return req_ids - running
 
     def finished(self, request: RequestView, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: (hold the blocks?, kv_transfer_params for the response)."""
@@ -210,6 +271,17 @@ class TransferBook:
         params = request.kv_transfer_params or {}
         transfer_id = params.get("transfer_id")
         if self.is_prefill:
+            self.prefilling.pop(req_id, None)
+            if req_id in self.layerwise:  # its room opened: hold the blocks until it ended
+                self.layerwise.discard(req_id)
+                done = req_id in self.sent_early
+                self.sent_early.discard(req_id)
+                if request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+                    assert isinstance(transfer_id, str)
+                    return not done, {"transfer_id": transfer_id, "room": room_of(transfer_id)}
+                if not done:
+                    self.pending.abort.append(self.in_flight[req_id])
+                return not done, None
             if not params.get("do_remote_decode") or not isinstance(transfer_id, str):
                 return False, None
             transfer = Transfer(req_id, transfer_id, tuple(block_ids[: self._num_blocks(request)]))
@@ -238,7 +310,15 @@ class TransferBook:
         return meta
 
     def has_work(self) -> bool:
-        return bool(self.in_flight or self.pending.start or self.pending.abort or self.pending.cancel)
+        p = self.pending
+        return bool(self.in_flight or p.start or p.layerwise or p.abort or p.cancel)
+
+
+@dataclass
+class _Prefilling:
+    transfer_id: str
+    num_tokens: int
+    block_ids: list[int] = field(default_factory=list)
 
 
 class TransferEngineConnector(KVConnectorBase_V1):
@@ -259,6 +339,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
         self.introspect_port = int(extra.get("introspect_port", 0))
         self.heartbeat_interval = float(extra.get("heartbeat_interval", 5.0))
         self.connect_timeout = float(extra.get("connect_timeout", 30.0))
+        self.layers_per_write = int(extra.get("layers_per_write", 4))
         self.engine_cpus = engine_cpus(extra.get("engine_cpus"))
         self.block_size = vllm_config.cache_config.block_size
         if not self.is_prefill and vllm_config.cache_config.enable_prefix_caching:
@@ -270,6 +351,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
         # worker side
         self._runner: EngineThread | None = None
         self._idle_step = False
+        self._layer_index: dict[str, int] = {}
         if role == KVConnectorRole.WORKER:
             self._vllm_config = vllm_config
 
@@ -284,14 +366,15 @@ class TransferEngineConnector(KVConnectorBase_V1):
         self._book.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._book.scheduled(scheduler_output)
         meta = self._book.take_meta()
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._book.ended(
-            (*(connector_output.finished_sending or ()), *(connector_output.finished_recving or ()))
-        )
+        if connector_output.finished_sending:
+            connector_output.finished_sending = self._book.sent(connector_output.finished_sending)
+        self._book.ended(connector_output.finished_recving or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Prefill: hold the blocks of a finished request until its KV went out (or failed); an
@@ -314,6 +397,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
             get_tensor_model_parallel_world_size,
         )
 
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._runner = EngineThread(
             role="prefill" if self.is_prefill else "decode",
             layers=list(kv_caches.values()),
@@ -327,9 +411,19 @@ class TransferEngineConnector(KVConnectorBase_V1):
             introspect_port=self.introspect_port,
             heartbeat_interval=self.heartbeat_interval,
             connect_timeout=self.connect_timeout,
+            layers_per_write=self.layers_per_write,
             cpus=self.engine_cpus,
         )
         self._runner.start()
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward: open the layer-wise rooms of the requests it completes."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._runner is None or not isinstance(connector_metadata, TransferMetadata):
+            return
+        for t in connector_metadata.layerwise:
+            room, digest = room_of(t.transfer_id), digest_of(t.transfer_id)
+            self._runner.send_layerwise(t.req_id, room, t.transfer_id, list(t.block_ids), digest)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Hand this step's new transfers and aborts to the engine thread; never waits for them."""
@@ -355,10 +449,16 @@ class TransferEngineConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        """Nothing per layer: the KV is sent once the request finished (see the module docstring)."""
+        """The forward wrote ``layer_name``: this step's layer-wise rooms may send it (CPU: the
+        layer is written when this is called; the WRITE runs while the forward goes on)."""
+        if self._runner is not None:
+            self._runner.layer_written(self._layer_index[layer_name])
 
     def wait_for_save(self) -> None:
-        """Sends are asynchronous and hold their blocks until ``get_finished`` reports them."""
+        """The forward is over: hand any layer not reported yet to the layer-wise rooms. Sends are
+        asynchronous and hold their blocks until ``get_finished`` reports them."""
+        if self._runner is not None:
+            self._runner.step_written()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose prefill room ended, requests whose decode room ended) since the last call."""
