@@ -35,6 +35,9 @@ from typing import Any
 
 import pytest
 
+from transfer_engine.cli import fetch_snapshot
+from transfer_engine.introspect.schema import RoomSnapshot
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 START_TIMEOUT = 420.0
@@ -105,6 +108,8 @@ class Setup:
     router2: Proc
     bootstrap1: int
     introspect: list[int]
+    prefill_ranks: dict[str, list[int]]
+    """Each router's prefill ranks, by their introspection ports."""
 
 
 SERVERS: list[Proc] = []
@@ -184,11 +189,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     )  # fmt: skip
     prefill1 = serve(
         "prefill1", tmp, model, free_port(),
-        "--kv-transfer-config", kv("kv_producer", bootstrap_port=b1, introspect_port=i_p1),
+        "--kv-transfer-config", kv("kv_producer", bootstrap_port=b1, introspect_port=i_p1, layers_per_write=1),
     )  # fmt: skip
     prefill2 = serve(
         "prefill2", tmp, model, free_port(), "--tensor-parallel-size", "2",
-        "--kv-transfer-config", kv("kv_producer", bootstrap_port=b2, introspect_port=i_p2),
+        "--kv-transfer-config", kv("kv_producer", bootstrap_port=b2, introspect_port=i_p2, layers_per_write=1),
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )  # fmt: skip
     router1 = router("router1", tmp, free_port(), prefill1.port, b1, decode.port)
@@ -200,7 +205,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         wait_healthy([router1, router2], "/healthz")
         for p in (decode, prefill1, prefill2):  # the first forward of an instance is slow (TP=2: ~30 s)
             complete(p.port, [1, 2, 3], 1)
-        yield Setup(decode, prefill1, prefill2, router1, router2, b1, [i_d, i_p1, i_p2, i_p2 + 1])
+        ranks = {"router1": [i_p1], "router2": [i_p2, i_p2 + 1]}
+        yield Setup(decode, prefill1, prefill2, router1, router2, b1, [i_d, i_p1, i_p2, i_p2 + 1], ranks)
     finally:
         stop(procs)
 
@@ -246,21 +252,21 @@ def metrics(port: int) -> dict[str, float]:
     return out
 
 
-def dump(port: int) -> dict[str, Any]:
-    """``transfer-engine dump --json`` of the engine serving introspection on ``port``."""
-    out = subprocess.run(
-        [str(Path(sys.executable).parent / "transfer-engine"), "dump", "--endpoint", f"tcp://127.0.0.1:{port}", "--json", "--timeout", "60"],
-        capture_output=True, timeout=120, check=True,
-    )  # fmt: skip
-    snapshot: dict[str, Any] = json.loads(out.stdout)
-    return snapshot
+def live_rooms(port: int) -> list[RoomSnapshot]:
+    """Rooms live in the engine serving introspection on ``port`` (what ``transfer-engine dump``
+    shows; asked in-process, as a subprocess takes seconds to start on a loaded box)."""
+    return list(fetch_snapshot(f"tcp://127.0.0.1:{port}", timeout=60).rooms)
 
 
-def held_report(s: Setup, rooms: dict[int, list[dict[str, Any]]]) -> str:
+def writes_posted(ports: list[int]) -> int:
+    """WRITEs the engines serving introspection on ``ports`` have posted, in all."""
+    return sum(fetch_snapshot(f"tcp://127.0.0.1:{port}", timeout=60).counters.writes_posted for port in ports)
+
+
+def held_report(rooms: dict[int, list[RoomSnapshot]]) -> str:
     """What is still held, for a failure message: each live room, then :func:`logs_report`."""
     lines = [
-        f"engine :{port}: room {r['room']} {r['side']} {r['state']} age {r['age_s']:.1f} s, "
-        f"waiting for {r['waiting_for']!r}"
+        f"engine :{port}: room {r.room} {r.side} {r.state} age {r.age_s:.1f} s, waiting for {r.waiting_for!r}"
         for port, live in rooms.items()
         for r in live
     ]
@@ -292,11 +298,11 @@ def assert_nothing_held(s: Setup) -> None:
         usage = {
             p.name: metrics(p.port)["vllm:kv_cache_usage_perc"] for p in (s.decode, s.prefill1, s.prefill2)
         }
-        rooms: dict[int, list[dict[str, Any]]] = {port: dump(port)["rooms"] for port in s.introspect}
+        rooms = {port: live_rooms(port) for port in s.introspect}
         if not any(usage.values()) and not any(rooms.values()):
             return
         if time.monotonic() > deadline:
-            pytest.fail(f"still held after 90 s: KV cache usage {usage}\n{held_report(s, rooms)}")
+            pytest.fail(f"still held after 90 s: KV cache usage {usage}\n{held_report(rooms)}")
         time.sleep(0.5)
 
 
@@ -319,9 +325,14 @@ def test_decode_tokens_match_vllm_alone_and_decode_computes_no_prompt(setup: Set
         alone["vllm:prompt_tokens_by_source_total[external_kv_transfer]"]
         == before["vllm:prompt_tokens_by_source_total[external_kv_transfer]"]
     )
+    posted = writes_posted(setup.prefill_ranks[which])
     disaggregated = [complete(route.port, p, 12) for p in batch]
     after = metrics(setup.decode.port)
     assert disaggregated == reference
+    # Layer-wise sends with layers_per_write=1: every prefill rank WRITEs each layer of each request
+    # on its own (one WRITE per layer, not one per request), and one rank the digest beside.
+    layers, ranks = MODEL_CONFIG["num_hidden_layers"], len(setup.prefill_ranks[which])
+    assert writes_posted(setup.prefill_ranks[which]) - posted == len(batch) * (layers * ranks + 1)
     computed = (
         after["vllm:prompt_tokens_by_source_total[local_compute]"]
         - alone["vllm:prompt_tokens_by_source_total[local_compute]"]
