@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 import numpy as np
 import pytest
 
 from transfer_engine import patterns
-from transfer_engine.errors import FailureReason, TransferFailed
+from transfer_engine.errors import FailureReason, LocalProtocolError, TransferFailed
 from transfer_engine.protocol.rooms import RoomStatus
 
 from .harness import cluster, run_room, small_layout
@@ -51,6 +53,27 @@ async def test_a_room_the_decode_aborted_before_the_prefill_opened_it_fails_once
                 assert info.value.reason is FailureReason.ABORTED
         assert not any(e.counters["stash_expired"] for e in c.prefill)
         await run_room(c, 8, np.arange(3), np.arange(3), [2, 1])
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_layer_wise_sends_into_a_room_that_opened_failed_leave_the_engine_running() -> None:
+    """A layer-wise chunk begun and reported on a room that fails at once (its decode aborted first):
+    the chunk's layers, queued behind the refused chunk, are refused too. (Regression: the room
+    actor raised KeyError on them, which stopped the whole prefill engine: vLLM's worker died.)"""
+    async with cluster(small_layout(), 1, 1, bootstrap_timeout=120) as c:
+        layers = c.prefill[0].pool.layout.num_layers
+        for room in range(20, 30):  # the room actor may run before, between or after the two calls
+            receiver = await c.decode[0].receiver(room, c.bootstrap)
+            await receiver.abort()
+            sender = c.prefill[0].sender(room)
+            with contextlib.suppress(LocalProtocolError):  # refused if the room already ended
+                await sender.begin_chunk(np.arange(2), last=True)
+                await sender.layers_ready(0, layers)
+            with anyio.fail_after(30), pytest.raises(TransferFailed) as info:
+                await sender.wait()
+            assert info.value.reason is FailureReason.ABORTED
+        await run_room(c, 40, np.arange(3), np.arange(3), [2, 1])
         c.assert_no_leaks()
 
 

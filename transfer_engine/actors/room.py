@@ -226,6 +226,10 @@ class SenderRoomActor(_RoomActor):
                 self.ready.append(None)
                 self.groups[chunk.chunk_id] = []
             case LayersReady(group=group, ready=waits):
+                if group.chunk_id not in self.groups:  # its QueueChunk was refused: the room had failed
+                    raise LocalProtocolError(
+                        f"room {self.room}: layers of chunk {group.chunk_id}, never queued"
+                    )
                 self.groups[group.chunk_id].append((group, waits))
                 for d in sorted(self.requests):
                     self._schedule_group(group, waits, d)
