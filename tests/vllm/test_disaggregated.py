@@ -259,13 +259,14 @@ def leave_after_first_token(port: int, prompt: list[int], max_tokens: int) -> No
 
 
 def metrics(port: int) -> dict[str, float]:
-    """vLLM's counters and gauges on ``port``, by metric name (plus ``{source=...}`` for by-source)."""
+    """vLLM's counters and gauges on ``port``, by metric name (plus ``[source]`` for by-source
+    counters and ``[reason]`` for finished requests; client aborts are not counted there)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+)$", line)
         if m:
-            source = re.search(r'source="([a-z_]+)"', m.group(2) or "")
+            source = re.search(r'(?:source|finished_reason)="([a-z_]+)"', m.group(2) or "")
             name = m.group(1) + (f"[{source.group(1)}]" if source else "")
             out[name] = out.get(name, 0.0) + float(m.group(3))
     return out
@@ -367,6 +368,7 @@ def test_decode_tokens_match_vllm_alone_and_decode_computes_no_prompt(setup: Set
 
 def test_cancelled_requests_free_their_blocks_on_both_sides(setup: Setup) -> None:
     long_prompt, *batch = prompts(7, (1500, 45, 200))
+    before = metrics(setup.decode.port)
     # 1. The decode holds blocks for a transfer whose prefill never comes, and is cancelled while waiting.
     body = {
         "model": "m", "prompt": long_prompt, "max_tokens": 4, "temperature": 0,
@@ -386,6 +388,12 @@ def test_cancelled_requests_free_their_blocks_on_both_sides(setup: Setup) -> Non
     for route in (setup.router1, setup.router2):
         leave_after_first_token(route.port, long_prompt, 500)
     assert_nothing_held(setup)
+    after = metrics(setup.decode.port)
+    failed = "vllm:request_success_total[error]"  # vLLM's count of failed requests (HTTP 500)
+    assert after[failed] == before[failed]
+    # both streamed requests had their whole prompt transferred before the client went away
+    transferred = "vllm:prompt_tokens_by_source_total[external_kv_transfer]"
+    assert after[transferred] - before[transferred] == 2 * len(long_prompt)
     for route in (setup.router1, setup.router2):
         assert [complete(route.port, p, 8) for p in batch] == [
             complete(setup.decode.port, p, 8) for p in batch
