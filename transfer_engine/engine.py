@@ -129,6 +129,13 @@ def _check_room(room: int) -> None:
         raise ConfigError(f"room={room!r} must be an integer in [0, 2**63)")
 
 
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """A CUDA event recorded on ``stream`` now: it completes once the work queued on it so far has."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
 class _Handle:
     def __init__(self, actor: _RoomActor) -> None:
         self._actor = actor
@@ -194,7 +201,11 @@ class Sender(_Handle):
         self._chunks = 0
         self._layers = LayerChunks(pool.layout.num_layers, layers_per_write)
         self._waits: list[Ready] = []
-        """The ``ready`` of each layers_ready() call since the last group went out."""
+        """The ``ready`` of each layers_ready() call since the last group went out (None left out)."""
+        self._pending_stream: torch.cuda.Stream | None = None
+        """CUDA: the stream of the layers_ready() calls without ``ready`` since the last event recorded
+        for them; one event on it, recorded when the group closes (or the caller's stream changes),
+        covers them all."""
 
     @property
     def decode_prefix_len(self) -> int:
@@ -269,7 +280,13 @@ class Sender(_Handle):
 
     def _prepare_layers(self, start: int, end: int, ready: Ready) -> LayersReady | None:
         """Validate one layers_ready() and return the group's mail when a group is complete (else
-        None); changes nothing when invalid."""
+        None); changes nothing when invalid.
+
+        Called once per layer from inside a forward, so it does no more than it must: on CUDA a call
+        without ``ready`` records no event unless it closes a group (or the caller's current stream
+        changed since the last such call): work queued on a stream is ordered, so the one event
+        recorded when the group closes covers every layer of the group that stream wrote.
+        """
         status = self._actor.status
         # A rank that writes nothing to any decode rank of the room succeeds once its last chunk is
         # queued; the layers of that chunk are still reported (and validated), and go nowhere.
@@ -282,15 +299,21 @@ class Sender(_Handle):
             raise ConfigError(f"ready={ready!r} must be a torch.cuda.Event, a threading.Event or None")
         if isinstance(ready, torch.cuda.Event) and not cuda:
             raise ConfigError(f"ready={ready!r} is a CUDA event but this KV pool is on {self._pool.device}")
-        if ready is None and cuda:
-            # the layers are written by work queued so far on the caller's stream
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self._pool.device))
         group = self._layers.ready(start, end)
-        self._waits.append(ready)
+        if ready is not None:
+            self._waits.append(ready)
+        elif cuda:
+            # the layers are written by work queued so far on the caller's stream
+            stream = torch.cuda.current_stream(self._pool.device)
+            if self._pending_stream is not None and self._pending_stream != stream:
+                self._waits.append(_recorded(self._pending_stream))
+            self._pending_stream = stream
         if group is None:
             return None
-        waits = tuple(w for w in self._waits if w is not None)
+        if self._pending_stream is not None:
+            self._waits.append(_recorded(self._pending_stream))
+            self._pending_stream = None
+        waits = tuple(self._waits)
         self._waits = []
         return None if writes_nothing else LayersReady(group, waits)
 
@@ -314,9 +337,12 @@ class Sender(_Handle):
         (``EngineConfig``), one WRITE per decode rank, as soon as every ``ready`` of the group has
         completed, while the caller's forward goes on.
 
-        ``ready``: on CUDA, an event recorded after the kernels that wrote the layers (None: one is
-        recorded on the caller's current stream now); on CPU, a ``threading.Event`` the writing
-        thread sets, or None when the layers are written already. ConfigError for a range outside
+        ``ready``: on CUDA, an event recorded after the kernels that wrote the layers (None: the
+        work queued so far on the caller's current stream; one event per group and stream is
+        recorded for such calls, when the group closes, so a call that closes no group records
+        nothing); on CPU, a ``threading.Event`` the writing thread sets, or None when the layers are
+        written already. Called once per layer from a forward: a call costs microseconds and wakes
+        nothing unless it closes a group. ConfigError for a range outside
         ``[0, num_layers]`` or a bad ``ready``; LocalProtocolError when no chunk is open, the range
         does not start where the last one ended, or the room is final. Nothing is queued then.
         """

@@ -75,7 +75,7 @@ class _Mailer:
     """Loop side of the facade: delivers handles' mail to room actors in the order it was posted,
     and starts the tasks callers ask for (a receiver's handshake).
 
-    ``post`` and ``start`` run as plain loop callbacks (``call_soon_threadsafe``), where no task is
+    ``post`` and ``start`` run as plain loop callbacks (:meth:`BlockingEngine._call_soon`), where no task is
     current, so they start nothing themselves: they queue work and wake :meth:`run`, a task of the
     facade's task group that starts it. Mail goes straight into the room's mailbox when there is
     room and nothing is queued ahead of it; otherwise it waits in a backlog that one task drains in
@@ -233,7 +233,9 @@ class BlockingSender(_BlockingHandle):
     def layers_ready(self, start: int, end: int, *, ready: Ready = None) -> None:
         """Layers ``[start, end)`` of the open chunk are written once ``ready`` completes (see
         :meth:`Sender.layers_ready`); never blocks. Called from inside a forward, per layer or group:
-        on CUDA, without ``ready`` an event is recorded on this thread's current stream."""
+        on CUDA, without ``ready`` the group waits for this thread's current stream (one event per
+        group). A call that closes no group only validates and counts; one that does queues the
+        group for the loop, waking it only if no wake-up is pending."""
         with self._lock:
             self._engine._check_open()
             group = self._sender._prepare_layers(start, end, ready)
@@ -372,6 +374,10 @@ class BlockingEngine:
         self._engine: TransferEngine = engine
         self._mailer: _Mailer = mailer
         self._loop: asyncio.AbstractEventLoop = loop
+        self._queued: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+        """Calls for the loop from callers' threads, in order (see :meth:`_call_soon`)."""
+        self._wake_pending = False
+        """A wake-up of the loop is scheduled and has not started taking ``_queued`` yet."""
 
     async def _serve(
         self,
@@ -399,10 +405,31 @@ class BlockingEngine:
         return self._portal.call(fn, *args)
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
-        self._loop.call_soon_threadsafe(fn, *args)
+        """Have the loop run ``fn(*args)`` soon, after every call queued before it; from any thread.
+
+        Costs a deque append; the loop is woken (``call_soon_threadsafe``: a callback and a write
+        to its self-pipe) only when no wake-up is pending, so calls made while the loop is busy ride
+        on the wake-up already scheduled and are run in one go. ``_wake_pending`` is cleared before
+        the queue is taken: a call appended after the loop's last look finds it False and wakes it.
+        """
+        self._queued.append((fn, args))
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._loop.call_soon_threadsafe(self._run_queued)
+
+    def _run_queued(self) -> None:
+        """On the loop: run every queued call, in order (an error in one is logged, the rest run)."""
+        self._wake_pending = False
+        queued = self._queued
+        while queued:
+            fn, args = queued.popleft()
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("a facade call on the loop failed: %r", fn)
 
     def _post(self, handle: Sender | Receiver, mail: RoomMail) -> None:
-        self._loop.call_soon_threadsafe(self._mailer.post, handle, mail)
+        self._call_soon(self._mailer.post, handle, mail)
 
     # --- API --------------------------------------------------------------------------------------
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 
 import anyio
 import numpy as np
 import pytest
+import torch
 
 from .harness import cluster, run_room, shuffled_pages, small_layout
 
@@ -87,4 +89,35 @@ async def _matrix(
                     functools.partial(run_room, c, 100 + room, src, dst, chunks, aux_slot=room, layers=layers)
                 )
         # every room over: nothing live anywhere
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["direct", "staged"])
+async def test_layerwise_without_ready_waits_for_the_callers_streams(path: str) -> None:
+    """``layers_ready()`` without ``ready``: the group's WRITE waits for the work queued on the
+    caller's stream (one event per group and stream). On CUDA each layer is written after a ~20 ms
+    delay kernel, the layers of a group alternating between two streams, so a WRITE that waited for
+    fewer than both streams reads stale bytes; on CPU the KV is written before the call."""
+    from transfer_engine import patterns
+
+    layout = small_layout()
+    async with cluster(layout, 1, 1, path=path, layers_per_write=2) as c:
+        engine = c.prefill[0]
+        cuda = engine.pool.device.type == "cuda"
+        streams = [torch.cuda.Stream(engine.pool.device) for _ in range(2)] if cuda else []
+        pages, room = np.arange(5), 7
+        receiver = await c.decode[0].receiver(room, c.bootstrap, np.arange(10, 15))
+        sender = engine.sender(room)
+        await sender.begin_chunk(pages, last=True)
+        for layer in range(layout.num_layers):
+            with torch.cuda.stream(streams[layer % 2]) if cuda else contextlib.nullcontext():
+                if cuda:
+                    torch.cuda._sleep(40_000_000)
+                patterns.fill(engine.pool, room, pages, layers=(layer, layer + 1))
+                await sender.layers_ready(layer, layer + 1)
+        with anyio.fail_after(30):
+            await sender.wait()
+            await receiver.wait()
+        assert patterns.mismatches(c.decode[0].pool, room, np.arange(10, 15), 5 * layout.page_size) == 0
         c.assert_no_leaks()
