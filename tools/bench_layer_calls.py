@@ -1,6 +1,6 @@
 """What reporting a layer costs the forward: ``layers_ready`` per call, old code against new, one run.
 
-    python tools/bench_layer_calls.py [--base main] [--device cpu|cuda] [--layers 64] [--per-write 1,4]
+    python tools/bench_layer_calls.py [--base main|none] [--device cpu|cuda] [--layers 64] [--per-write 1,4]
                                       [--rooms 20] [--work-us 200]
 
 A prefill and a decode engine in one process (real NIXL, ZMQ), KV pool on ``--device``, one-page
@@ -20,7 +20,8 @@ thread, or its GIL, added).
 
 Old against new: the same measurement runs twice, in child processes whose ``PYTHONPATH`` is a
 detached worktree of ``--base`` (made and removed here) and this tree; rooms alternate nothing
-between them, so compare the rows of one run only. Needs a git checkout.
+between them, so compare the rows of one run only. Needs a git checkout; ``--base none`` measures
+this tree only (a machine with a copy of the tree and no git, as the GPU machine).
 """
 
 from __future__ import annotations
@@ -213,7 +214,9 @@ def run_tree(tree: Path, argv: list[str]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", default="main", help="git revision of the old code")
+    parser.add_argument(
+        "--base", default="main", help="git revision of the old code ('none': measure this tree only)"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--per-write", default="1,4", help="layers_per_write values, comma-separated")
@@ -226,6 +229,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child(args)
     forwarded = [a for a in raw if a != "--child"]
+    if args.base == "none":
+        new = run_tree(ROOT, forwarded)
+        old = new
+    else:
+        old, new = _old_and_new(args, forwarded)
+    load = os.getloadavg()
+    print(
+        f"layers_ready per call: {args.device}, {args.layers} layers, {args.work_us:.0f} us of work per layer, "
+        f"{args.rooms} rooms per row; old = {args.base}, new = this tree; load average {load[0]:.1f}"
+    )
+    head = f"{'mode':>7} {'x':>3} {'code':>4} {'median us':>10} {'p90 us':>8} {'mean us':>8} {'wakeups':>8} {'forward ms':>11} {'ideal ms':>9}"
+    print(head)
+    for o, n in zip(old, new, strict=True):
+        for code, r in (("old", o), ("new", n)) if args.base != "none" else (("new", n),):
+            wake = f"{r['wakeups_per_chunk']:8.1f}" if "wakeups_per_chunk" in r else f"{'':>8}"
+            print(
+                f"{r['mode']:>7} {r['per_write']:>3} {code:>4} {r['call_median_us']:10.2f} {r['call_p90_us']:8.2f} "
+                f"{r['call_mean_us']:8.2f} {wake} {r['forward_ms']:11.2f} {r['forward_ideal_ms']:9.2f}"
+            )
+    print(json.dumps({"old": old if args.base != "none" else None, "new": new, "load": load[0]}))
+    return 0
+
+
+def _old_and_new(
+    args: argparse.Namespace, forwarded: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Both measurements: ``--base`` in a detached worktree made for it (removed after), then this tree."""
     with tempfile.TemporaryDirectory(prefix="bench-layer-calls-") as tmp:
         base = Path(tmp) / "base"
         subprocess.run(
@@ -239,22 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             new = run_tree(ROOT, forwarded)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
-    load = os.getloadavg()
-    print(
-        f"layers_ready per call: {args.device}, {args.layers} layers, {args.work_us:.0f} us of work per layer, "
-        f"{args.rooms} rooms per row; old = {args.base}, new = this tree; load average {load[0]:.1f}"
-    )
-    head = f"{'mode':>7} {'x':>3} {'code':>4} {'median us':>10} {'p90 us':>8} {'mean us':>8} {'wakeups':>8} {'forward ms':>11} {'ideal ms':>9}"
-    print(head)
-    for o, n in zip(old, new, strict=True):
-        for code, r in (("old", o), ("new", n)):
-            wake = f"{r['wakeups_per_chunk']:8.1f}" if "wakeups_per_chunk" in r else f"{'':>8}"
-            print(
-                f"{r['mode']:>7} {r['per_write']:>3} {code:>4} {r['call_median_us']:10.2f} {r['call_p90_us']:8.2f} "
-                f"{r['call_mean_us']:8.2f} {wake} {r['forward_ms']:11.2f} {r['forward_ideal_ms']:9.2f}"
-            )
-    print(json.dumps({"old": old, "new": new, "load": load[0]}))
-    return 0
+    return old, new
 
 
 if __name__ == "__main__":

@@ -1,31 +1,46 @@
 """Layer-wise sending against chunk-level sending: the transfer tail and the forward time, one run.
 
     python tools/bench_layerwise.py --device cuda [--path direct|host|staged|slice]
-                                    [--tokens 1024,4096,16384] [--per-write 1,2,4,8] [--reps 5]
+                                    [--tokens 1024,4096,16384] [--per-write 1,4] [--reps 3]
+    python tools/bench_layerwise.py --device cpu --kv-heads 2 --tokens 1024 --hidden 256 --ffn 1024
     python tools/bench_layerwise.py --tiny      # CPU, tiny sizes: checks that it runs
 
-Two processes (prefill, decode; with ``--device cuda`` GPU 0 and GPU 1), each a blocking-facade engine
-(``transfer_engine.facade``) as a threaded scheduler would use it, on a Qwen3-32B-shaped KV layout by
-default (64 layers, 8 KV heads, head_dim 128, bf16, pages of 16 tokens). Per room the prefill runs a
-simulated forward on its own thread: per layer one ``[tokens, hidden] @ [hidden, ffn]`` matmul (about
-the FLOPs of a 32B model's layer at the defaults) on the prefill GPU, then
+Two processes (prefill, decode; with ``--device cuda`` GPU 0 and GPU 1, or both on GPU 0 when there
+is one), each a blocking-facade engine (``transfer_engine.facade``) as a threaded scheduler uses it,
+on a Qwen3-32B-shaped KV layout by default (64 layers, 8 KV heads, head_dim 128, bf16, pages of 16
+tokens). Per room the prefill runs a simulated forward on a thread of its own (on CUDA, on a stream of
+its own), so the engine's loop thread runs beside it as in a real server: per layer one
+``[tokens, hidden] @ [hidden, ffn]`` matmul (about the FLOPs of a 32B model's layer at the defaults),
+then
 
-- ``chunk``: after the last layer, ``send(pages, last=True)``;
-- ``layers xN``: ``begin_chunk(pages)`` before the forward, ``layers_ready(l, l + 1)`` after each layer
-  (an event recorded on the forward's stream; ``layers_per_write`` = N groups them).
+- ``chunk``: after the last layer, ``send(pages, last=True)`` from the forward's thread (an event on
+  its stream orders the WRITE after the forward);
+- ``layers xN``: ``begin_chunk(pages)`` before the forward, ``layers_ready(l, l + 1)`` after each
+  layer's matmul is enqueued (``layers_per_write`` = N groups them).
 
-Measured per room (medians over ``--reps`` rooms, after one warm-up room per mode):
+Measured per room (medians over ``--reps`` rooms, after one warm-up room per mode), on the one
+host's monotonic clock:
 
-- ``tail``: the prefill's last layer finished (its stream synchronized, ``time.monotonic()``) to the
-  decode's ``poll()`` saying Success (every byte landed), in the same clock (one host);
-- ``forward``: the forward's wall time, start to last layer finished (layer-wise sending must not
-  slow it: compare with ``chunk``, which sends nothing during it);
-- ``group``: one group's own transfer, estimated as room bytes / the chunk-level room's transfer rate
-  times N / L (the issue's goal: ``tail <= group + 0.3 ms``).
+- ``done``: when the last layer's work completed, not when Python got to it. On CUDA an anchor event
+  is recorded on the forward's stream while it is idle, with the host clock read on both sides of its
+  completion (retried until they are within 50 us); the last layer completed at the anchor plus the
+  GPU's elapsed time between the anchor and an event recorded after the last layer. On CPU, the
+  forward thread's clock right after the last matmul returned;
+- ``landed``: the decode room's step mark ``SUCCESS`` (``EngineConfig.trace_steps``): its loop saw
+  every byte in place (on the staged and host paths: scattered into the KV pool);
+- ``tail`` = landed - done, split into ``react`` (done -> the prefill's worker posted the room's
+  last WRITE, step mark ``posted``) and ``last WRITE`` (posted -> landed);
+- ``forward``: forward start -> done; layer-wise sending must not slow it (compare with ``chunk``,
+  which sends nothing during it);
+- ``group est``: the chunk-level rooms' tail (every layer's bytes, from the forward's end) x N /
+  layers: what one group alone takes at the same rate (an estimate, not a timed WRITE; on CPU the
+  NIXL post itself copies, so ``react`` holds most of a WRITE there). The issue's goal:
+  ``tail <= group + 0.3 ms``.
 
-KV contents are not checked here (the tests check every byte: tests/integration/test_matrix.py).
-The serving example's TTFT with and without ``--layerwise`` is ``tools/serving_gpu.py`` run twice,
-the second time with ``--layerwise`` passed through (see docs/PERF.md).
+The heartbeat interval is 5 s here (lease 10 s): a stalled loop shows as a long tail, not as a dead
+peer. KV contents are not checked (the tests check every byte: tests/integration/test_matrix.py).
+The serving example's TTFT with and without ``--layerwise`` is ``tools/serving_bench.py`` (see
+``tools/gpu_e2e.sh layerwise-serving`` and docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -34,9 +49,10 @@ import argparse
 import multiprocessing as mp
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +62,9 @@ from transfer_engine.facade import BlockingEngine
 from transfer_engine.layout import KVLayout, KVPool
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.testing import free_port
+
+TRACE = 1 << 16
+ANCHOR_WITHIN_S = 50e-6
 
 
 def _layout(args: argparse.Namespace) -> KVLayout:
@@ -61,18 +80,18 @@ def _config(args: argparse.Namespace, role: str, port: int, per_write: int = 4) 
     return EngineConfig(
         role=role, bootstrap_port=port, path=args.path, layers_per_write=per_write,  # type: ignore[arg-type]
         staging_chunk_pages=-(-max(args.tokens) // args.page_size), transfer_timeout=120.0,
+        heartbeat_interval=5.0, trace_steps=TRACE,
     )  # fmt: skip
 
 
-def _wait(handle: Any, want: RoomStatus, limit_s: float = 120.0) -> float:
-    """Spin on ``poll()`` until ``want``; the time it was first seen. RuntimeError on failure."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        status = handle.poll()
-        if status is want:
-            return time.monotonic()
-        if status is RoomStatus.FAILED or time.monotonic() > deadline:
-            raise RuntimeError(f"room {handle.room}: {status.name} {handle.failure}")
+def _mark(marks: list[tuple[int, int, str]], room: int, step: str) -> float:
+    """The time (s) of ``room``'s last ``step`` mark; RuntimeError naming them when there is none."""
+    times = [ns for ns, r, s in marks if r == room and s == step]
+    if not times:
+        raise RuntimeError(
+            f"room {room}: no {step!r} mark among {sorted({s for _, r, s in marks if r == room})}"
+        )
+    return max(times) / 1e9
 
 
 def decode_main(args: argparse.Namespace, port: int, pipe: Connection) -> None:
@@ -89,61 +108,132 @@ def decode_main(args: argparse.Namespace, port: int, pipe: Connection) -> None:
                 return
             room, tokens = job
             pages = np.arange(-(-tokens // args.page_size))
-            receiver = engine.receiver(room, bootstrap=f"tcp://127.0.0.1:{port}")
-            _wait(receiver, RoomStatus.WAITING_FOR_INPUT)
-            receiver.request(pages)
-            pipe.send("asked")
-            pipe.send(_wait(receiver, RoomStatus.SUCCESS))
+            receiver = engine.receiver(room, f"tcp://127.0.0.1:{port}", pages)
+            receiver.wait(120)
+            pipe.send(_mark(engine.take_trace(), room, "d.SUCCESS"))
 
 
-def _forward(x: torch.Tensor, w: torch.Tensor, layers: int, on_layer: Any) -> float:
-    """Run ``layers`` matmuls, calling ``on_layer(l)`` after each is enqueued; the time the last finished."""
-    for layer in range(layers):
-        torch.matmul(x, w)
-        on_layer(layer)
-    if x.is_cuda:
-        torch.cuda.current_stream(x.device).synchronize()
-    return time.monotonic()
+def _anchor(stream: torch.cuda.Stream) -> tuple[torch.cuda.Event, float]:
+    """An event completed on the idle ``stream`` and the host time it completed (within 25 us)."""
+    stream.synchronize()
+    for _ in range(1000):
+        event = torch.cuda.Event(enable_timing=True)
+        before = time.monotonic()
+        event.record(stream)
+        event.synchronize()
+        after = time.monotonic()
+        if after - before < ANCHOR_WITHIN_S:
+            return event, (before + after) / 2
+    raise RuntimeError(f"no event on an idle stream completed within {ANCHOR_WITHIN_S * 1e6:.0f} us")
+
+
+class Forward:
+    """The simulated forward: one matmul per layer on its own thread (and CUDA stream)."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, tokens: int) -> None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.layers = args.layers
+        self.weight = torch.randn(args.hidden, args.ffn, device=device, dtype=dtype)
+        self.x = torch.randn(tokens, args.hidden, device=device, dtype=dtype)
+        self.out = torch.empty(tokens, args.ffn, device=device, dtype=dtype)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def run(self, on_layer: Callable[[int], None], after: Callable[[], None]) -> tuple[float, float]:
+        """Run it on a new thread: ``on_layer(l)`` after each layer is enqueued, ``after()`` after the
+        last; returns (start, done), ``done`` when the last layer's work completed (module docstring)."""
+        result: list[tuple[float, float]] = []
+        failed: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                result.append(
+                    self._cuda(on_layer, after) if self.stream is not None else self._cpu(on_layer, after)
+                )
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=body, name="forward")
+        thread.start()
+        thread.join()
+        if failed:
+            raise failed[0]
+        return result[0]
+
+    def _cuda(self, on_layer: Callable[[int], None], after: Callable[[], None]) -> tuple[float, float]:
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            anchor, start = _anchor(self.stream)
+            for layer in range(self.layers):
+                torch.matmul(self.x, self.weight, out=self.out)
+                on_layer(layer)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+            after()
+            end.synchronize()
+        return start, start + anchor.elapsed_time(end) / 1e3
+
+    def _cpu(self, on_layer: Callable[[int], None], after: Callable[[], None]) -> tuple[float, float]:
+        start = done = time.monotonic()
+        for layer in range(self.layers):
+            torch.matmul(self.x, self.weight, out=self.out)
+            if layer == self.layers - 1:
+                done = time.monotonic()
+            on_layer(layer)
+        after()
+        return start, done
+
+
+def _until(handle: object, want: RoomStatus, limit_s: float = 120.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while (status := handle.poll()) is not want:  # type: ignore[attr-defined]
+        if status is RoomStatus.FAILED or time.monotonic() > deadline:
+            raise RuntimeError(f"room {handle.room}: {status.name} {handle.failure}")  # type: ignore[attr-defined]
+        time.sleep(0.0005)  # sleeping, not spinning: the engine's loop thread needs the GIL
+
+
+Row = tuple[int, str, int, float, float, float, float]
+"""(tokens, mode, layers_per_write, tail, react, last WRITE, forward), medians in ms."""
 
 
 def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Connection) -> None:
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(args.torch_threads)
     pool = _pool(args, device)
-    weight = torch.randn(
-        args.hidden, args.ffn, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
-    )
     modes = [("chunk", 0)] + [("layers", n) for n in args.per_write]
-    rows = []
+    rows: list[Row] = []
     room = 1
     with BlockingEngine(_config(args, "prefill", port), pool) as engine:
         for tokens in args.tokens:
-            x = torch.randn(tokens, args.hidden, device=device, dtype=weight.dtype)
+            forward = Forward(args, device, tokens)
             pages = np.arange(-(-tokens // args.page_size))
             for mode, per_write in modes:
-                tails, forwards = [], []
+                samples = []
                 for rep in range(args.reps + 1):
                     sender = engine.sender(room, layers_per_write=max(per_write, 1))
                     pipe.send((room, tokens))
-                    assert pipe.recv() == "asked"
-                    _wait(sender, RoomStatus.WAITING_FOR_INPUT)
-                    start = time.monotonic()
+                    _until(sender, RoomStatus.WAITING_FOR_INPUT)
                     if mode == "chunk":
-                        done = _forward(x, weight, args.layers, lambda layer: None)
-                        sender.send(pages, last=True)
+                        start, done = forward.run(
+                            lambda layer: None, lambda s=sender, p=pages: s.send(p, last=True)
+                        )
                     else:
                         sender.begin_chunk(pages, last=True)
-                        done = _forward(
-                            x, weight, args.layers, lambda layer, s=sender: s.layers_ready(layer, layer + 1)
+                        start, done = forward.run(
+                            lambda layer, s=sender: s.layers_ready(layer, layer + 1), lambda: None
                         )
+                    sender.wait(120)
                     landed = pipe.recv()
-                    _wait(sender, RoomStatus.SUCCESS)
+                    posted = _mark(engine.take_trace(), room, "p.posted")
                     room += 1
                     if rep:  # the first room of each mode warms it up
-                        tails.append((landed - done) * 1e3)
-                        forwards.append((done - start) * 1e3)
-                rows.append((tokens, mode, per_write, statistics.median(tails), statistics.median(forwards)))
+                        samples.append((landed - done, posted - done, landed - posted, done - start))
+                medians = [statistics.median(s[i] for s in samples) * 1e3 for i in range(4)]
+                rows.append((tokens, mode, per_write, *medians))  # type: ignore[arg-type]
         pipe.send(None)
     out.send(rows)
 
@@ -155,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         "--path", default="auto", help="engine path (direct, host, staged, slice; auto: direct)"
     )
     parser.add_argument("--tokens", default="1024,4096,16384", help="room sizes in tokens, comma-separated")
-    parser.add_argument("--per-write", default="1,2,4,8", help="layers_per_write values, comma-separated")
-    parser.add_argument("--reps", type=int, default=5, help="rooms per (size, mode), after one warm-up")
+    parser.add_argument("--per-write", default="1,4", help="layers_per_write values, comma-separated")
+    parser.add_argument("--reps", type=int, default=3, help="rooms per (size, mode), after one warm-up")
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -167,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ffn", type=int, default=97280, help="(5120 x 97280 bf16: about a Qwen3-32B layer's weights)"
     )
+    parser.add_argument("--torch-threads", type=int, default=1, help="CPU: the forward's torch threads")
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny sizes (checks that the script runs)")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -184,29 +275,39 @@ def main(argv: list[str] | None = None) -> int:
     prefill = ctx.Process(target=prefill_main, args=(args, port, to_decode, results_end))
     prefill.start()
     decode.start()
-    rows = results.recv()
+    for end in (to_decode, decode_end, results_end):  # the children hold them: a dead child is an EOF
+        end.close()
+    try:
+        rows: list[Row] = results.recv()
+    except EOFError:
+        print("the prefill process died before it reported (its error is above)", file=sys.stderr)
+        rows = []
     prefill.join(60)
     decode.join(60)
     layout = _layout(args)
     per_token = 2 * layout.num_layers * layout.num_heads * layout.head_dim * 2
     print(
         f"layer-wise vs chunk-level: {args.device}, path={args.path}, {args.layers} layers x {args.kv_heads} "
-        f"KV heads x {args.head_dim}, bf16, {args.reps} rooms each (medians)"
+        f"KV heads x {args.head_dim}, bf16, {args.reps} rooms each (medians, ms)"
     )
     print(
-        f"{'tokens':>7} {'MB':>8} {'mode':>10} {'tail ms':>9} {'group ms':>9} {'forward ms':>11} {'fwd vs chunk':>12}"
+        f"{'tokens':>7} {'MB':>8} {'mode':>10} {'tail':>8} {'react':>8} {'last WRITE':>10} "
+        f"{'group est':>9} {'forward':>9} {'fwd/chunk':>9}"
     )
-    chunk_rate: dict[int, tuple[float, float]] = {}
-    for tokens, mode, per_write, tail, forward in rows:
+    chunk: dict[int, tuple[float, float]] = {}
+    for tokens, mode, per_write, tail, react, last_write, fwd in rows:
         mb = tokens * per_token / 1e6
         if mode == "chunk":
-            chunk_rate[tokens] = (tail, forward)
+            chunk[tokens] = (tail, fwd)
             group, label, ratio = "", "chunk", ""
         else:
-            whole, base_forward = chunk_rate[tokens]
+            whole, base_forward = chunk[tokens]
             group = f"{whole * min(per_write, args.layers) / args.layers:9.3f}"
-            label, ratio = f"layers x{per_write}", f"{forward / base_forward:12.3f}"
-        print(f"{tokens:7d} {mb:8.1f} {label:>10} {tail:9.3f} {group:>9} {forward:11.3f} {ratio:>12}")
+            label, ratio = f"layers x{per_write}", f"{fwd / base_forward:9.3f}"
+        print(
+            f"{tokens:7d} {mb:8.1f} {label:>10} {tail:8.3f} {react:8.3f} {last_write:10.3f} {group:>9} "
+            f"{fwd:9.2f} {ratio:>9}"
+        )
     return 0 if prefill.exitcode == 0 and decode.exitcode == 0 else 1
 
 

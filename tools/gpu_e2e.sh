@@ -22,15 +22,22 @@ if [ "$phase" = onetest ]; then
   TE_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | grep -v "NIXL INFO" | grep -E "Error|error|assert|FAILED|passed|failed" | head -30
   exit 0
 fi
-if [ "$phase" = layerwise ]; then  # issue 16: the tail and the forward, then TTFT with and without, device and host path
+if [ "$phase" = layerwise ]; then  # issue 16: the tail and the forward, direct and host path (one GPU is enough; < 8 min)
+  timeout 60 python3 tools/bench_layer_calls.py --device cuda --base none --rooms 20 2>&1 | grep -v "NIXL INFO" \
+    | tee "$OUT/layer-calls.txt" | tail -8
   for path in direct host; do
-    timeout 240 python3 tools/bench_layerwise.py --device cuda --path $path 2>&1 | grep -v "NIXL INFO" | tee "$OUT/layerwise-$path.txt" | tail -25
+    timeout 190 python3 tools/bench_layerwise.py --device cuda --path $path --per-write 1,4 --reps 3 2>&1 \
+      | grep -v "NIXL INFO" | tee "$OUT/layerwise-$path.txt" | tail -14
   done
+  exit 0
+fi
+if [ "$phase" = layerwise-serving ]; then  # issue 16: TTFT with and without --layerwise, host and device path (< 8 min)
   SB="--device cuda --model-hidden 2048 --model-layers 16 --model-heads 16 --model-kv-heads 8 --model-head-dim 128
       --model-ffn 5632 --long 4096 --chunk-tokens 512 --max-batch-tokens 1024 --samples 8 --window 1 --rounds 1"
-  for path in direct host; do
+  for path in host direct; do
     for lw in "" --layerwise; do
-      timeout 200 python3 tools/serving_bench.py $SB --engine path=$path $lw --json-out "$OUT/serving-$path$lw.json" \
+      echo "== path=$path $lw"
+      timeout 110 python3 tools/serving_bench.py $SB --engine path=$path $lw --json-out "$OUT/serving-$path$lw.json" \
         2>&1 | grep -v "NIXL INFO" | grep -iE "ttft|prompt|tail|error|Traceback" | head -12
     done
   done

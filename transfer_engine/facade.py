@@ -492,6 +492,12 @@ class BlockingEngine:
         """What the engine still holds (see :meth:`TransferEngine.leaks`); one synchronous loop step."""
         return dict(self._call(self._engine.leaks))
 
+    def take_trace(self) -> list[tuple[int, int, str]]:
+        """The step marks recorded since the last call (``EngineConfig.trace_steps``; none when
+        off): ``(monotonic_ns, room, step)``, oldest first (``transfer_engine.steptrace``). One
+        synchronous loop step."""
+        return list(self._call(self._engine.me.trace.take))
+
     def close(self) -> None:
         """Fail live rooms with SHUTDOWN, stop the engine and its thread. Idempotent; see the module doc."""
         with self._close_lock:
