@@ -1,6 +1,7 @@
 """Soak: many random rooms through real engines, with aborts and injected faults; every byte checked.
 
     python tools/soak.py --rooms 10000 --abort-rate 0.1 --seed 1 --json [PATH] [--fault-rate 0.05]
+                         [--layerwise 0.25] [--loss P]
 
 The rooms run in *epochs*. Each epoch draws one cluster configuration — KV layout (1, 2, 4 or 8
 heads, MLA sometimes, dtype, layers, page sizes that differ between prefill and decode on the slice
@@ -18,6 +19,12 @@ which side opens first, and maybe:
   after the last chunk;
 - a **failed WRITE** (``--fault-rate``): one of the room's WRITEs is refused at post, aimed outside
   the peer's memory, or ends in error (the bytes move, the notification does not).
+
+A share of the rooms (``--layerwise``) is sent **layer-wise**: each chunk opened with
+``begin_chunk``, its layers reported ``layers_ready`` one range at a time (1 or 2 layers a call,
+``layers_per_write`` 1 to 3), half the ranges with a ``threading.Event`` that is set only a little
+later (the worker must wait for it). A between-chunks abort of a layer-wise room lands *between
+layers* instead (``between_layers``): after the first range of a chunk was reported.
 
 Epochs with faults on also delay WRITE completions, delay, reorder, duplicate and stall
 notifications, and delay and reorder control messages (heartbeats included) at random; those never
@@ -56,6 +63,7 @@ import os
 import random
 import re
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -261,6 +269,10 @@ class RoomPlan:
     write_fault: tuple[Fault, int] | None = None
     """Fail the WRITE with this index (counted over the room's WRITEs on every prefill rank)."""
     follow_up: bool = False
+    layer_step: int = 0
+    """Layer-wise (> 0): layers reported per ``layers_ready`` call; 0 sends whole chunks."""
+    layers_per_write: int = 1
+    """Layer-wise: the room's ``layers_per_write`` (``TransferEngine.sender``)."""
 
     @property
     def pages(self) -> int:
@@ -275,11 +287,15 @@ def random_chunks(rng: random.Random, pages: int, max_chunk: int) -> tuple[int, 
     return tuple(chunks)
 
 
-def plan_abort(rng: random.Random, cfg: EpochConfig, chunks: Sequence[int]) -> AbortPlan:
+def plan_abort(
+    rng: random.Random, cfg: EpochConfig, chunks: Sequence[int], layerwise: bool = False
+) -> AbortPlan:
     side = rng.choice(("decode", "prefill"))
     tp = cfg.D if side == "decode" else cfg.P
     point = rng.choice(ABORT_POINTS)
-    if point == "between_chunks" and len(chunks) < 2:
+    if point == "between_chunks" and layerwise:
+        point = "between_layers"  # in chunk ``after_chunks - 1``, after its first range of layers
+    elif point == "between_chunks" and len(chunks) < 2:
         point = "mid_transfer"
     ranks = tuple(range(tp)) if rng.random() < 0.6 else (rng.randrange(tp),)
     if point != "before_bootstrap":
@@ -478,13 +494,18 @@ class Tally:
     loss_complete_s: list[float] = field(default_factory=list)
     """Of rooms that lost a message and still completed: the same."""
     lease_breaks: int = 0
+    layerwise: Counter[str] = field(default_factory=Counter)
+    """Layer-wise rooms, by outcome."""
     unexpected: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
-    def count(self, cfg: EpochConfig, outcome: str, detail: str = "") -> None:
+    def count(self, cfg: EpochConfig, outcome: str, detail: str = "", layerwise: bool = False) -> None:
         self.rooms += 1
         setattr(self, outcome, getattr(self, outcome) + 1)
+        if layerwise:
+            self.layerwise["rooms"] += 1
+            self.layerwise[outcome] += 1
         self.paths[cfg.path]["rooms"] += 1
         self.paths[cfg.path][outcome] += 1
         self.tp_pairs[f"{cfg.P}x{cfg.D}"] += 1
@@ -515,6 +536,7 @@ class Tally:
             "follow_ups": self.follow_ups,
             "paths": {path: dict(sorted(c.items())) for path, c in sorted(self.paths.items())},
             "tp_pairs": dict(sorted(self.tp_pairs.items())),
+            "layerwise": dict(sorted(self.layerwise.items())),
             "layouts": dict(sorted(self.layouts.items())),
             "aborts": dict(sorted(self.aborts.items())),
             "write_faults": dict(sorted(self.write_faults.items())),
@@ -607,6 +629,7 @@ class Epoch:
         room_ids: itertools.count[int],
         abort_rate: float,
         fault_rate: float,
+        layerwise: float = 0.0,
     ) -> None:
         self.cfg = cfg
         self.c = cluster
@@ -617,6 +640,7 @@ class Epoch:
         self.room_ids = room_ids
         self.abort_rate = abort_rate
         self.fault_rate = fault_rate
+        self.layerwise = layerwise
 
     def slots(self) -> list[Slot]:
         cfg, rng = self.cfg, self.rng
@@ -650,8 +674,10 @@ class Epoch:
                 aux=rng.random() < 0.7,
                 prefill_first=rng.random() < 0.3,
             )
+            if self.layerwise and rng.random() < self.layerwise:
+                plan = _replace(plan, layer_step=rng.randint(1, 2), layers_per_write=rng.randint(1, 3))
             if rng.random() < self.abort_rate:
-                plan = _replace(plan, abort=plan_abort(rng, self.cfg, plan.chunks))
+                plan = _replace(plan, abort=plan_abort(rng, self.cfg, plan.chunks, plan.layer_step > 0))
             if rng.random() < self.fault_rate:
                 plan = _replace(
                     plan,
@@ -721,7 +747,8 @@ class Epoch:
                 )
 
         def open_senders() -> None:
-            senders.extend(engine.sender(room) for engine in c.prefill)
+            per_write = plan.layers_per_write if plan.layer_step else None
+            senders.extend(engine.sender(room, layers_per_write=per_write) for engine in c.prefill)
 
         async def abort_side(handles: Sequence[Sender | Receiver], ranks: Sequence[int]) -> None:
             if abort is not None and abort.delay_s:
@@ -731,14 +758,65 @@ class Epoch:
                     if rank < len(handles):
                         tg.start_soon(handles[rank].abort, f"soak: {abort.label if abort else 'abort'}")
 
+        def refused(call: str, exc: LocalProtocolError) -> None:
+            """A call refused because the room failed meanwhile: only an abort or a fault explains it."""
+            if abort is None and room not in self.injector.failed_rooms:
+                problems.append(f"{call} refused: {exc}")
+
+        async def send_layers(
+            live: Sequence[Sender], pages: np.ndarray, last: bool, mid: Callable[[], Awaitable[None]] | None
+        ) -> None:
+            """One chunk, layer-wise, on every live rank: ``begin_chunk``, then ranges of
+            ``plan.layer_step`` layers; ``mid`` (an abort) runs after the first range."""
+            aux_slot = aux_p if last and plan.aux else None
+            ranks = []
+            for sender in live:
+                if sender.poll().final:
+                    continue
+                try:
+                    await sender.begin_chunk(pages, last=last, aux_slot=aux_slot)
+                    ranks.append(sender)
+                except LocalProtocolError as exc:
+                    refused("begin_chunk()", exc)
+            unset: list[threading.Event] = []  # set a little later: the worker must wait for them
+            try:
+                for a in range(0, cfg.layers, plan.layer_step):
+                    b = min(a + plan.layer_step, cfg.layers)
+                    for sender in list(ranks):
+                        ready = threading.Event() if rng.random() < 0.5 else None
+                        try:
+                            await sender.layers_ready(a, b, ready=ready)
+                        except LocalProtocolError as exc:
+                            refused("layers_ready()", exc)
+                            ranks.remove(sender)
+                            continue
+                        if ready is not None:
+                            unset.append(ready)
+                    if a == 0 and mid is not None:
+                        await mid()
+                    if rng.random() < 0.5:
+                        await anyio.lowlevel.checkpoint()
+                        for event in unset:
+                            event.set()
+                        unset.clear()
+            finally:
+                for event in unset:
+                    event.set()
+
         async def send_chunks(
             live: Sequence[Sender], hook_at: int | None, hook: Callable[[], Awaitable[None]]
         ) -> None:
+            between_layers = abort is not None and abort.point == "between_layers"
             start = 0
             for i, k in enumerate(plan.chunks):
-                if hook_at == i:
+                if hook_at == i and not between_layers:
                     await hook()
                 last = i == len(plan.chunks) - 1
+                if plan.layer_step:
+                    mid = hook if between_layers and hook_at == i else None
+                    await send_layers(live, src[start : start + k], last, mid)
+                    start += k
+                    continue
                 for sender in live:
                     if sender.poll().final:
                         continue
@@ -747,8 +825,7 @@ class Epoch:
                             src[start : start + k], last=last, aux_slot=aux_p if last and plan.aux else None
                         )
                     except LocalProtocolError as exc:  # the room failed meanwhile (an abort came in)
-                        if abort is None and room not in self.injector.failed_rooms:
-                            problems.append(f"send() refused: {exc}")
+                        refused("send()", exc)
                 start += k
                 if rng.random() < 0.3:
                     await anyio.lowlevel.checkpoint()
@@ -781,7 +858,11 @@ class Epoch:
                     hook: Callable[[], Awaitable[None]] = nothing
                     if abort is not None:
                         hook = start_abort
-                        hook_at = abort.after_chunks if abort.point == "between_chunks" else len(plan.chunks)
+                        hook_at = len(plan.chunks)
+                        if abort.point == "between_chunks":
+                            hook_at = abort.after_chunks
+                        elif abort.point == "between_layers":
+                            hook_at = min(abort.after_chunks - 1, len(plan.chunks) - 1)
                         if abort.point == "after_last" and rng.random() < 0.5:
                             hook = self._after_success(receivers, start_abort)
                     await send_chunks(senders, hook_at, hook)
@@ -877,6 +958,10 @@ class Epoch:
     ) -> None:
         cfg, tally = self.cfg, self.tally
         abort = plan.abort
+
+        def count(outcome: str, detail: str = "") -> None:
+            tally.count(cfg, outcome, detail, layerwise=plan.layer_step > 0)
+
         faulted = plan.room in self.injector.failed_rooms
         loss = self.injector.loss
         lost = sorted(loss.rooms.get(plan.room, ())) if loss is not None else []
@@ -890,10 +975,11 @@ class Epoch:
             f"room {plan.room} ({plan.pages} pages in {list(plan.chunks)}, aux={plan.aux}, "
             f"abort={abort.label + ' ranks ' + str(abort.ranks) + ' other ' + abort.other_side if abort else None}, "
             f"fault={plan.write_fault[0].value if faulted and plan.write_fault else None}, follow_up={plan.follow_up}"
+            f"{f', layer-wise {plan.layer_step} per call x{plan.layers_per_write}' if plan.layer_step else ''}"
             f"{', lost ' + '+'.join(lost) if lost else ''})"
         )
         if bad:
-            tally.count(cfg, "corrupted", f"{what}: {'; '.join(bad)}")
+            count("corrupted", f"{what}: {'; '.join(bad)}")
             return
         allowed: frozenset[FailureReason] = frozenset()
         if abort is not None:
@@ -926,15 +1012,15 @@ class Epoch:
         elif collateral and failures:
             tally.loss_rooms["failed_behind_a_loss_on_the_ring"] += 1
         if problems or unexplained:
-            tally.count(cfg, "failed_unexpectedly", f"{what}: {'; '.join(problems + unexplained)}")
+            count("failed_unexpectedly", f"{what}: {'; '.join(problems + unexplained)}")
         elif len(decoded) == cfg.D and all(reason is None for reason, _ in decoded):
-            tally.count(cfg, "completed")
+            count("completed")
         elif failures:
-            tally.count(cfg, "failed_as_intended")
+            count("failed_as_intended")
         elif abort is not None and abort.point == "before_bootstrap" and abort.other_side == "never":
-            tally.count(cfg, "failed_as_intended")  # aborted by decode; the prefill never opened it
+            count("failed_as_intended")  # aborted by decode; the prefill never opened it
         else:
-            tally.count(cfg, "failed_unexpectedly", f"{what}: no decode outcome")
+            count("failed_unexpectedly", f"{what}: no decode outcome")
 
 
 REFUSED_AS_ENDED = re.compile(r"refused the chunk: room \d+ (is FAILED|is not a live staged room|ended)")
@@ -1000,6 +1086,7 @@ async def soak(
     abort_rate: float = 0.1,
     fault_rate: float = 0.05,
     loss: float = 0.0,
+    layerwise: float = 0.0,
     seed: int = 0,
     min_epoch: int = 20,
     max_epoch: int = 50,
@@ -1023,7 +1110,7 @@ async def soak(
         epoch_started = time.monotonic()
         async with open_cluster(cfg, injector, seed=rng.randrange(1 << 30)) as cluster:
             epoch = Epoch(cfg, cluster, injector, tally, random.Random(rng.randrange(1 << 62)), size,
-                          room_ids, abort_rate, fault_rate)  # fmt: skip
+                          room_ids, abort_rate, fault_rate, layerwise)  # fmt: skip
             await epoch.run()
             await _settle(cluster, tally, cfg)
             _collect(cluster, tally)
@@ -1064,6 +1151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="fraction of rooms with a failed WRITE; > 0 also turns random delays on in half the epochs")  # fmt: skip
     parser.add_argument("--loss", type=float, default=0.0,
                         help="probability that each control message and NIXL notification is lost")  # fmt: skip
+    parser.add_argument("--layerwise", type=float, default=0.25,
+                        help="fraction of rooms sent layer-wise (begin_chunk/layers_ready)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-epoch", type=int, default=20, help="fewest rooms per cluster configuration")
     parser.add_argument("--max-epoch", type=int, default=50, help="most rooms per cluster configuration")
@@ -1073,7 +1162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="CRITICAL", help="engine log level (default: silent)")
     args = parser.parse_args(argv)
     if not (
-        0 <= args.abort_rate <= 1 and 0 <= args.fault_rate <= 1 and 0 <= args.loss <= 1 and args.rooms > 0
+        0 <= args.abort_rate <= 1
+        and 0 <= args.fault_rate <= 1
+        and 0 <= args.loss <= 1
+        and 0 <= args.layerwise <= 1
+        and args.rooms > 0
     ):
         parser.error("--rooms must be > 0 and the rates in [0, 1]")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -1085,6 +1178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             abort_rate=args.abort_rate,
             fault_rate=args.fault_rate,
             loss=args.loss,
+            layerwise=args.layerwise,
             seed=args.seed,
             min_epoch=args.min_epoch,
             max_epoch=args.max_epoch,

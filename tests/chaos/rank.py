@@ -10,7 +10,10 @@ Commands (one JSON object a line):
 
 - ``{"cmd": "send", "room": R, "pages": [...], "chunks": [k, ...], "hold": false}`` (prefill): fill
   the pages with the room's pattern, open ``sender(R)`` and, once every decode request is in,
-  ``send()`` the chunks; with ``hold`` the last chunk is never sent, so the room stays live.
+  ``send()`` the chunks; with ``hold`` the last chunk is never sent, so the room stays live. With
+  ``"layers": true`` each chunk goes layer-wise instead (``begin_chunk``, then ``layers_ready`` one
+  layer at a time, one WRITE per layer); with ``hold`` too, the last chunk is opened and only its
+  first layer reported, so the room stays live between two layers.
 - ``{"cmd": "recv", "room": R, "pages": [...]}`` (decode): ``receiver(R, ...)``; on success every
   byte is verified against the pattern.
 - ``{"cmd": "quit"}``: wait for the open rooms to end, report leaks, leave the engine, exit 0.
@@ -49,16 +52,27 @@ def emit(event: str, **fields: Any) -> None:
     sys.stdout.flush()
 
 
-async def prefill_room(sender: Sender, pages: np.ndarray, chunks: list[int], hold: bool) -> None:
+async def prefill_room(
+    sender: Sender, pages: np.ndarray, chunks: list[int], hold: bool, layers: int | None
+) -> None:
+    """Send ``chunks`` of ``pages`` (``layers``: layer-wise, the room's layer count); see ``hold``."""
     delay = 0.001
     while sender.poll() is RoomStatus.BOOTSTRAPPING:  # noqa: ASYNC110 (the engine has no event for it)
         await anyio.sleep(delay)
         delay = min(2 * delay, 0.01)
     if sender.poll() is not RoomStatus.FAILED:
         start = 0
-        for i, k in enumerate(chunks[:-1] if hold else chunks):
-            await sender.send(pages[start : start + k], last=not hold and i == len(chunks) - 1)
+        for i, k in enumerate(chunks):
+            last = i == len(chunks) - 1
+            chunk = pages[start : start + k]
             start += k
+            if layers is None:
+                if not (hold and last):
+                    await sender.send(chunk, last=last)
+                continue
+            await sender.begin_chunk(chunk, last=last)
+            for layer in range(1 if hold and last else layers):
+                await sender.layers_ready(layer, layer + 1)
     await sender.wait()
 
 
@@ -71,6 +85,7 @@ async def serve(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat,
         connect_timeout=2.0,
         num_workers=1,
+        layers_per_write=1,
     )
     pool = KVPool.allocate(small_layout(), 1, 0, NUM_PAGES, aux_slots=0, aux_item_bytes=0)
     bootstrap = f"tcp://{args.bootstrap_host}:{args.bootstrap_port}"
@@ -102,9 +117,9 @@ async def serve(args: argparse.Namespace) -> int:
                 if cmd["cmd"] == "send":
                     patterns.fill(pool, room, pages)
                     sender = engine.sender(room)
-                    rooms.start_soon(
-                        finish, room, sender, prefill_room(sender, pages, cmd["chunks"], cmd["hold"])
-                    )
+                    layers = pool.layout.num_layers if cmd.get("layers") else None
+                    work = prefill_room(sender, pages, cmd["chunks"], cmd["hold"], layers)
+                    rooms.start_soon(finish, room, sender, work)
                 else:
                     receiver = await engine.receiver(room, bootstrap, pages)
                     rooms.start_soon(finish, room, receiver, receiver.wait())

@@ -116,11 +116,15 @@ class RankProcess:
                 pipe.close()
 
 
-def open_rooms(prefill: RankProcess, decode: RankProcess, rooms: dict[int, int], *, hold: bool) -> None:
-    """Open each room (id -> first page) of 4 pages on both sides, in 2 chunks; held ones never finish."""
+def open_rooms(
+    prefill: RankProcess, decode: RankProcess, rooms: dict[int, int], *, hold: bool, layers: bool = False
+) -> None:
+    """Open each room (id -> first page) of 4 pages on both sides, in 2 chunks; held ones never finish.
+
+    ``layers``: sent layer-wise (a held one stops between two layers of its last chunk)."""
     for room, first in rooms.items():
         pages = list(range(first, first + 4))
         decode.send(cmd="recv", room=room, pages=pages)
         decode.expect("opened", room=room)
-        prefill.send(cmd="send", room=room, pages=pages, chunks=[2, 2], hold=hold)
+        prefill.send(cmd="send", room=room, pages=pages, chunks=[2, 2], hold=hold, layers=layers)
         prefill.expect("opened", room=room)

@@ -5,6 +5,8 @@ WRITE (the prefill's transport reports the WRITE's completion late and the decod
 come late, so the WRITE is in flight when the abort comes), and after the last chunk. After the
 aborted room ended on the decode, its pages and aux slot are reused at once by another room whose
 every byte must verify: nothing of the aborted room may land there any more. Nothing leaks.
+Layer-wise rooms (one WRITE per layer) go through the same points; their between-chunks abort lands
+between two layers of a chunk.
 """
 
 from __future__ import annotations
@@ -60,16 +62,32 @@ async def reasons(handles: list[Sender] | list[Receiver]) -> list[FailureReason 
     return [await ended(handle) for handle in handles]
 
 
-async def send(senders: list[Sender], src: np.ndarray, chunks: list[int], first: int, stop: int) -> None:
-    """Send chunks ``[first, stop)`` on every sender still live (a room that failed refuses)."""
+async def send(
+    senders: list[Sender],
+    src: np.ndarray,
+    chunks: list[int],
+    first: int,
+    stop: int,
+    layers: tuple[int, int] | None = None,
+) -> None:
+    """Send chunks ``[first, stop)`` on every sender still live (a room that failed refuses).
+
+    ``layers=(a, b)``: layer-wise, layers ``[a, b)`` of each chunk one at a time (``begin_chunk``
+    first when ``a`` is 0), so a chunk may be sent in two calls with something in between.
+    """
     start = sum(chunks[:first])
     for i in range(first, stop):
         last = i == len(chunks) - 1
+        pages, aux_slot = src[start : start + chunks[i]], AUX_SLOT if last else None
         for sender in senders:
             with contextlib.suppress(LocalProtocolError):
-                await sender.send(
-                    src[start : start + chunks[i]], last=last, aux_slot=AUX_SLOT if last else None
-                )
+                if layers is None:
+                    await sender.send(pages, last=last, aux_slot=aux_slot)
+                    continue
+                if layers[0] == 0:
+                    await sender.begin_chunk(pages, last=last, aux_slot=aux_slot)
+                for layer in range(*layers):
+                    await sender.layers_ready(layer, layer + 1)
         start += chunks[i]
 
 
@@ -82,12 +100,20 @@ async def until(condition: Callable[[], bool], what: str) -> None:
 
 
 async def aborted_room(
-    c: Cluster, room: int, side: str, point: str, rng: random.Random, wrapped: list[FaultyTransport]
+    c: Cluster,
+    room: int,
+    side: str,
+    point: str,
+    rng: random.Random,
+    wrapped: list[FaultyTransport],
+    layerwise: bool = False,
 ) -> np.ndarray:
     """Run ``room`` until ``side`` aborted it at ``point`` and its decode handles ended; its decode pages.
 
-    ``wrapped``: the prefill ranks' transports, then the decode ranks'.
+    ``wrapped``: the prefill ranks' transports, then the decode ranks'. ``layerwise``: chunks go
+    layer by layer, and the between-chunks abort lands between two layers of the third chunk.
     """
+    every = (0, c.prefill[0].pool.layout.num_layers) if layerwise else None
     n = rng.randint(4, 8)
     chunks = [1, 1, n - 2]
     src = np.array(rng.sample(range(32), n))
@@ -130,14 +156,17 @@ async def aborted_room(
     await until(lambda: all(s.poll() is not RoomStatus.BOOTSTRAPPING for s in senders), "the requests")
     aborting: list[Sender] | list[Receiver] = receivers if side == "decode" else senders
     if point == "between_chunks":
-        await send(senders, src, chunks, 0, 2)
+        await send(senders, src, chunks, 0, 2, every)
+        if layerwise:  # the third chunk's first layer goes out too: the abort lands between layers
+            await send(senders, src, chunks, 2, 3, (0, 1))
         await until(
             lambda: all(r.poll() is RoomStatus.TRANSFERRING for r in receivers), "first chunks landed"
         )
         await abort(aborting)
-        await send(senders, src, chunks, 2, 3)  # the application does not know yet; refused or dropped
+        # the application does not know yet; refused or dropped
+        await send(senders, src, chunks, 2, 3, (1, every[1]) if every else None)
     elif point == "during_write":
-        await send(senders, src, chunks, 0, 3)
+        await send(senders, src, chunks, 0, 3, every)
         held = [rule for t in wrapped[: len(c.prefill)] for rule in t.write_rules.rules]
         await until(lambda: any(rule.fired for rule in held), "a chunk's WRITE posted")
         took = await abort(aborting)
@@ -145,7 +174,7 @@ async def aborted_room(
         assert not any(e.poller.in_flight() for e in c.prefill)
         assert took > WRITE_HELD_S / 2, took
     else:
-        await send(senders, src, chunks, 0, 3)
+        await send(senders, src, chunks, 0, 3, every)
         await abort(aborting)
     outcomes = await reasons(receivers) + await reasons(senders)
     if point == "after_last":  # the room may have completed before the abort came
@@ -159,9 +188,11 @@ async def aborted_room(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunks", "layers"])
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 @pytest.mark.parametrize("path", list(TOPOLOGY))
-async def test_abort_then_the_pages_take_another_room(path: str, side: str) -> None:
+async def test_abort_then_the_pages_take_another_room(path: str, side: str, layerwise: bool) -> None:
+    """``layers``: the aborted rooms go layer-wise (one WRITE per layer), the others as chunks."""
     P, D = TOPOLOGY[path]
     during = room_id(path, side, "during_write")
     writes = [Rule(Fault.DELAY, match=matching(m.ChunkLanded, room=during), times=None, delay_s=WRITE_HELD_S)]
@@ -173,12 +204,13 @@ async def test_abort_then_the_pages_take_another_room(path: str, side: str) -> N
         D,
         path=path,
         bootstrap_timeout=BOOTSTRAP_S,
+        layers_per_write=1,
         prefill_transport=faulty_factory(wrapped, writes=writes),
         decode_transport=faulty_factory(wrapped, notifs=notifs),
     ) as c:
         for point in POINTS:
             room = room_id(path, side, point)
-            dst = await aborted_room(c, room, side, point, rng, wrapped)
+            dst = await aborted_room(c, room, side, point, rng, wrapped, layerwise)
             # at once: the same decode pages and aux slot, every byte verified
             n = len(dst)
             src = np.array(rng.sample(range(32, 64), n))

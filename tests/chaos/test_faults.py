@@ -19,7 +19,7 @@ import pytest
 from tests.integration.harness import Cluster, run_room, shuffled_pages
 from transfer_engine import patterns
 from transfer_engine.engine import Receiver, Sender
-from transfer_engine.errors import FailureReason, TransferAborted, TransferFailed
+from transfer_engine.errors import FailureReason, LocalProtocolError, TransferAborted, TransferFailed
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.transport.faults import (
@@ -36,34 +36,50 @@ from .helpers import engines, faulty_factory
 pytestmark = pytest.mark.timeout(60)
 
 
-async def run_rooms(c: Cluster, rooms: list[int], chunks: list[int], seed: int, *, aux: bool = True) -> None:
-    """Transfer ``rooms`` concurrently (disjoint pages), each verified like ``run_room``."""
+async def run_rooms(
+    c: Cluster, rooms: list[int], chunks: list[int], seed: int, *, aux: bool = True, layers: int = 0
+) -> None:
+    """Transfer ``rooms`` concurrently (disjoint pages), each verified like ``run_room`` (``layers``:
+    layer-wise, that many layers a call)."""
     rng = random.Random(seed)
     n = sum(chunks)
     src, dst = rng.sample(range(64), n * len(rooms)), rng.sample(range(64), n * len(rooms))
 
     async def one(i: int, room: int) -> None:
         prefill_pages, decode_pages = np.array(src[i * n : (i + 1) * n]), np.array(dst[i * n : (i + 1) * n])
-        await run_room(c, room, prefill_pages, decode_pages, chunks, aux_slot=i if aux else None)
+        await run_room(
+            c, room, prefill_pages, decode_pages, chunks, aux_slot=i if aux else None, layers=layers
+        )
 
     async with anyio.create_task_group() as tg:
         for i, room in enumerate(rooms):
             tg.start_soon(one, i, room)
 
 
-async def open_room(c: Cluster, room: int, chunks: list[int], seed: int) -> tuple[list[Sender], Receiver]:
-    """Start a room on every prefill rank and the (one) decode rank, every chunk sent."""
+async def open_room(
+    c: Cluster, room: int, chunks: list[int], seed: int, layerwise: bool = False
+) -> tuple[list[Sender], Receiver]:
+    """Start a room on every prefill rank and the (one) decode rank, every chunk sent (``layerwise``:
+    layer by layer, ``begin_chunk`` then ``layers_ready`` per layer)."""
     rng = random.Random(seed)
     src, dst = shuffled_pages(rng, 64, sum(chunks)), shuffled_pages(rng, 64, sum(chunks))
     for engine in c.prefill:
         patterns.fill(engine.pool, room, src)
     receiver = await c.decode[0].receiver(room, c.bootstrap, dst)
     senders = [engine.sender(room) for engine in c.prefill]
+    layers = c.prefill[0].pool.layout.num_layers
     for sender in senders:
         start = 0
         for i, k in enumerate(chunks):
-            await sender.send(src[start : start + k], last=i == len(chunks) - 1)
+            pages, last = src[start : start + k], i == len(chunks) - 1
             start += k
+            if not layerwise:
+                await sender.send(pages, last=last)
+                continue
+            await sender.begin_chunk(pages, last=last)
+            for layer in range(layers):
+                with contextlib.suppress(LocalProtocolError):  # the room failed meanwhile
+                    await sender.layers_ready(layer, layer + 1)
     return senders, receiver
 
 
@@ -84,18 +100,21 @@ async def outcome(handle: Sender | Receiver) -> str:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunks", "layers"])
 @pytest.mark.parametrize(("P", "D"), [(1, 1), (2, 1)], ids=["direct", "staged"])
 @pytest.mark.parametrize(
     ("fault", "detail"), [(Fault.ERROR, "ended in error"), (Fault.FAIL_POST, "injected fault")]
 )
 async def test_one_failed_write_fails_the_room_on_both_sides(
-    fault: Fault, detail: str, P: int, D: int
+    fault: Fault, detail: str, P: int, D: int, layerwise: bool
 ) -> None:
-    """The prefill rank whose WRITE failed: TRANSPORT; the decode: REMOTE; the other writers stop."""
+    """The prefill rank whose WRITE failed: TRANSPORT; the decode: REMOTE; the other writers stop.
+    ``layers``: the room goes layer-wise (one WRITE per layer), and the failed one is a layer's."""
     wrapped: list[FaultyTransport] = []
     rule = Rule(fault, match=matching(m.ChunkLanded, room=51), skip=1)  # one WRITE of the second chunk
-    async with engines(P, D, prefill_transport=faulty_factory(wrapped, writes=[rule])) as c:
-        senders, receiver = await open_room(c, 51, [2, 2, 2], seed=51)
+    transport = faulty_factory(wrapped, writes=[rule])
+    async with engines(P, D, prefill_transport=transport, layers_per_write=1) as c:
+        senders, receiver = await open_room(c, 51, [2, 2, 2], seed=51, layerwise=layerwise)
         received = await failure_of(receiver)
         outcomes = [await outcome(sender) for sender in senders]
         assert received.reason is FailureReason.REMOTE and "TRANSPORT" in received.detail
@@ -133,9 +152,11 @@ async def test_late_bursty_and_reordered_notifications_still_complete(P: int, D:
         Rule(Fault.REORDER, probability=0.4, times=None, delay_s=0.2),
         Rule(Fault.DELAY, probability=0.4, times=None, delay_s=0.05),
     ]
-    async with engines(P, D, decode_transport=faulty_factory(wrapped, notifs=notifs, seed=7)) as c:
+    transport = faulty_factory(wrapped, notifs=notifs, seed=7)
+    async with engines(P, D, decode_transport=transport, layers_per_write=1) as c:
         await run_rooms(c, [61, 62, 63, 64], [1, 2, 1, 3], seed=6)
         await run_rooms(c, [65, 66], [4, 4], seed=7, aux=False)
+        await run_rooms(c, [67, 68, 69], [2, 1, 3], seed=8, layers=1)  # one WRITE per layer
         assert all(rule.fired > 0 for rule in notifs), [(r.fault, r.fired) for r in notifs]
         assert wrapped[0].held() == 0
         assert c.decode[0].poller.counters["notifs_unrouted"] == 0
