@@ -376,10 +376,23 @@ class StagingFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class ScatterRun:
+    """KV tensors ``[first, first + count)`` (``protocol.layers.group_tensor_runs``), from ``blocks``
+    that hold just those tensors: (byte offset inside the region, dst_head_start, num_heads)."""
+
+    first: int
+    count: int
+    blocks: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ScatterJob:
     """Room -> scatter: copy region ``[offset, offset + length)`` of the ring into ``slots``.
 
-    Answered with one :class:`Scattered` to room ``room``, after the region was freed.
+    Answered with one :class:`Scattered` to room ``room``, after the region was freed (``free``).
+    A layer-wise chunk is scattered a layer group at a time, as its groups land: such a job copies
+    the group's runs of tensors (``runs``) from one writer's block, and only the chunk's last job
+    frees the region (jobs run in arrival order, so every earlier job of it has run by then).
     """
 
     room: int
@@ -388,17 +401,24 @@ class ScatterJob:
     offset: int
     length: int
     blocks: list[tuple[int, int, int]]
-    """(byte offset inside the region, dst_head_start, num_heads) per writer."""
+    """(byte offset inside the region, dst_head_start, num_heads) per writer: every tensor of it."""
     slots: np.ndarray
+    runs: tuple[ScatterRun, ...] = ()
+    """Layer-wise: copy only these runs of tensors instead (``blocks`` is then empty)."""
+    free: bool = True
+    """Free the region after this job: the chunk is then wholly in the pages."""
 
 
 @dataclass(frozen=True, slots=True)
 class Scattered:
-    """Scatter -> room: chunk ``chunk_id`` is in the KV pages (``ok``), or the scatter failed."""
+    """Scatter -> room: chunk ``chunk_id`` is in the KV pages (``ok``), or the scatter failed.
+
+    ``freed`` False: a layer group's job, the region is still held (more of the chunk follows)."""
 
     chunk_id: int
     ok: bool
     detail: str = ""
+    freed: bool = True
 
 
 RoomMail = (

@@ -120,3 +120,29 @@ async def test_bad_layer_calls_raise_and_queue_nothing() -> None:
             await receiver.wait()
         assert patterns.mismatches(c.decode[0].pool, 50, pages, 16) == 0
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["staged", "host"])
+async def test_staged_group_is_scattered_before_the_chunk_is_complete(path: str) -> None:
+    """On the staged paths a landed layer group is copied out of the ring at once: layer 0 is in the
+    decode pages while layers 1-2 are not ready yet; then the chunk completes, every byte right."""
+    async with cluster(small_layout(), 1, 1, path=path, layers_per_write=1) as c:
+        pages, room = np.arange(4), 60
+        senders, receivers, later = await _first_layer_landed(c, room, pages)
+        decode, prefill = c.decode[0].pool, c.prefill[0].pool
+        rows = len(pages) * prefill.layout.page_size
+        k0, v0, k1 = 0, prefill.layout.num_layers, 1
+        with anyio.fail_after(10):
+            while not all(_same(decode.tensors[t][:rows], prefill.tensors[t][:rows]) for t in (k0, v0)):  # noqa: ASYNC110 - engine state, no event
+                await anyio.sleep(0.005)
+        assert receivers[0].poll() is RoomStatus.TRANSFERRING
+        patterns.fill(prefill, room, pages)  # layers 1-2 written now, but not reported ready yet
+        await anyio.sleep(0.05)
+        assert not _same(decode.tensors[k1][:rows], prefill.tensors[k1][:rows])
+        later.set()
+        with anyio.fail_after(10):
+            await senders[0].wait()
+            await receivers[0].wait()
+        assert patterns.mismatches(decode, room, pages, rows) == 0
+        c.assert_no_leaks()

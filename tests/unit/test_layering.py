@@ -12,6 +12,7 @@ from transfer_engine.layout import KVLayout, KVPool
 from transfer_engine.mail import Mailbox, MailboxOverflow
 from transfer_engine.protocol import handshake, leases
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.layers import LayerTally
 from transfer_engine.protocol.rooms import (
     Deadlines,
     ReceiverRoom,
@@ -132,6 +133,23 @@ def test_a_successful_receiver_is_quiescent_once_scatters_end() -> None:
     assert room.on_chunk(0, 0, True, 0.1)
     room.scatter_started()
     room.scatter_ended(0, ok=True, now=0.2)
+    assert room.status is RoomStatus.SUCCESS and room.quiescent
+
+
+def test_a_layer_group_scatter_does_not_count_the_chunk() -> None:
+    """Layer-wise staged chunks are scattered a group at a time; only the copy that freed the region
+    (the chunk's last) counts the chunk as in the pages."""
+    room = ReceiverRoom(5, DEADLINES, 0.0)
+    room.staged = True
+    room.layer_tally = LayerTally(2)
+    room.bootstrapped([0], None, 0.0)
+    assert not room.on_layers(0, 0, (0, 1), 0.1)
+    room.scatter_started()
+    assert room.on_layers(0, 0, (1, 2), 0.2) and room.on_chunk(0, 0, True, 0.2)
+    room.scatter_started()
+    room.scatter_ended(0, ok=True, now=0.3, freed=False)
+    assert room.status is RoomStatus.TRANSFERRING and not room.quiescent
+    room.scatter_ended(0, ok=True, now=0.4, freed=True)
     assert room.status is RoomStatus.SUCCESS and room.quiescent
 
 

@@ -14,6 +14,7 @@ from transfer_engine.protocol.layers import (
     LayerTally,
     check_layers_per_write,
     group_block_runs,
+    group_tensor_runs,
     group_tensors,
 )
 from transfer_engine.protocol.staging import writer_block_bytes
@@ -187,6 +188,21 @@ def test_group_tensors(num_layers, mla, start, end, expected):
 def test_group_tensors_refuses_a_bad_range():
     with pytest.raises(ConfigError, match=r"layers \[2, 1\)"):
         group_tensors(4, False, 2, 1)
+    with pytest.raises(ConfigError, match=r"layers \[0, 5\)"):
+        group_tensor_runs(4, False, 0, 5)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 12), st.data())
+def test_tensor_runs_are_the_group_tensors_in_order(mla, num_layers, data):
+    """Each run is consecutive tensors; together, in order, exactly the group's tensors."""
+    start = data.draw(st.integers(0, num_layers - 1))
+    end = data.draw(st.integers(start + 1, num_layers))
+    runs = group_tensor_runs(num_layers, mla, start, end)
+    flat = [t for first, count in runs for t in range(first, first + count)]
+    assert flat == group_tensors(num_layers, mla, start, end).tolist()
+    assert len(runs) == (1 if mla else 2) and all(count == end - start for _, count in runs)
 
 
 @pytest.mark.parametrize("mla", [False, True])

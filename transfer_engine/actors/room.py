@@ -16,6 +16,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import replace
+from typing import NamedTuple
 
 import anyio
 import numpy as np
@@ -46,6 +47,7 @@ from transfer_engine.mail import (
     RoomOpened,
     Scattered,
     ScatterJob,
+    ScatterRun,
     Shutdown,
     StagingFailed,
     WriteDone,
@@ -56,7 +58,7 @@ from transfer_engine.peers import Peer
 from transfer_engine.ports import JOBS_PER_ROOM, ROOM_MAILBOX, ROOM_RESERVE, SCATTERS_PER_ROOM, RoomPorts
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.layers import LayerGroup, LayerTally
+from transfer_engine.protocol.layers import LayerGroup, LayerTally, group_tensor_runs
 from transfer_engine.protocol.paths import TransferPath, is_staged
 from transfer_engine.protocol.retransmit import (
     REPEAT_BASE_S,
@@ -82,6 +84,18 @@ from transfer_engine.protocol.staging import RegionLayout, writer_block_bytes
 log = logging.getLogger("transfer_engine.room")
 
 RING_FREE_WAIT_S = 5.0
+
+
+class _ToScatter(NamedTuple):
+    """A copy out of a chunk's ring region a decode room waits to hand to the scatter actor."""
+
+    chunk_id: int
+    sender: int | None
+    """Layer-wise: the writer whose group landed; None with ``layers`` None (every writer's block)."""
+    layers: tuple[int, int] | None
+    """Layer-wise: the group's layers; None: the whole chunk."""
+    final: bool
+    """The chunk's last copy: the chunk is then wholly in the pages and its region is freed."""
 
 
 class _RoomActor:
@@ -522,8 +536,10 @@ class ReceiverRoomActor(_RoomActor):
         self.core.staged = self.staged
         self.regions: dict[int, RegionGranted] = {}
         """Ring regions this room holds, by chunk id (until scattered, or freed at the end)."""
-        self.to_scatter: deque[int] = deque()
-        """Complete chunks waiting for a scatter slot."""
+        self.to_scatter: deque[_ToScatter] = deque()
+        """Copies out of the ring waiting for a scatter slot."""
+        self.whole: set[int] = set()
+        """Staged chunks some writer sent whole (not layer-wise): scattered whole once complete."""
         self.remote_failure = False
         self.requests: list[tuple[Peer, m.TransferRequest]] = []
         """The TransferRequest sent to each prefill rank (set by the engine), repeated until final."""
@@ -631,22 +647,32 @@ class ReceiverRoomActor(_RoomActor):
                     raise ProtocolError(
                         f"chunk {chunk_id} landed in ring region {region} on the {self.path} path"
                     )
-                if mail.layers is not None:
-                    if self.core.layers_landed(sender, chunk_id, mail.layers):
+                group = mail.layers
+                if group is not None:
+                    if self.core.layers_landed(sender, chunk_id, group):
                         self.ports.counters["notifs_duplicate"] += 1
                         return
-                    if not self.core.on_layers(sender, chunk_id, mail.layers, now):
-                        return  # more groups of this chunk are still to land from this writer
-                if self.core.on_chunk(sender, chunk_id, last, now) and self.staged:
-                    self.to_scatter.append(chunk_id)
-                    self._pump_scatter()
+                    if not self.core.on_layers(sender, chunk_id, group, now):
+                        # more groups of this chunk are still to land from this writer
+                        self._queue_scatter(_ToScatter(chunk_id, sender, group, False))
+                        return
+                elif self.staged:
+                    self.whole.add(chunk_id)
+                complete = self.core.on_chunk(sender, chunk_id, last, now)
+                if chunk_id in self.whole:
+                    if complete:
+                        self.whole.discard(chunk_id)
+                        self._queue_scatter(_ToScatter(chunk_id, None, None, True))
+                else:
+                    self._queue_scatter(_ToScatter(chunk_id, sender, group, complete))
             case m.AuxLanded(sender=sender):
                 self.core.on_aux(sender, now)
             case RegionGranted(chunk_id=chunk_id):
                 self.regions[chunk_id] = mail
-            case Scattered(chunk_id=chunk_id, ok=ok, detail=detail):
-                self.regions.pop(chunk_id, None)  # the scatter actor freed it
-                self.core.scatter_ended(chunk_id, ok, now)
+            case Scattered(chunk_id=chunk_id, ok=ok, detail=detail, freed=freed):
+                if freed:
+                    self.regions.pop(chunk_id, None)  # the scatter actor freed it
+                self.core.scatter_ended(chunk_id, ok, now, freed)
                 if not ok:
                     self._fail(FailureReason.TRANSPORT, detail)
                 self._pump_scatter()
@@ -673,21 +699,41 @@ class ReceiverRoomActor(_RoomActor):
             case _:
                 raise ProtocolError(f"{type(mail).__name__} is not for a decode room")
 
+    def _queue_scatter(self, item: _ToScatter) -> None:
+        """Staged paths: queue a copy out of the ring (a whole chunk, or a layer group of a writer)."""
+        if self.staged:
+            self.to_scatter.append(item)
+            self._pump_scatter()
+
     def _pump_scatter(self) -> None:
-        """Hand complete chunks to the scatter actor while fewer than SCATTERS_PER_ROOM are there."""
+        """Hand queued copies to the scatter actor while fewer than SCATTERS_PER_ROOM are there."""
         while self.to_scatter and self.core.scattering < SCATTERS_PER_ROOM and not self.core.status.final:
             self._scatter(self.to_scatter.popleft())
 
-    def _scatter(self, chunk_id: int) -> None:
-        """Every writer of ``chunk_id`` landed: copy the region into the pages."""
+    def _scatter(self, item: _ToScatter) -> None:
+        """Copy ``item`` out of its chunk's region into the pages: every writer's block once the chunk
+        landed from all of them, or (layer-wise) the layers of one writer's group as soon as it landed;
+        the chunk's last copy frees the region."""
+        chunk_id = item.chunk_id
         granted = self.regions[chunk_id]
         layout = self.ports.pool.layout
         start = granted.page_start * self.writers[self.slices[0].prefill_rank].layout.page_size
         slots = descriptors.slots_of(self.pages, layout.page_size, start, granted.tokens)
-        blocks = [
-            (offset, spec.dst_head_start, spec.num_heads)
-            for offset, spec in zip(granted.layout.offsets, self.slices, strict=True)
-        ]
+        writers = list(zip(granted.layout.offsets, self.slices, strict=True))
+        blocks = [(offset, spec.dst_head_start, spec.num_heads) for offset, spec in writers]
+        runs: tuple[ScatterRun, ...] = ()
+        if item.layers is not None:
+            ((offset, spec),) = [(o, spec) for o, spec in writers if spec.prefill_rank == item.sender]
+            tensor_bytes = writer_block_bytes(
+                1, granted.tokens, spec.num_heads, layout.head_dim, self.ports.pool.itemsize
+            )
+            runs = tuple(
+                ScatterRun(
+                    first, count, ((offset + first * tensor_bytes, spec.dst_head_start, spec.num_heads),)
+                )
+                for first, count in group_tensor_runs(layout.num_layers, layout.mla, *item.layers)
+            )
+            blocks = []
         scatter = self.ports.scatter
         assert scatter is not None
         self.core.scatter_started()
@@ -701,6 +747,8 @@ class ReceiverRoomActor(_RoomActor):
                 granted.allocation.length,
                 blocks,
                 slots,
+                runs,
+                item.final,
             )  # fmt: skip
         )
 

@@ -6,7 +6,8 @@ blocks of the region in one launch on its own CUDA stream (on CPU: the torch imp
 worker thread so the event loop keeps polling), waits for the stream's event without blocking the
 loop or polling it (:class:`~transfer_engine.completion.CompletionWaiter`), then frees the region through the ring actor and tells the room
 (:class:`~transfer_engine.mail.Scattered`, addressed by room id). Jobs run in arrival order, one at
-a time.
+a time. A layer-wise chunk comes as one job per landed layer group of a writer, the region freed
+after the chunk's last one.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import anyio.abc
 import torch
 
 from transfer_engine.completion import CompletionWaiter, recorded
-from transfer_engine.kernels import as_kv_table, scatter_heads
+from transfer_engine.kernels import KVTable, as_kv_table, scatter_heads
 from transfer_engine.layout import KVPool
-from transfer_engine.mail import FreeRegions, Mailbox, RingMail, Scattered, ScatterJob
+from transfer_engine.mail import FreeRegions, Mailbox, RingMail, Scattered, ScatterJob, ScatterRun
 from transfer_engine.memory import StagingMemory, run_cpu_copy
 from transfer_engine.ports import RoomBoard
 
@@ -50,6 +51,8 @@ class ScatterActor(Actor[ScatterJob]):
         self.ring = ring
         self.rooms = rooms
         self._kv = as_kv_table(pool.kv_views)
+        self._runs: dict[tuple[int, int], KVTable] = {}
+        """KV tables of the tensor runs ``(first, count)`` of layer-wise jobs, each made once."""
         self._cuda = pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.device) if self._cuda else None
         self.completions = CompletionWaiter("scatter", threaded=completion_thread)
@@ -72,17 +75,35 @@ class ScatterActor(Actor[ScatterJob]):
         except Exception as exc:  # a kernel error must fail the room, never the actor
             log.exception("scatter of room %d chunk %d failed", job.room, job.chunk_id)
             ok, detail = False, f"scatter of chunk {job.chunk_id} failed: {exc}"
-        freed = anyio.Event()
-        await self.ring.send(FreeRegions((job.alloc_id,), freed))
-        await freed.wait()
-        await self.rooms.deliver(job.room, Scattered(job.chunk_id, ok, detail))
+        if job.free:
+            freed = anyio.Event()
+            await self.ring.send(FreeRegions((job.alloc_id,), freed))
+            await freed.wait()
+        await self.rooms.deliver(job.room, Scattered(job.chunk_id, ok, detail, job.free))
+
+    def _run(self, run: ScatterRun) -> KVTable:
+        key = (run.first, run.count)
+        table = self._runs.get(key)
+        if table is None:
+            table = self._runs[key] = as_kv_table(self.pool.kv_views[run.first : run.first + run.count])
+        return table
 
     async def _scatter(self, job: ScatterJob) -> None:
         region = self.memory.view(job.offset, job.length)
         slots = torch.from_numpy(job.slots)
-        launch = functools.partial(scatter_heads, region, self._kv, slots, job.blocks, stream=self.stream)
+        parts = [(self._kv, job.blocks)] if not job.runs else [(self._run(r), r.blocks) for r in job.runs]
+        launches = [
+            functools.partial(scatter_heads, region, kv, slots, blocks, stream=self.stream)
+            for kv, blocks in parts
+        ]
+
+        def launch() -> None:
+            for one in launches:
+                one()
+
         if self.stream is None:
-            await run_cpu_copy(launch, job.length)
+            tensors = sum(r.count for r in job.runs) if job.runs else len(self.pool.kv_views)
+            await run_cpu_copy(launch, job.length * tensors // len(self.pool.kv_views))
             return
         launch()
         await self.completions.wait(recorded(self.stream))

@@ -9,8 +9,9 @@ until they hold at least ``layers_per_write`` layers (or close the chunk).
 - :class:`LayerChunks` (prefill handle): validates each ready range and cuts the groups.
 - :class:`LayerTally` (prefill room: groups written per decode rank; decode room: groups landed per
   writer): a chunk is complete for a key once its groups cover every layer exactly once.
-- :func:`group_tensors` and :func:`group_block_runs`: which KV tensors a group moves, and where its
-  bytes lie inside a writer's staged block (``protocol/staging.py`` layout).
+- :func:`group_tensors`, :func:`group_tensor_runs` and :func:`group_block_runs`: which KV tensors a
+  group moves, and where its bytes lie inside a writer's staged block (``protocol/staging.py``
+  layout): the prefill gathers a group into its part of the block, the decode scatters it from there.
 
 Nothing here does I/O or reads a clock; bad input raises a typed error naming the value and
 changes nothing.
@@ -32,6 +33,7 @@ __all__ = [
     "LayerTally",
     "check_layers_per_write",
     "group_block_runs",
+    "group_tensor_runs",
     "group_tensors",
 ]
 
@@ -219,6 +221,18 @@ def group_tensors(num_layers: int, mla: bool, start: int, end: int) -> npt.NDArr
         raise ConfigError(f"layers [{start}, {end}) must satisfy 0 <= start < end <= num_layers={num_layers}")
     layers = np.arange(start, end, dtype=np.int64)
     return layers if mla else np.concatenate([layers, layers + num_layers])
+
+
+def group_tensor_runs(num_layers: int, mla: bool, start: int, end: int) -> list[tuple[int, int]]:
+    """The tensors of layers ``[start, end)`` as runs of consecutive tensor indices ``(first, count)``:
+    the K layers, then the V layers (one run for MLA). A writer's staged block holds its tensors in
+    index order, so each run is one contiguous part of it, at ``first * tensor_bytes``."""
+    if not 0 <= start < end <= num_layers:
+        raise ConfigError(f"layers [{start}, {end}) must satisfy 0 <= start < end <= num_layers={num_layers}")
+    runs = [(start, end - start)]
+    if not mla:
+        runs.append((num_layers + start, end - start))
+    return runs
 
 
 def group_block_runs(

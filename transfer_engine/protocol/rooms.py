@@ -426,12 +426,13 @@ class ReceiverRoom(_Room):
     def scatter_started(self) -> None:
         self.scattering += 1
 
-    def scatter_ended(self, chunk_id: int, ok: bool, now: float) -> None:
-        """The scatter actor answered for ``chunk_id`` (its region is free again)."""
+    def scatter_ended(self, chunk_id: int, ok: bool, now: float, freed: bool = True) -> None:
+        """The scatter actor answered for ``chunk_id``: with ``freed`` the whole chunk is in the pages
+        and its region is free again; without, one layer group of it is (the region still held)."""
         if self.scattering <= 0:
             raise LocalProtocolError(f"room {self.room}: chunk {chunk_id} scattered but none was running")
         self.scattering -= 1
-        if ok:
+        if ok and freed:
             self.on_scattered(chunk_id, now)
 
     def bootstrapped(self, writers: Iterable[int], wants_aux_from: int | None, now: float) -> None:
