@@ -18,9 +18,10 @@ the loop's wake-ups from other threads per chunk (``call_soon_threadsafe``, faca
 forward's wall time per chunk against ``layers x work`` (what the engine's work on the forward's
 thread, or its GIL, added).
 
-Old against new: the same measurement runs twice, in child processes whose ``PYTHONPATH`` is a
-detached worktree of ``--base`` (made and removed here) and this tree; rooms alternate nothing
-between them, so compare the rows of one run only. Needs a git checkout; ``--base none`` measures
+Old against new: the same measurement runs in child processes whose ``PYTHONPATH`` is a detached
+worktree of ``--base`` (made and removed here) or this tree, alternating ``--rounds`` times (old,
+new, old, new...); each row shows, per code, the round with the lowest median call (the least
+disturbed by other load on the machine). Compare the rows of one run only. Needs a git checkout; ``--base none`` measures
 this tree only (a machine with a copy of the tree and no git, as the GPU machine).
 """
 
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-write", default="1,4", help="layers_per_write values, comma-separated")
     parser.add_argument("--rooms", type=int, default=20, help="rooms per mode, after one warm-up room")
     parser.add_argument("--work-us", type=float, default=200.0, help="the forward's Python work per layer")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating runs per code (best kept)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     raw = sys.argv[1:] if argv is None else argv
@@ -230,14 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
     forwarded = [a for a in raw if a != "--child"]
     if args.base == "none":
-        new = run_tree(ROOT, forwarded)
+        new = _best([run_tree(ROOT, forwarded) for _ in range(args.rounds)])
         old = new
     else:
         old, new = _old_and_new(args, forwarded)
     load = os.getloadavg()
     print(
         f"layers_ready per call: {args.device}, {args.layers} layers, {args.work_us:.0f} us of work per layer, "
-        f"{args.rooms} rooms per row; old = {args.base}, new = this tree; load average {load[0]:.1f}"
+        f"{args.rooms} rooms per row, best of {args.rounds} alternating rounds; old = {args.base}, new = this "
+        f"tree; load average {load[0]:.1f}"
     )
     head = f"{'mode':>7} {'x':>3} {'code':>4} {'median us':>10} {'p90 us':>8} {'mean us':>8} {'wakeups':>8} {'forward ms':>11} {'ideal ms':>9}"
     print(head)
@@ -265,11 +268,18 @@ def _old_and_new(
             link = base / "transfer_engine" / "kernels"
             if not link.exists():
                 link.symlink_to(Path("..") / "kernels")
-            old = run_tree(base, forwarded)
-            new = run_tree(ROOT, forwarded)
+            olds, news = [], []
+            for _ in range(args.rounds):
+                olds.append(run_tree(base, forwarded))
+                news.append(run_tree(ROOT, forwarded))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
-    return old, new
+    return _best(olds), _best(news)
+
+
+def _best(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per row, the round with the lowest median call."""
+    return [min(rows, key=lambda r: r["call_median_us"]) for rows in zip(*rounds, strict=True)]
 
 
 if __name__ == "__main__":
