@@ -23,10 +23,10 @@ if [ "$phase" = onetest ]; then
   exit 0
 fi
 if [ "$phase" = layerwise ]; then  # issue 16: the tail and the forward, direct and host path (one GPU is enough; < 8 min)
-  timeout 60 python3 tools/bench_layer_calls.py --device cuda --base none --rooms 20 2>&1 | grep -v "NIXL INFO" \
+  timeout 90 python3 tools/bench_layer_calls.py --device cuda --base none --rooms 20 --rounds 1 2>&1 | grep -v "NIXL INFO" \
     | tee "$OUT/layer-calls.txt" | tail -8
   for path in direct host; do
-    timeout 190 python3 tools/bench_layerwise.py --device cuda --path $path --per-write 1,4 --reps 3 2>&1 \
+    timeout 180 python3 tools/bench_layerwise.py --device cuda --path $path --per-write 1,4 --reps 3 2>&1 \
       | grep -v "NIXL INFO" | tee "$OUT/layerwise-$path.txt" | tail -14
   done
   exit 0
