@@ -1,6 +1,6 @@
 """What reporting a layer costs the forward: ``layers_ready`` per call, old code against new, one run.
 
-    python tools/bench_layer_calls.py [--base main|none] [--device cpu|cuda] [--layers 64] [--per-write 1,4]
+    python tools/bench_layer_calls.py [--base main|none] [--device cpu|cuda] [--layers 64] [--per-write 0,1,4]
                                       [--rooms 20] [--work-us 200]
 
 A prefill and a decode engine in one process (real NIXL, ZMQ), KV pool on ``--device``, one-page
@@ -16,7 +16,9 @@ and, on CUDA, one small kernel, then reports the layer: ``layers_ready(l, l + 1)
 Measured per mode: the call's time on the forward's thread (median, p90 and mean over every call),
 the loop's wake-ups from other threads per chunk (``call_soon_threadsafe``, facade only), and the
 forward's wall time per chunk against ``layers x work`` (what the engine's work on the forward's
-thread, or its GIL, added).
+thread, or its GIL, added). ``--per-write 0`` is the chunk-level baseline: the same forward with no
+per-layer call and one ``send()`` after it (its "call" is that send). On CUDA the run also times the
+CUDA calls a call without ``ready`` may make (the stream lookup, an event recorded).
 
 Old against new: the same measurement runs in child processes whose ``PYTHONPATH`` is a detached
 worktree of ``--base`` (made and removed here) or this tree, alternating ``--rounds`` times (old,
@@ -90,7 +92,7 @@ def child_facade(args: argparse.Namespace, per_write: int) -> dict[str, float]:
     port = free_port()
 
     def make(role: str) -> BlockingEngine:
-        cfg = EngineConfig(role=role, bootstrap_port=port, num_workers=1, layers_per_write=per_write)  # type: ignore[arg-type]
+        cfg = EngineConfig(role=role, bootstrap_port=port, num_workers=1, layers_per_write=max(per_write, 1))  # type: ignore[arg-type]
         return BlockingEngine(cfg, KVPool.allocate(_layout(args), 1, 0, 4, device=device))
 
     def until(handle: Any, want: RoomStatus) -> None:
@@ -117,17 +119,23 @@ def child_facade(args: argparse.Namespace, per_write: int) -> dict[str, float]:
             receiver = decode.receiver(room, f"tcp://127.0.0.1:{port}", np.arange(1))
             sender = prefill.sender(room)
             until(sender, RoomStatus.WAITING_FOR_INPUT)
-            sender.begin_chunk(np.arange(1), last=True)
+            if per_write:
+                sender.begin_chunk(np.arange(1), last=True)
             loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
             timed: list[int] = []
             start = time.perf_counter()
             for layer in range(args.layers):
                 _spin(args.work_us)
                 kernel()
-                t0 = time.perf_counter_ns()
-                sender.layers_ready(layer, layer + 1)
-                timed.append(time.perf_counter_ns() - t0)
+                if per_write:
+                    t0 = time.perf_counter_ns()
+                    sender.layers_ready(layer, layer + 1)
+                    timed.append(time.perf_counter_ns() - t0)
             forward = time.perf_counter() - start
+            if not per_write:  # chunk-level: one send() after the forward
+                t0 = time.perf_counter_ns()
+                sender.send(np.arange(1), last=True)
+                timed.append(time.perf_counter_ns() - t0)
             loop.call_soon_threadsafe = plain  # type: ignore[method-assign]
             receiver.wait(30)
             sender.wait(30)
@@ -158,7 +166,7 @@ def child_async(args: argparse.Namespace, per_write: int) -> dict[str, float]:
     device = torch.device(args.device)
 
     def make(role: str, rank: int, port: int) -> TransferEngine:
-        cfg = EngineConfig(role=role, bootstrap_port=port, num_workers=1, layers_per_write=per_write)  # type: ignore[arg-type]
+        cfg = EngineConfig(role=role, bootstrap_port=port, num_workers=1, layers_per_write=max(per_write, 1))  # type: ignore[arg-type]
         return TransferEngine(cfg, KVPool.allocate(_layout(args), 1, 0, 4, device=device))
 
     calls: list[int] = []
@@ -170,17 +178,23 @@ def child_async(args: argparse.Namespace, per_write: int) -> dict[str, float]:
             for room in range(1, args.rooms + 2):
                 receiver = await c.decode[0].receiver(room, c.bootstrap, np.arange(1))
                 sender = c.prefill[0].sender(room)
-                await sender.begin_chunk(np.arange(1), last=True)
+                if per_write:
+                    await sender.begin_chunk(np.arange(1), last=True)
                 timed: list[int] = []
                 start = time.perf_counter()
                 for layer in range(args.layers):
                     _spin(args.work_us)
                     kernel()
-                    t0 = time.perf_counter_ns()
-                    await sender.layers_ready(layer, layer + 1)
-                    timed.append(time.perf_counter_ns() - t0)
+                    if per_write:
+                        t0 = time.perf_counter_ns()
+                        await sender.layers_ready(layer, layer + 1)
+                        timed.append(time.perf_counter_ns() - t0)
                     await anyio.lowlevel.checkpoint()
                 forward = time.perf_counter() - start
+                if not per_write:  # chunk-level: one send() after the forward
+                    t0 = time.perf_counter_ns()
+                    await sender.send(np.arange(1), last=True)
+                    timed.append(time.perf_counter_ns() - t0)
                 await receiver.wait()
                 await sender.wait()
                 if room > 1:
@@ -192,11 +206,40 @@ def child_async(args: argparse.Namespace, per_write: int) -> dict[str, float]:
     return _summary(calls, forwards, args)
 
 
+def cuda_primitives(args: argparse.Namespace) -> dict[str, float]:
+    """Median us of the CUDA calls a ``layers_ready`` without ``ready`` may make (CUDA only)."""
+    import torch
+
+    device = torch.device(args.device)
+    stream = torch.cuda.current_stream(device)
+
+    def median_us(fn: Any, n: int = 2000) -> float:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append(time.perf_counter_ns() - t0)
+        return statistics.median(times) / 1e3
+
+    def record() -> None:
+        torch.cuda.Event().record(stream)
+
+    out = {
+        "current_stream_us": median_us(lambda: torch.cuda.current_stream(device)),
+        "event_record_us": median_us(record),
+        "stream_compare_us": median_us(lambda: stream != torch.cuda.current_stream(device)),
+    }
+    torch.cuda.synchronize(device)
+    return out
+
+
 def child(args: argparse.Namespace) -> int:
     rows = []
     for per_write in args.per_write:
         rows.append({"mode": "facade", "per_write": per_write, **child_facade(args, per_write)})
         rows.append({"mode": "async", "per_write": per_write, **child_async(args, per_write)})
+    if args.device == "cuda":
+        rows.append({"mode": "cuda-primitives", **cuda_primitives(args)})
     print(json.dumps(rows))
     return 0
 
@@ -220,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--layers", type=int, default=64)
-    parser.add_argument("--per-write", default="1,4", help="layers_per_write values, comma-separated")
+    parser.add_argument(
+        "--per-write",
+        default="0,1,4",
+        help="layers_per_write values, comma-separated (0: chunk-level send())",
+    )
     parser.add_argument("--rooms", type=int, default=20, help="rooms per mode, after one warm-up room")
     parser.add_argument("--work-us", type=float, default=200.0, help="the forward's Python work per layer")
     parser.add_argument("--rounds", type=int, default=3, help="alternating runs per code (best kept)")
@@ -246,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     for o, n in zip(old, new, strict=True):
         for code, r in (("old", o), ("new", n)) if args.base != "none" else (("new", n),):
+            if r["mode"] == "cuda-primitives":
+                print(f"{code}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if k != "mode"))
+                continue
             wake = f"{r['wakeups_per_chunk']:8.1f}" if "wakeups_per_chunk" in r else f"{'':>8}"
             print(
                 f"{r['mode']:>7} {r['per_write']:>3} {code:>4} {r['call_median_us']:10.2f} {r['call_p90_us']:8.2f} "
@@ -278,8 +328,11 @@ def _old_and_new(
 
 
 def _best(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per row, the round with the lowest median call."""
-    return [min(rows, key=lambda r: r["call_median_us"]) for rows in zip(*rounds, strict=True)]
+    """Per row, the round with the lowest median call (the CUDA primitives: the lowest first figure)."""
+    return [
+        min(rows, key=lambda r: r.get("call_median_us", r.get("current_stream_us", 0.0)))
+        for rows in zip(*rounds, strict=True)
+    ]
 
 
 if __name__ == "__main__":
