@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="decode alone / + transfers rounds (default 3)")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument(
-        "--layerwise", action="store_true", help="the prefill sends layer by layer from its forward"
+        "--layerwise",
+        action="store_true",
+        help="the prefill sends each request's last chunk layer by layer from its forward",
     )
     parser.add_argument(
         "--pin",

@@ -337,7 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--layerwise",
         action="store_true",
-        help="the prefill sends each chunk layer by layer from its forward",
+        help="the prefill sends each request's last chunk layer by layer from its forward",
     )
     parser.add_argument("--log-level", default="WARNING", help="log level of the rank processes")
     g = parser.add_argument_group("model (fixed-seed weights)")

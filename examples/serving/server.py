@@ -86,7 +86,8 @@ class ServerSpec:
     log_level: str = "WARNING"
     engine: dict[str, Any] = field(default_factory=dict)
     layerwise: bool = False
-    """Prefill: send each chunk layer by layer from inside the forward (``Sender.layers_ready``)."""
+    """Prefill: send each request's last chunk layer by layer from inside the forward
+    (``Sender.layers_ready``); earlier chunks go whole, right after their forward."""
     cpus: tuple[int, ...] = ()
     """CPUs the rank processes are pinned to (empty: not pinned)."""
     gpu_offset: int = 0
@@ -231,10 +232,16 @@ class Rank:
         return logits
 
     def _layerwise_hook(self, chunks: list[msg.Chunk]) -> LayerHook:
-        """``--layerwise``: after layer 0 opens each sent chunk (``begin_chunk``), every layer but the
-        last is reported ready as soon as it is enqueued (an event on the current stream orders the
-        WRITE after it). The last layer is reported by :meth:`_prefill` once the aux item (the first
-        token, from the logits) is written, since the room's aux WRITE follows its closing group."""
+        """``--layerwise``: after layer 0 opens each request's last chunk (``begin_chunk``), every
+        layer but the last is reported ready as soon as it is enqueued (the group's WRITE is ordered
+        after it on the current stream). The last layer is reported by :meth:`_prefill` once the aux
+        item (the first token, from the logits) is written, since the room's aux WRITE follows its
+        closing group.
+
+        Only last chunks: with chunked prefill an earlier chunk's transfer overlaps the next chunks'
+        forward anyway, and each layer group costs the engine's work on this loop between two layers
+        of the forward (docs/PERF.md, "The serving example on the GPU"); only the last chunk's
+        transfer is on the time to first token."""
         self.layer_senders = {}
         last_layer = self.pool.layout.num_layers - 1
 
@@ -242,7 +249,7 @@ class Rank:
             if layer == 0:
                 for c in chunks:
                     handle = self.handles.get(c.rid)
-                    if not isinstance(handle, Sender):
+                    if not c.last or not isinstance(handle, Sender):
                         continue
                     try:
                         await handle.begin_chunk(
@@ -267,12 +274,13 @@ class Rank:
         return on_layer
 
     async def _send_chunk(self, c: msg.Chunk, handle: Sender) -> None:
-        """Send ``c`` whole, or (``--layerwise``) report its last layer, closing the open chunk."""
-        if self.prefill_layer_hook is None:
-            await handle.send(c.send_pages, last=c.last, aux_slot=c.aux_slot if c.last else None)
-        elif self.layer_senders.pop(c.rid, None) is handle:
+        """Send ``c`` whole, or (``--layerwise``, a request's last chunk) report its last layer,
+        closing the open chunk."""
+        if self.layer_senders.pop(c.rid, None) is handle:
             layers = self.pool.layout.num_layers
             await handle.layers_ready(layers - 1, layers)
+        else:
+            await handle.send(c.send_pages, last=c.last, aux_slot=c.aux_slot if c.last else None)
 
     async def _prefill(self, chunks: list[msg.Chunk]) -> torch.Tensor:
         seqs = [Seq(c.tokens, c.start, c.page_table) for c in chunks]

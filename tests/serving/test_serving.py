@@ -195,8 +195,10 @@ async def test_killed_decode_rank_fails_its_requests_and_prefill_serves_others(t
 async def test_layerwise_prefill_tokens_identical_to_reference(
     tmp_path: Path, p: int, d: int, per_write: int
 ) -> None:
-    """``--layerwise``: the prefill reports each layer from inside its forward (direct path for P = D,
-    staged for 2 -> 1); the tokens are the reference's and the KV that arrived is the KV computed."""
+    """``--layerwise``: the prefill reports each layer of a request's last chunk from inside its
+    forward, earlier chunks go whole (direct path for P = D, staged for 2 -> 1; prompts of 17 and 70
+    tokens in chunks of 32, so both kinds occur); the tokens are the reference's and the KV that
+    arrived is the KV computed."""
     s = spec(tmp_path, p, d, layerwise=True, engine={"layers_per_write": per_write})
     items = client.make_workload(6, 20.0, [17, 70], 4, 0, MODEL.vocab, seed=3)
     results, stats = await serve(s, items)
