@@ -4,7 +4,8 @@ The prefill rank runs in one namespace, the decode rank in the other (``tests/ch
 started with ``ip netns exec``), each addressed by its namespace's IP: the control plane (ZMQ) and
 NIXL (UCX restricted to TCP over the veth, ``UCX_TLS=tcp UCX_NET_DEVICES=<veth>``, so no shared-memory
 transport bypasses the link) both cross it. Rooms complete with every byte verified on the decode.
-Then rooms are held mid-transfer and the link is set down: the heartbeat lease fails them on both
+One room of each kind goes layer-wise (one WRITE per layer; the held one stops between two
+layers). Then rooms are held mid-transfer and the link is set down: the heartbeat lease fails them on both
 sides with PEER_DEAD, and both engines end with nothing leaked.
 
 Needs root and ``ip`` (iproute2) with network namespaces; skipped with the reason otherwise. The
@@ -106,14 +107,16 @@ def test_two_hosts_transfer_then_a_cut_link_fails_both_sides(link: None) -> None
         ranks.append(decode)
         assert DECODE_IP in decode.expect("up")["endpoint"]
         received_before = rx_bytes(DECODE_NS, DECODE_DEV)
-        open_rooms(prefill, decode, {1: 0, 2: 4, 3: 8}, hold=False)
+        open_rooms(prefill, decode, {1: 0, 2: 4}, hold=False)
+        open_rooms(prefill, decode, {3: 8}, hold=False, layers=True)  # one WRITE per layer
         for room in (1, 2, 3):  # the decode verified every byte of each ("ok")
             assert prefill.expect("room", room=room)["ok"]
             got = decode.expect("room", room=room)
             assert got["ok"], got
         # the KV crossed the veth (UCX has no other way): at least 3 rooms' bytes came in on it
         assert rx_bytes(DECODE_NS, DECODE_DEV) - received_before >= 3 * ROOM_BYTES
-        open_rooms(prefill, decode, {4: 12, 5: 16}, hold=True)
+        open_rooms(prefill, decode, {4: 12}, hold=True)
+        open_rooms(prefill, decode, {5: 16}, hold=True, layers=True)  # held between two layers
         time.sleep(0.3)  # the first chunks are written: the rooms are mid-transfer
         cut_at = time.monotonic()
         ip("-n", PREFILL_NS, "link", "set", PREFILL_DEV, "down")
