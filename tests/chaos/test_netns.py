@@ -5,8 +5,8 @@ started with ``ip netns exec``), each addressed by its namespace's IP: the contr
 NIXL (UCX restricted to TCP over the veth, ``UCX_TLS=tcp UCX_NET_DEVICES=<veth>``, so no shared-memory
 transport bypasses the link) both cross it. Rooms complete with every byte verified on the decode.
 One room of each kind goes layer-wise (one WRITE per layer; the held one stops between two
-layers). Then rooms are held mid-transfer and the link is set down: the heartbeat lease fails them on both
-sides with PEER_DEAD, and both engines end with nothing leaked.
+layers). Then rooms are held mid-transfer and the link is set down: the heartbeat lease fails them
+on both sides with PEER_DEAD, and both engines end with nothing leaked.
 
 Needs root and ``ip`` (iproute2) with network namespaces; skipped with the reason otherwise. The
 namespaces (and with them the veth pair) are deleted whatever happens.
