@@ -40,7 +40,7 @@ if [ "$phase" = layerwise-serving ]; then  # issue 16: TTFT with and without --l
     for lw in "" --layerwise; do
       echo "== path=$path $lw"
       timeout 110 python3 tools/serving_bench.py $SB --engine path=$path $lw --json-out "$OUT/serving-$path$lw.json" \
-        2>&1 | grep -v "NIXL INFO" | grep -iE "ttft|prompt|tail|error|Traceback" | head -12
+        2>&1 | grep -v "NIXL INFO" | grep -iE "ttft|prompt|tail|error|failed|Traceback" | head -12
     done
   done
   exit 0

@@ -50,12 +50,14 @@ from examples.serving.model import ModelConfig, Seq, TPModel
 from examples.serving.tp import TPGroup
 from transfer_engine import (
     EngineConfig,
+    FailureReason,
     KVPool,
     Receiver,
     RoomStatus,
     Sender,
     TransferEngine,
     TransferError,
+    TransferFailed,
 )
 from transfer_engine.ticker import sleep as fine_sleep
 
@@ -193,7 +195,13 @@ class Rank:
             await handle.wait()
         except TransferError as exc:
             ok = False
-            log.info("%s rank %d: room %d failed: %s", self.spec.name, self.rank, opened.room, exc)
+            # an abort by this serving loop is routine; any other failure is worth a line in the log
+            aborted = isinstance(exc, TransferFailed) and exc.reason is FailureReason.ABORTED
+            log.log(
+                logging.INFO if aborted else logging.WARNING,
+                "%s rank %d: room %d failed: %s: %s",
+                self.spec.name, self.rank, opened.room, type(exc).__name__, exc,
+            )  # fmt: skip
         if ok and self.record is not None:
             self.write_record(rid=rid, kv=kv_digests(self.pool, opened.pages, opened.prompt_len, self.rank))
         self.settled[rid] = time.monotonic()
