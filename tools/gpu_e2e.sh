@@ -33,6 +33,17 @@ if [ "$phase" = layerwise ] || [ "$phase" = layer-calls ]; then  # issue 16 (one
   done
   exit 0
 fi
+if [ "$phase" = layerwise-ab ]; then  # issue 16: serving TTFT with --layerwise, issue 17's completion waiter on / off (< 3 min)
+  SB="--device cuda --model-hidden 2048 --model-layers 16 --model-heads 16 --model-kv-heads 8 --model-head-dim 128
+      --model-ffn 5632 --long 4096 --chunk-tokens 512 --max-batch-tokens 1024 --samples 8 --phases ttft"
+  for thread in 1 0; do
+    echo "== path=direct --layerwise completion_thread=$thread"
+    timeout 80 python3 tools/serving_bench.py $SB --engine path=direct --engine completion_thread=$thread --layerwise \
+      --json-out "$OUT/serving-direct--layerwise-thread$thread.json" 2>&1 | grep -v "NIXL INFO" \
+      | grep -iE "ttft|prompt|tail|error|failed|Traceback" | head -12
+  done
+  exit 0
+fi
 if [ "$phase" = layerwise-serving ]; then  # issue 16: TTFT with and without --layerwise, host and device path (< 8 min)
   SB="--device cuda --model-hidden 2048 --model-layers 16 --model-heads 16 --model-kv-heads 8 --model-head-dim 128
       --model-ffn 5632 --long 4096 --chunk-tokens 512 --max-batch-tokens 1024 --samples 8 --window 1 --rounds 1"
