@@ -285,13 +285,15 @@ class ExampleTrace:
     """
 
     def __init__(self, side: str, rank: int) -> None:
+        from transfer_engine.steptrace import StepTrace
+
         self.folder = os.environ.get("TE_TRACE_OUT") or None
         self.side, self.rank = side, rank
-        self.marks: list[tuple[int, int, str]] = []
+        # the engine's own bounded buffer, side "x": marks read "x.<step>"
+        self._trace = StepTrace(1 << 20 if self.folder is not None else 0, "x")
 
     def mark(self, room: int, step: str) -> None:
-        if self.folder is not None:
-            self.marks.append((time.monotonic_ns(), room, f"x.{step}"))
+        self._trace.mark(room, step)
 
     def dump(self, engine_marks: list[tuple[int, int, str]]) -> None:
         if self.folder is None:
@@ -301,7 +303,7 @@ class ExampleTrace:
         os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, f"{self.side}-{self.rank}.json")
         with open(path, "w") as f:
-            json.dump(sorted(self.marks + engine_marks), f)
+            json.dump(sorted(self._trace.take() + engine_marks), f)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -32,21 +32,6 @@ from transfer_engine.kernels import (
     scatter_heads,
 )
 
-BACKENDS = [
-    pytest.param(Backend("interp", "cpu", False, "auto"), id="interp"),
-    pytest.param(Backend("torch", "cpu", False, "torch"), id="torch"),
-    pytest.param(Backend("cuda", "cuda", False, "auto"), id="cuda", marks=pytest.mark.gpu),
-    pytest.param(Backend("cuda-host", "cuda", True, "auto"), id="cuda-host", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Backend:
-    chosen: Backend = request.param
-    if chosen.name == "interp":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return chosen
-
 
 @dataclass(frozen=True)
 class Case:

@@ -28,21 +28,6 @@ from kvgen import (
 
 from transfer_engine.kernels import KernelInputError, as_kv_table, gather_heads, scatter_heads
 
-BACKENDS = [
-    pytest.param(Backend("interp", "cpu", False, "auto"), id="interp"),
-    pytest.param(Backend("torch", "cpu", False, "torch"), id="torch"),
-    pytest.param(Backend("cuda", "cuda", False, "auto"), id="cuda", marks=pytest.mark.gpu),
-    pytest.param(Backend("cuda-host", "cuda", True, "auto"), id="cuda-host", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Backend:
-    chosen: Backend = request.param
-    if chosen.name == "interp":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return chosen
-
 
 @dataclass(frozen=True)
 class Paged:
