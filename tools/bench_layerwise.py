@@ -30,6 +30,10 @@ host's monotonic clock:
   every byte in place (on the staged and host paths: scattered into the KV pool);
 - ``tail`` = landed - done, split into ``react`` (done -> the prefill's worker posted the room's
   last WRITE, step mark ``posted``) and ``last WRITE`` (posted -> landed);
+- ``wake`` (layer-wise): done -> the worker's loop learnt that the last group's layers completed
+  (step mark ``reached``, set by the completion waiter's wake-up): the part of ``react`` spent
+  observing the GPU; the rest is the engine's own work and the post. Blank (nan) when the group's
+  job reached the worker after its layers had completed (nothing was waited for);
 - ``forward``: forward start -> done; layer-wise sending must not slow it (compare with ``chunk``,
   which sends nothing during it);
 - ``group est``: the chunk-level rooms' tail (every layer's bytes, from the forward's end) x N /
@@ -46,6 +50,7 @@ The serving example's TTFT with and without ``--layerwise`` is ``tools/serving_b
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import statistics
 import sys
@@ -193,8 +198,8 @@ def _until(handle: object, want: RoomStatus, limit_s: float = 120.0) -> None:
         time.sleep(0.0005)  # sleeping, not spinning: the engine's loop thread needs the GIL
 
 
-Row = tuple[int, str, int, float, float, float, float]
-"""(tokens, mode, layers_per_write, tail, react, last WRITE, forward), medians in ms."""
+Row = tuple[int, str, int, float, float, float, float, float]
+"""(tokens, mode, layers_per_write, tail, react, last WRITE, forward, wake), medians in ms."""
 
 
 def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Connection) -> None:
@@ -228,11 +233,16 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                         )
                     sender.wait(120)
                     landed = pipe.recv()
-                    posted = _mark(engine.take_trace(), room, "p.posted")
+                    marks = engine.take_trace()
+                    posted = _mark(marks, room, "p.posted")
+                    # the worker's loop learnt that the last group's layers completed (layer-wise; NaN
+                    # when its job reached the worker after they had: nothing was waited for)
+                    reached = max((ns / 1e9 for ns, r, s in marks if r == room and s == "p.reached"), default=0.0)
                     room += 1
                     if rep:  # the first room of each mode warms it up
-                        samples.append((landed - done, posted - done, landed - posted, done - start))
-                medians = [statistics.median(s[i] for s in samples) * 1e3 for i in range(4)]
+                        wake = reached - done if reached > done else math.nan
+                        samples.append((landed - done, posted - done, landed - posted, done - start, wake))
+                medians = [statistics.median(s[i] for s in samples) * 1e3 for i in range(5)]
                 rows.append((tokens, mode, per_write, *medians))  # type: ignore[arg-type]
         pipe.send(None)
     out.send(rows)
@@ -292,10 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'tokens':>7} {'MB':>8} {'mode':>10} {'tail':>8} {'react':>8} {'last WRITE':>10} "
-        f"{'group est':>9} {'forward':>9} {'fwd/chunk':>9}"
+        f"{'group est':>9} {'forward':>9} {'fwd/chunk':>9} {'wake':>7}"
     )
     chunk: dict[int, tuple[float, float]] = {}
-    for tokens, mode, per_write, tail, react, last_write, fwd in rows:
+    for tokens, mode, per_write, tail, react, last_write, fwd, wake in rows:
         mb = tokens * per_token / 1e6
         if mode == "chunk":
             chunk[tokens] = (tail, fwd)
@@ -306,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             label, ratio = f"layers x{per_write}", f"{fwd / base_forward:9.3f}"
         print(
             f"{tokens:7d} {mb:8.1f} {label:>10} {tail:8.3f} {react:8.3f} {last_write:10.3f} {group:>9} "
-            f"{fwd:9.2f} {ratio:>9}"
+            f"{fwd:9.2f} {ratio:>9} {'' if mode == 'chunk' else f'{wake:7.3f}'}"
         )
     return 0 if prefill.exitcode == 0 and decode.exitcode == 0 else 1
 

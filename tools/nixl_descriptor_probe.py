@@ -1,12 +1,17 @@
 """What one NIXL descriptor costs: one-shot ``initialize_xfer`` against prepared lists, same bytes.
 
-    python tools/nixl_descriptor_probe.py [--device cuda] [--mib 1024] [--pieces 128]
+    python tools/nixl_descriptor_probe.py [--device cuda] [--mib 1024] [--pieces 128] [--gapped]
+                                          [--threads N [--split K]]
 
 Two processes (GPU 0 -> GPU 1 with ``--device cuda``, so UCX takes cuda_ipc). The initiator WRITEs
 ``--mib`` MiB as 1 descriptor, then as ``--pieces`` descriptors built per transfer
 (``initialize_xfer``), then as the same pieces from prepared lists (``make_prepped_xfer``), and
 then from lists prepared for each transfer (``per-transfer``), and prints for each the median time to create the transfer, to post it, and to see it DONE, and the
-rate. Not an engine benchmark: it tells how much of a multi-descriptor WRITE's extra cost is NIXL's
+rate. ``--gapped`` leaves a gap after every piece (pieces at twice their size apart), as the pages
+of one room lie in a KV pool: adjacent pieces may be merged somewhere below ``transfer()``, gapped
+ones cannot. ``--threads N`` gives the initiator's UCX backend NIXL's ``num_threads`` (a pool of
+threads that each post a share of a transfer's descriptors; ``--split K``: its ``split_batch_size``).
+On a machine with one GPU both processes use it. Not an engine benchmark: it tells how much of a multi-descriptor WRITE's extra cost is NIXL's
 per-transfer validation (which prepared lists skip) and how much is moving many pieces.
 """
 
@@ -27,17 +32,25 @@ import torch
 REPS = 7
 
 
-def _agent(name: str) -> Any:
+def _agent(name: str, threads: int = 0, split: int = 0) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    if threads == 0:
+        return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    params = {"num_threads": str(threads)}
+    if split:
+        params["split_batch_size"] = str(split)
+    agent.create_backend("UCX", params)
+    return agent
 
 
 def _buffer(args: argparse.Namespace, index: int) -> tuple[torch.Tensor, str, int]:
     if args.device == "cuda":
+        index %= torch.cuda.device_count()
         torch.cuda.set_device(index)
-        return torch.zeros(args.mib << 20, dtype=torch.uint8, device=f"cuda:{index}"), "VRAM", index
-    return torch.zeros(args.mib << 20, dtype=torch.uint8), "DRAM", 0
+        return torch.zeros(args.mib << 21, dtype=torch.uint8, device=f"cuda:{index}"), "VRAM", index
+    return torch.zeros(args.mib << 21, dtype=torch.uint8), "DRAM", 0
 
 
 def target(args: argparse.Namespace, conn: Connection) -> None:
@@ -51,10 +64,10 @@ def target(args: argparse.Namespace, conn: Connection) -> None:
 
 
 def _table(
-    nbytes: int, pieces: int, remote: int, dev: int, local: int, ldev: int
+    nbytes: int, pieces: int, remote: int, dev: int, local: int, ldev: int, gapped: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     size = nbytes // pieces
-    offs = np.arange(pieces, dtype=np.uint64) * np.uint64(size)
+    offs = np.arange(pieces, dtype=np.uint64) * np.uint64(size * (2 if gapped else 1))
     loc = np.stack(
         [np.uint64(local) + offs, np.full(pieces, size, np.uint64), np.full(pieces, ldev, np.uint64)], 1
     )
@@ -77,12 +90,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--pieces", type=int, default=128)
+    parser.add_argument("--gapped", action="store_true", help="a gap after every piece (buffers are 2x --mib)")
+    parser.add_argument("--threads", type=int, default=0, help="UCX backend num_threads of the initiator")
+    parser.add_argument("--split", type=int, default=0, help="UCX backend split_batch_size (with --threads)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=target, args=(args, theirs))
     proc.start()
-    agent = _agent("probe-initiator")
+    agent = _agent("probe-initiator", args.threads, args.split)
     buf, mem, ldev = _buffer(args, 0)
     agent.register_memory(buf, mem)
     md, remote, rmem, dev = mine.recv()
@@ -110,9 +126,9 @@ def main() -> None:
 
     results: dict[str, tuple[float, float, float]] = {}
     for pieces in (1, args.pieces):
-        loc, rem = _table(nbytes, pieces, remote, dev, buf.data_ptr(), ldev)
+        loc, rem = _table(nbytes, pieces, remote, dev, buf.data_ptr(), ldev, args.gapped)
         results[f"one-shot x{pieces}"] = run(functools.partial(_one_shot, agent, loc, rem, mem, rmem, peer))
-    loc, rem = _table(nbytes, args.pieces, remote, dev, buf.data_ptr(), ldev)
+    loc, rem = _table(nbytes, args.pieces, remote, dev, buf.data_ptr(), ldev, args.gapped)
     local_h = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(loc, mem))
     remote_h = agent.prep_xfer_dlist(peer, agent.get_xfer_descs(rem, rmem))
     idx = np.arange(args.pieces)
@@ -136,7 +152,8 @@ def main() -> None:
     for name, (make, post, done) in results.items():
         total = make + post + done
         print(
-            f"{args.device} {args.mib} MiB {name:>14}: create {make * 1e6:8.1f} us, post {post * 1e6:8.1f} us, "
+            f"{args.device} {args.mib} MiB{' gapped' if args.gapped else ''} threads={args.threads}"
+            f"{f' split={args.split}' if args.split else ''} {name:>14}: create {make * 1e6:8.1f} us, post {post * 1e6:8.1f} us, "
             f"to DONE {done * 1e6:8.1f} us, {nbytes / total / 1e9:7.1f} GB/s"
         )
 

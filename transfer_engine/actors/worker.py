@@ -360,8 +360,9 @@ class TransferWorker(Actor["WorkerMail"]):
         finally:
             self.completions.close()
 
-    def _on_reached(self) -> None:
-        """On the loop, from the completion waiter: a held job's wait completed."""
+    def _on_reached(self, room: int) -> None:
+        """On the loop, from the completion waiter: a wait of a held job of ``room`` completed."""
+        self.me.trace.mark(room, "reached")
         if self._reached_posted or self.inbox.closed:  # closed: the worker ended, nobody waits
             return
         self._reached_posted = True
@@ -687,7 +688,7 @@ class TransferWorker(Actor["WorkerMail"]):
             self._unready.append(job)
             for wait in job.waits:
                 if wait is not None and not is_ready(wait):
-                    self.completions.notify(wait, self._on_reached)
+                    self.completions.notify(wait, functools.partial(self._on_reached, job.room))
 
     async def _start_ready(self) -> None:
         """Start the layer-wise jobs whose events completed, in arrival order."""
