@@ -50,8 +50,10 @@ The serving example's TTFT with and without ``--layerwise`` is ``tools/serving_b
 from __future__ import annotations
 
 import argparse
+import cProfile
 import math
 import multiprocessing as mp
+import pstats
 import statistics
 import sys
 import threading
@@ -212,6 +214,8 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
     modes = [("chunk", 0)] + [("layers", n) for n in args.per_write]
     rows: list[Row] = []
     room = 1
+    profile = cProfile.Profile() if args.profile else None
+    profiled = 0
     with BlockingEngine(_config(args, "prefill", port), pool) as engine:
         for tokens in args.tokens:
             forward = Forward(args, device, tokens)
@@ -227,11 +231,16 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                             lambda layer: None, lambda s=sender, p=pages: s.send(p, last=True)
                         )
                     else:
+                        if profile is not None and rep:  # on the loop's thread: it profiles that thread
+                            engine._call(profile.enable)
+                            profiled += 1
                         sender.begin_chunk(pages, last=True)
                         start, done = forward.run(
                             lambda layer, s=sender: s.layers_ready(layer, layer + 1), lambda: None
                         )
                     sender.wait(120)
+                    if profile is not None and mode != "chunk" and rep:
+                        engine._call(profile.disable)
                     landed = pipe.recv()
                     marks = engine.take_trace()
                     posted = _mark(marks, room, "p.posted")
@@ -245,7 +254,19 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                 medians = [statistics.median(s[i] for s in samples) * 1e3 for i in range(5)]
                 rows.append((tokens, mode, per_write, *medians))  # type: ignore[arg-type]
         pipe.send(None)
+    if profile is not None and profiled:
+        _print_profile(profile, profiled, args.profile)
     out.send(rows)
+
+
+def _print_profile(profile: cProfile.Profile, rooms: int, top: int) -> None:
+    """The prefill loop thread's functions with the most own time over the layer-wise rooms."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    print(f"-- prefill loop thread, layer-wise rooms ({rooms}): top {top} by own time, us per room (calls)")
+    for (filename, line, name), (_cc, calls, own, _cum, _callers) in rows:
+        where = filename.split("transfer_engine/")[-1] if "transfer_engine" in filename else filename[-40:]
+        print(f"  {own / rooms * 1e6:9.1f}  ({calls / rooms:7.1f})  {where}:{line} {name}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         "--ffn", type=int, default=97280, help="(5120 x 97280 bf16: about a Qwen3-32B layer's weights)"
     )
     parser.add_argument("--torch-threads", type=int, default=1, help="CPU: the forward's torch threads")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="TOP",
+        help="cProfile the prefill's loop thread over the layer-wise rooms; print the TOP functions",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny sizes (checks that the script runs)")
     args = parser.parse_args(argv)
     if args.tiny:

@@ -697,6 +697,7 @@ class TransferWorker(Actor["WorkerMail"]):
             return
         self._unready = [job for job in self._unready if job not in ready]
         for job in ready:
+            self.me.trace.mark(job.room, "started")
             await self._start_layer(job)
 
     async def _start_layer(self, job: WriteJob) -> None:
