@@ -32,8 +32,10 @@ host's monotonic clock:
   last WRITE, step mark ``posted``) and ``last WRITE`` (posted -> landed);
 - ``wake`` (layer-wise): done -> the worker's loop learnt that the last group's layers completed
   (step mark ``reached``, set by the completion waiter's wake-up): the part of ``react`` spent
-  observing the GPU; the rest is the engine's own work and the post. Blank (nan) when the group's
-  job reached the worker after its layers had completed (nothing was waited for);
+  observing the GPU. ``started`` and ``planned``: done -> the worker started the last group's job
+  (mark ``started``) and planned its descriptors (``planned``); ``react`` - ``planned`` is the NIXL
+  post. ``wake`` and ``started`` are nan when the group's job reached the worker after its layers
+  had completed (nothing was waited for);
 - ``forward``: forward start -> done; layer-wise sending must not slow it (compare with ``chunk``,
   which sends nothing during it);
 - ``group est``: the chunk-level rooms' tail (every layer's bytes, from the forward's end) x N /
@@ -200,8 +202,9 @@ def _until(handle: object, want: RoomStatus, limit_s: float = 120.0) -> None:
         time.sleep(0.0005)  # sleeping, not spinning: the engine's loop thread needs the GIL
 
 
-Row = tuple[int, str, int, float, float, float, float, float]
-"""(tokens, mode, layers_per_write, tail, react, last WRITE, forward, wake), medians in ms."""
+Row = tuple[int, str, int, float, float, float, float, float, float, float]
+"""(tokens, mode, layers_per_write, tail, react, last WRITE, forward, wake, started, planned), medians
+in ms."""
 
 
 def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Connection) -> None:
@@ -244,14 +247,18 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                     landed = pipe.recv()
                     marks = engine.take_trace()
                     posted = _mark(marks, room, "p.posted")
-                    # the worker's loop learnt that the last group's layers completed (layer-wise; NaN
-                    # when its job reached the worker after they had: nothing was waited for)
-                    reached = max((ns / 1e9 for ns, r, s in marks if r == room and s == "p.reached"), default=0.0)
+                    # the last group's steps at the worker (layer-wise): its loop learnt that the layers
+                    # completed (reached; absent when the job came after they had), the job was started,
+                    # planned: ms after done, NaN when absent
+                    steps = [
+                        max((ns / 1e9 for ns, r, s in marks if r == room and s == f"p.{step}"), default=0.0)
+                        for step in ("reached", "started", "planned")
+                    ]
                     room += 1
                     if rep:  # the first room of each mode warms it up
-                        wake = reached - done if reached > done else math.nan
-                        samples.append((landed - done, posted - done, landed - posted, done - start, wake))
-                medians = [statistics.median(s[i] for s in samples) * 1e3 for i in range(5)]
+                        after = [t - done if t > done else math.nan for t in steps]
+                        samples.append((landed - done, posted - done, landed - posted, done - start, *after))
+                medians = [statistics.median(s[i] for s in samples) * 1e3 for i in range(7)]
                 rows.append((tokens, mode, per_write, *medians))  # type: ignore[arg-type]
         pipe.send(None)
     if profile is not None and profiled:
@@ -290,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--torch-threads", type=int, default=1, help="CPU: the forward's torch threads")
     parser.add_argument(
-        "--profile", type=int, default=0, metavar="TOP",
+        "--profile",
+        type=int,
+        default=0,
+        metavar="TOP",
         help="cProfile the prefill's loop thread over the layer-wise rooms; print the TOP functions",
     )
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny sizes (checks that the script runs)")
@@ -327,10 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'tokens':>7} {'MB':>8} {'mode':>10} {'tail':>8} {'react':>8} {'last WRITE':>10} "
-        f"{'group est':>9} {'forward':>9} {'fwd/chunk':>9} {'wake':>7}"
+        f"{'group est':>9} {'forward':>9} {'fwd/chunk':>9} {'wake':>7} {'started':>7} {'planned':>7}"
     )
     chunk: dict[int, tuple[float, float]] = {}
-    for tokens, mode, per_write, tail, react, last_write, fwd, wake in rows:
+    for tokens, mode, per_write, tail, react, last_write, fwd, wake, started, planned in rows:
         mb = tokens * per_token / 1e6
         if mode == "chunk":
             chunk[tokens] = (tail, fwd)
@@ -341,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             label, ratio = f"layers x{per_write}", f"{fwd / base_forward:9.3f}"
         print(
             f"{tokens:7d} {mb:8.1f} {label:>10} {tail:8.3f} {react:8.3f} {last_write:10.3f} {group:>9} "
-            f"{fwd:9.2f} {ratio:>9} {'' if mode == 'chunk' else f'{wake:7.3f}'}"
+            f"{fwd:9.2f} {ratio:>9} {'' if mode == 'chunk' else f'{wake:7.3f} {started:7.3f} {planned:7.3f}'}"
         )
     return 0 if prefill.exitcode == 0 and decode.exitcode == 0 else 1
 

@@ -90,7 +90,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--pieces", type=int, default=128)
-    parser.add_argument("--gapped", action="store_true", help="a gap after every piece (buffers are 2x --mib)")
+    parser.add_argument(
+        "--gapped", action="store_true", help="a gap after every piece (buffers are 2x --mib)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="UCX backend num_threads of the initiator")
     parser.add_argument("--split", type=int, default=0, help="UCX backend split_batch_size (with --threads)")
     args = parser.parse_args()

@@ -38,7 +38,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--layers", type=int, default=64)
-    parser.add_argument("--per-write", type=int, default=0, help="0: one send() per room; N: groups of N layers")
+    parser.add_argument(
+        "--per-write", type=int, default=0, help="0: one send() per room; N: groups of N layers"
+    )
     parser.add_argument("--rooms", type=int, default=200)
     parser.add_argument("--warm", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
@@ -103,7 +105,9 @@ def main() -> int:
         rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2 if key == "tottime" else 3], reverse=True)  # type: ignore[attr-defined]
         print(f"-- top {args.top} by {title}, us per room (calls per room)")
         for (filename, line, name), (_cc, nc, tt, ct, _callers) in rows[: args.top]:
-            where = filename.split("transfer_engine/")[-1] if "transfer_engine" in filename else filename[-40:]
+            where = (
+                filename.split("transfer_engine/")[-1] if "transfer_engine" in filename else filename[-40:]
+            )
             value = tt if key == "tottime" else ct
             print(f"  {value * per_room:9.1f}  ({nc / args.rooms:6.1f})  {where}:{line} {name}")
     return 0

@@ -84,7 +84,7 @@ from transfer_engine.protocol.rooms import Deadlines, RoomStatus
 from transfer_engine.protocol.stash import EarlyRequests
 from transfer_engine.security import Curve
 from transfer_engine.steptrace import StepTrace
-from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport
+from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport, default_params
 
 log = logging.getLogger(__name__)
 
@@ -501,7 +501,10 @@ class TransferEngine:
     async def _start(self, tg: TaskGroup) -> None:
         cfg = self.config
         transport = self._transport or NixlTransport(
-            self.agent_name, cfg.nixl_backend, cfg.nixl_params, progress_thread=cfg.nixl_progress_thread
+            self.agent_name,
+            cfg.nixl_backend,
+            default_params(cfg.nixl_backend, cfg.nixl_params, self.pool.device.type),
+            progress_thread=cfg.nixl_progress_thread,
         )
         self._transport = transport
         transport.register(self.pool.regions(), self.pool.mem_type)

@@ -11,6 +11,7 @@ import pytest
 
 from transfer_engine.config import EngineConfig
 from transfer_engine.errors import ConfigError
+from transfer_engine.transport.nixl import default_params
 
 
 @pytest.fixture(autouse=True)
@@ -267,3 +268,22 @@ def test_from_args_ignores_foreign_arguments() -> None:
 def test_round_trips_through_msgspec() -> None:
     cfg = EngineConfig(role="decode", tp_size=2, tp_rank=1, nixl_params={"a": "1"}, waiting_timeout=4.0)
     assert msgspec.convert(msgspec.to_builtins(cfg), EngineConfig) == cfg
+
+
+@pytest.mark.parametrize(
+    ("backend", "params", "device", "expected"),
+    [
+        ("UCX", {}, "cuda", {"num_threads": "4", "split_batch_size": "16"}),
+        ("UCX", {"x": "y"}, "cuda", {"x": "y", "num_threads": "4", "split_batch_size": "16"}),
+        ("UCX", {"num_threads": "0"}, "cuda", {"num_threads": "0"}),
+        ("UCX", {"num_threads": "2"}, "cuda", {"num_threads": "2"}),
+        ("UCX", {}, "cpu", {}),
+        ("LIBFABRIC", {}, "cuda", {}),
+    ],
+)
+def test_posting_threads_by_default_on_gpu_pools_only(
+    backend: str, params: dict[str, str], device: str, expected: dict[str, str]
+) -> None:
+    given = dict(params)
+    assert default_params(backend, params, device) == expected
+    assert params == given  # the config's own dict is not changed
