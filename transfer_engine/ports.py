@@ -85,6 +85,19 @@ class WritePort(Protocol):
         """
         ...
 
+    def prepare_write(self, spec: WriteSpec) -> int:
+        """Make ``spec``'s WRITE without starting it; a handle for :meth:`start_write` or
+        :meth:`discard`. Raises as :meth:`post_write`."""
+        ...
+
+    def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+        """Start a prepared WRITE; then as :meth:`post_write`. TransportError: not started, handle gone."""
+        ...
+
+    def discard(self, handle: int) -> None:
+        """Drop a prepared WRITE that was never started."""
+        ...
+
     def register(self, regions: list[MemRegion], mem_type: str) -> int:
         """Register local memory (a staging buffer) with the NIXL agent."""
         ...

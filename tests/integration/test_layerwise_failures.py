@@ -146,3 +146,29 @@ async def test_staged_group_is_scattered_before_the_chunk_is_complete(path: str)
             await receivers[0].wait()
         assert patterns.mismatches(decode, room, pages, rows) == 0
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_held_group_write_is_made_before_its_layers_and_started_after() -> None:
+    """Direct path: a group whose layers are not ready has its WRITE made at once (descriptors checked
+    and prepared: one NIXL handle, nothing posted), and only started once they are; every byte lands."""
+    async with cluster(small_layout(), 1, 1, path="direct", layers_per_write=1) as c:
+        pages = np.arange(4)
+        senders, receivers, later = await _first_layer_landed(c, 60, pages)
+        prefill = c.prefill[0]
+        assert prefill.poller is not None
+        with anyio.fail_after(10):  # the worker took the held job and made its WRITE
+            while prefill.leaks()["nixl_handles"] < 1:  # noqa: ASYNC110 - engine state, no event
+                await anyio.sleep(0.005)
+        posted = prefill.poller.counters["writes_posted"]
+        await anyio.sleep(0.1)
+        assert prefill.poller.counters["writes_posted"] == posted  # made, not started
+        assert receivers[0].poll() is RoomStatus.TRANSFERRING
+        patterns.fill(prefill.pool, 60, pages)
+        later.set()
+        with anyio.fail_after(10):
+            await senders[0].wait()
+            await receivers[0].wait()
+        assert prefill.poller.counters["writes_posted"] == posted + 1  # the group [1, 3): the prepared one
+        assert patterns.mismatches(c.decode[0].pool, 60, pages, 16) == 0
+        c.assert_no_leaks()

@@ -21,7 +21,9 @@ def _set_later(event: threading.Event, delay: float) -> threading.Thread:
 
 
 def _waiter_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("te-completion-") and t.is_alive()]
+    """This module's waiters' threads (all named "t"); an engine of an earlier test may still be
+    joining its own workers' threads, which are not these."""
+    return [t for t in threading.enumerate() if t.name == "te-completion-t" and t.is_alive()]
 
 
 async def test_wait_returns_once_another_thread_sets_the_event() -> None:

@@ -112,11 +112,25 @@ class NixlPoller:
 
         Raises AddressRangeError / TransportError when it cannot be posted (no reply comes then).
         """
+        self.start_write(self.prepare_write(spec), spec, reply_to, token)
+
+    def prepare_write(self, spec: WriteSpec) -> int:
+        """Make a WRITE without starting it (its descriptors checked and prepared); returns the handle
+        for :meth:`start_write` or :meth:`discard`. Raises as :meth:`post_write`."""
         try:
-            handle = self.transport.post_write(spec)
+            return self.transport.prepare_write(spec)
         except AddressRangeError:
             self.counters["writes_refused_address"] += 1
             raise
+        except TransportError:
+            self.counters["writes_refused"] += 1
+            raise
+
+    def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+        """Start the WRITE ``handle`` made of ``spec``; replies as :meth:`post_write`. TransportError:
+        not started, and the handle is gone."""
+        try:
+            self.transport.start_write(handle)
         except TransportError:
             self.counters["writes_refused"] += 1
             raise
@@ -125,6 +139,13 @@ class NixlPoller:
         self.counters["descriptors_posted"] += len(spec.src)
         self._heat()
         self._wake.set()
+
+    def discard(self, handle: int) -> None:
+        """Drop a WRITE made by :meth:`prepare_write` and never started."""
+        try:
+            self.transport.release(handle)
+        except KeyError:  # the transport was closed first (engine shutdown): it released every handle
+            log.debug("prepared WRITE %d was already released", handle)
 
     def request_drain(self, room: int) -> None:
         """Send :class:`Drained` to ``room`` after the next poll-and-drain cycle that starts from now."""

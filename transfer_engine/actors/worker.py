@@ -314,6 +314,8 @@ class TransferWorker(Actor["WorkerMail"]):
         self.counters: dict[str, int] = defaultdict(int)
         self._unready: list[WriteJob] = []
         """Layer-wise jobs whose ``waits`` have not all completed, in arrival order."""
+        self._prepared: dict[int, tuple[int, WriteSpec]] = {}
+        """id(job) -> (handle, spec): the WRITEs of held direct jobs, made and not started."""
         self._layer_regions: dict[tuple[str, int, int], _LayerRegion] = {}
         """(decode agent, room, chunk id) -> the region of a layer-wise staged chunk."""
         self._group_kv: dict[tuple[int, int], KVTable] = {}
@@ -359,6 +361,9 @@ class TransferWorker(Actor["WorkerMail"]):
             await super().run(task_status=task_status)
         finally:
             self.completions.close()
+            for handle, _spec in self._prepared.values():  # jobs held when the worker ended
+                self.poller.discard(handle)
+            self._prepared.clear()
 
     def _on_reached(self, room: int) -> None:
         """On the loop, from the completion waiter: a wait of a held job of ``room`` completed."""
@@ -432,22 +437,51 @@ class TransferWorker(Actor["WorkerMail"]):
             job.room, WriteDone(job.chunk_id, job.decode_rank, ok, detail, reason, job.key.layers)
         )
 
+    def _spec(self, job: WriteJob) -> WriteSpec:
+        """Plan ``job``'s WRITE (``plan_write``); TransferError when it has nothing to move."""
+        src, dst, length, notif = plan_write(job, self.pool, self._bases)
+        self.me.trace.mark(job.room, "planned")
+        if len(src) == 0:
+            raise TransferError(f"room {job.room}: empty WRITE")
+        return WriteSpec(
+            job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id, notif
+        )
+
+    async def _prepare(self, job: WriteJob) -> bool:
+        """Plan and make a held direct job's WRITE while its layers are still being computed, so that
+        only the start is left once they are (docs/DECISIONS.md, "A layer group's WRITE is made
+        before its layers are ready"). False: it cannot be made, and the job was answered."""
+        try:
+            spec = self._spec(job)
+            self._prepared[id(job)] = (self.poller.prepare_write(spec), spec)
+        except TransferError as exc:
+            log.warning("worker %d: room %d: %s", self.index, job.room, exc)
+            await self._done(job, False, str(exc), FailureReason.TRANSPORT)
+            return False
+        self.me.trace.mark(job.room, "prepared")
+        return True
+
+    def _discard(self, job: WriteJob) -> None:
+        """Drop ``job``'s prepared WRITE, if it has one (its room was cancelled or the worker ends)."""
+        prepared = self._prepared.pop(id(job), None)
+        if prepared is not None:
+            self.poller.discard(prepared[0])
+
     async def _execute(self, job: WriteJob) -> None:
         if job.ready is not None:
             await self.completions.wait(job.ready)  # NIXL reads the KV itself: it must be written first
             self.me.trace.mark(job.room, "ready")
         room = self.rooms.get(job.room)
         if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
+            self._discard(job)
             return
         try:
-            src, dst, length, notif = plan_write(job, self.pool, self._bases)
-            self.me.trace.mark(job.room, "planned")
-            if len(src) == 0:
-                raise TransferError(f"room {job.room}: empty WRITE")
-            spec = WriteSpec(
-                job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id, notif
-            )
-            self.poller.post_write(spec, room, job.key)
+            prepared = self._prepared.pop(id(job), None)
+            if prepared is None:
+                spec = self._spec(job)
+                self.poller.post_write(spec, room, job.key)
+            else:
+                self.poller.start_write(prepared[0], prepared[1], room, job.key)
             self.me.trace.mark(job.room, "posted")
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
@@ -653,6 +687,7 @@ class TransferWorker(Actor["WorkerMail"]):
         """End every chunk of ``room`` not posted yet: waiting for events or a grant, or parked."""
         for job in [job for job in self._unready if job.room == room]:
             self._unready.remove(job)
+            self._discard(job)
             await self._done(job, False, "cancelled while its layers were not ready", FailureReason.ABORTED)
         for key in [k for k in self._layer_regions if k[1] == room]:
             region = self._layer_regions.pop(key)
@@ -685,6 +720,8 @@ class TransferWorker(Actor["WorkerMail"]):
         if all(is_ready(w) for w in job.waits):
             await self._start_layer(job)
         else:
+            if not is_staged_job(job) and not await self._prepare(job):
+                return
             self._unready.append(job)
             for wait in job.waits:
                 if wait is not None and not is_ready(wait):

@@ -62,7 +62,7 @@ class Fault(enum.Enum):
     """What a rule does to the WRITE, notification or message it fires on."""
 
     FAIL_POST = "fail_post"
-    """WRITE: ``post_write`` raises TransportError; nothing is posted."""
+    """WRITE: ``post_write`` (``prepare_write``) raises TransportError; nothing is posted."""
     BAD_ADDRESS = "bad_address"
     """WRITE: the destination is moved outside the peer's regions; the real transport must refuse it."""
     ERROR = "error"
@@ -401,6 +401,13 @@ class FaultyTransport:
         self.inner.remove_peer(agent_name)
 
     def post_write(self, spec: WriteSpec) -> int:
+        return self.start_write(self.prepare_write(spec))
+
+    def start_write(self, handle: int) -> int:
+        return self.inner.start_write(handle)
+
+    def prepare_write(self, spec: WriteSpec) -> int:
+        """The WRITE rules apply here, when the WRITE is made (a prepared one may be started later)."""
         rule = self.write_rules.pick(spec.notif)
         fault = rule.fault if rule is not None else None
         if fault is not None:
@@ -414,7 +421,7 @@ class FaultyTransport:
             spec = dataclasses.replace(spec, dst=spec.dst + _OUT_OF_RANGE)
         if fault is Fault.ERROR:
             spec = dataclasses.replace(spec, notif=b"")
-        handle = self.inner.post_write(spec)
+        handle = self.inner.prepare_write(spec)
         if fault is Fault.ERROR:
             self._overrides[handle] = _Override(error=True)
         elif fault is Fault.DELAY:

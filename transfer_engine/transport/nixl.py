@@ -128,6 +128,8 @@ class Transport(Protocol):
     def add_peer(self, peer: RemotePeer, metadata: bytes) -> None: ...
     def remove_peer(self, agent_name: str) -> None: ...
     def post_write(self, spec: WriteSpec) -> int: ...
+    def prepare_write(self, spec: WriteSpec) -> int: ...
+    def start_write(self, handle: int) -> int: ...
     def state(self, handle: int) -> XferState: ...
     def release(self, handle: int) -> None: ...
     def drain_notifs(self) -> dict[str, list[bytes]]: ...
@@ -193,7 +195,9 @@ class NixlTransport:
         self._regs: dict[int, Any] = {}
         self._peers: dict[str, RemotePeer] = {}
         self._handles: dict[int, tuple[Any, list[Any]]] = {}
-        """Each posted WRITE: its NIXL handle and the two descriptor lists prepared for it."""
+        """Each posted or prepared WRITE: its NIXL handle and the two descriptor lists prepared for it."""
+        self._peer_of: dict[int, tuple[str, int]] = {}
+        """Prepared, not started WRITEs: (peer, descriptors), for :meth:`start_write`'s errors."""
         self._ids = itertools.count(1)
         self.post_ns: Counter[str] = Counter()
         """Nanoseconds spent in each step of :meth:`post_write`, summed, and ``writes`` posted."""
@@ -247,6 +251,12 @@ class NixlTransport:
         Raises AddressRangeError (nothing posted) when a destination range is outside the peer's
         registered regions, and TransportError when NIXL refuses the transfer.
         """
+        return self.start_write(self.prepare_write(spec))
+
+    def prepare_write(self, spec: WriteSpec) -> int:
+        """Everything of :meth:`post_write` but starting it: the ranges checked, both sides' lists
+        prepared and the transfer made. Returns a handle that :meth:`start_write` starts, or
+        :meth:`release` drops (no byte moves before the start). Raises as :meth:`post_write`."""
         peer, src, dst, length = spec.peer, spec.src, spec.dst, spec.length
         local_devices, local_mem, notif = spec.local_devices, spec.local_mem, spec.notif
         remote = self._peers.get(peer)
@@ -276,23 +286,31 @@ class NixlTransport:
             raise TransportError(f"cannot create WRITE to {peer} ({len(src)} descriptors): {exc}") from exc
         hid = next(self._ids)
         self._handles[hid] = (handle, lists)
-        try:
-            state = self._agent.transfer(handle)
-        except Exception as exc:
-            self.release(hid)
-            raise TransportError(f"WRITE to {peer} failed to start: {exc}") from exc
-        t5 = time.perf_counter_ns()
+        self._peer_of[hid] = (peer, len(src))
         spent = self.post_ns
         spent["check"] += t1 - t0
         spent["prep_local"] += t2 - t1
         spent["prep_remote"] += t3 - t2
         spent["make"] += t4 - t3
-        spent["transfer"] += t5 - t4
-        spent["writes"] += 1
-        if state == "ERR":
-            self.release(hid)
-            raise TransportError(f"WRITE to {peer} failed to start")
         return hid
+
+    def start_write(self, handle: int) -> int:
+        """Start a WRITE made by :meth:`prepare_write`; returns ``handle``. On TransportError the
+        handle is released (nothing was posted)."""
+        xfer = self._handles[handle][0]
+        peer, count = self._peer_of.pop(handle)
+        t0 = time.perf_counter_ns()
+        try:
+            state = self._agent.transfer(xfer)
+        except Exception as exc:
+            self.release(handle)
+            raise TransportError(f"WRITE to {peer} failed to start: {exc}") from exc
+        self.post_ns["transfer"] += time.perf_counter_ns() - t0
+        self.post_ns["writes"] += 1
+        if state == "ERR":
+            self.release(handle)
+            raise TransportError(f"WRITE to {peer} failed to start ({count} descriptors)")
+        return handle
 
     def state(self, handle: int) -> XferState:
         try:
@@ -302,6 +320,8 @@ class NixlTransport:
             return XferState.ERR
 
     def release(self, handle: int) -> None:
+        """Drop a WRITE's handle: one that ended, or one prepared and never started."""
+        self._peer_of.pop(handle, None)
         h, lists = self._handles.pop(handle)
         try:
             self._agent.release_xfer_handle(h)
