@@ -89,7 +89,7 @@ def _config(args: argparse.Namespace, role: str, port: int, per_write: int = 4) 
     return EngineConfig(
         role=role, bootstrap_port=port, path=args.path, layers_per_write=per_write,  # type: ignore[arg-type]
         staging_chunk_pages=-(-max(args.tokens) // args.page_size), transfer_timeout=120.0,
-        heartbeat_interval=5.0, trace_steps=TRACE,
+        heartbeat_interval=5.0, trace_steps=TRACE, nixl_params=dict(args.nixl_param),
     )  # fmt: skip
 
 
@@ -296,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         "--ffn", type=int, default=97280, help="(5120 x 97280 bf16: about a Qwen3-32B layer's weights)"
     )
     parser.add_argument("--torch-threads", type=int, default=1, help="CPU: the forward's torch threads")
+    parser.add_argument(
+        "--nixl-param", action="append", default=[], type=lambda kv: tuple(kv.split("=", 1)), metavar="K=V",
+        help="a NIXL backend parameter for both engines (EngineConfig.nixl_params), e.g. num_threads=0",
+    )
     parser.add_argument(
         "--profile",
         type=int,
