@@ -60,6 +60,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -217,6 +218,7 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
     modes = [("chunk", 0)] + [("layers", n) for n in args.per_write]
     rows: list[Row] = []
     room = 1
+    posts: list[str] = []
     profile = cProfile.Profile() if args.profile else None
     profiled = 0
     with BlockingEngine(_config(args, "prefill", port), pool) as engine:
@@ -225,6 +227,7 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
             pages = np.arange(-(-tokens // args.page_size))
             for mode, per_write in modes:
                 samples = []
+                spent_before = _post_ns(engine)
                 for rep in range(args.reps + 1):
                     sender = engine.sender(room, layers_per_write=max(per_write, 1))
                     pipe.send((room, tokens))
@@ -260,10 +263,24 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                         samples.append((landed - done, posted - done, landed - posted, done - start, *after))
                 medians = [statistics.median(s[i] for s in samples) * 1e3 for i in range(7)]
                 rows.append((tokens, mode, per_write, *medians))  # type: ignore[arg-type]
+                spent = _post_ns(engine) - spent_before
+                writes = max(spent.pop("writes", 0), 1)
+                posts.append(
+                    f"{tokens} {mode} x{per_write}: {writes} WRITEs, us per WRITE "
+                    + ", ".join(f"{k} {v / writes / 1e3:.1f}" for k, v in sorted(spent.items()))
+                )
         pipe.send(None)
+    print("prefill post_write, per mode (the transport's own clocks):", *posts, sep="\n  ", flush=True)
     if profile is not None and profiled:
         _print_profile(profile, profiled, args.profile)
     out.send(rows)
+
+
+def _post_ns(engine: BlockingEngine) -> Counter[str]:
+    """The prefill transport's post_write clocks so far (``NixlTransport.post_ns``)."""
+    poller = engine._engine.poller
+    assert poller is not None
+    return Counter(engine._call(lambda: dict(getattr(poller.transport, "post_ns", {}))))
 
 
 def _print_profile(profile: cProfile.Profile, rooms: int, top: int) -> None:
@@ -297,7 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--torch-threads", type=int, default=1, help="CPU: the forward's torch threads")
     parser.add_argument(
-        "--nixl-param", action="append", default=[], type=lambda kv: tuple(kv.split("=", 1)), metavar="K=V",
+        "--nixl-param",
+        action="append",
+        default=[],
+        type=lambda kv: tuple(kv.split("=", 1)),
+        metavar="K=V",
         help="a NIXL backend parameter for both engines (EngineConfig.nixl_params), e.g. num_threads=0",
     )
     parser.add_argument(
