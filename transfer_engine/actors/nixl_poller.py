@@ -112,7 +112,22 @@ class NixlPoller:
 
         Raises AddressRangeError / TransportError when it cannot be posted (no reply comes then).
         """
-        self.start_write(self.prepare_write(spec), spec, reply_to, token)
+        try:
+            handle = self.transport.post_write(spec)
+        except AddressRangeError:
+            self.counters["writes_refused_address"] += 1
+            raise
+        except TransportError:
+            self.counters["writes_refused"] += 1
+            raise
+        self._track(handle, spec, reply_to, token)
+
+    def _track(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+        self._posted.append(_Posted(handle, spec.peer, spec.nbytes, reply_to, token))
+        self.counters["writes_posted"] += 1
+        self.counters["descriptors_posted"] += len(spec.src)
+        self._heat()
+        self._wake.set()
 
     def prepare_write(self, spec: WriteSpec) -> int:
         """Make a WRITE without starting it (its descriptors checked and prepared); returns the handle
@@ -134,11 +149,7 @@ class NixlPoller:
         except TransportError:
             self.counters["writes_refused"] += 1
             raise
-        self._posted.append(_Posted(handle, spec.peer, spec.nbytes, reply_to, token))
-        self.counters["writes_posted"] += 1
-        self.counters["descriptors_posted"] += len(spec.src)
-        self._heat()
-        self._wake.set()
+        self._track(handle, spec, reply_to, token)
 
     def discard(self, handle: int) -> None:
         """Drop a WRITE made by :meth:`prepare_write` and never started."""

@@ -314,6 +314,8 @@ class TransferWorker(Actor["WorkerMail"]):
         self.counters: dict[str, int] = defaultdict(int)
         self._unready: list[WriteJob] = []
         """Layer-wise jobs whose ``waits`` have not all completed, in arrival order."""
+        self._failed_starts: list[tuple[WriteJob, str]] = []
+        """Held jobs whose start from the waiter's callback failed: answered by the next Reached."""
         self._prepared: dict[int, tuple[int, WriteSpec]] = {}
         """id(job) -> (handle, spec): the WRITEs of held direct jobs, made and not started."""
         self._layer_regions: dict[tuple[str, int, int], _LayerRegion] = {}
@@ -365,13 +367,39 @@ class TransferWorker(Actor["WorkerMail"]):
                 self.poller.discard(handle)
             self._prepared.clear()
 
-    def _on_reached(self, room: int) -> None:
-        """On the loop, from the completion waiter: a wait of a held job of ``room`` completed."""
-        self.me.trace.mark(room, "reached")
-        if self._reached_posted or self.inbox.closed:  # closed: the worker ended, nobody waits
+    def _on_reached(self, job: WriteJob) -> None:
+        """On the loop, from the completion waiter: a wait of the held ``job`` completed.
+
+        A job whose WRITE was made ahead (:meth:`_prepare`) and whose waits have all completed is
+        started here and now, without a mail hop through the inbox; any other job is left to the
+        :class:`Reached` mail, as is a start that failed (its answer needs the worker's task)."""
+        self.me.trace.mark(job.room, "reached")
+        if self.inbox.closed:  # the worker ended, nobody waits
             return
-        self._reached_posted = True
-        self.inbox.post(Reached())
+        if id(job) in self._prepared and all(is_ready(w) for w in job.waits):
+            held = next((i for i, j in enumerate(self._unready) if j is job), None)
+            if held is not None:
+                del self._unready[held]
+                self.me.trace.mark(job.room, "started")
+                try:
+                    self._start_prepared(job)
+                    return
+                except TransferError as exc:
+                    log.warning("worker %d: room %d: %s", self.index, job.room, exc)
+                    self._failed_starts.append((job, str(exc)))
+        if not self._reached_posted:
+            self._reached_posted = True
+            self.inbox.post(Reached())
+
+    def _start_prepared(self, job: WriteJob) -> None:
+        """Start ``job``'s WRITE made by :meth:`_prepare` (a room gone: dropped). Raises TransferError."""
+        handle, spec = self._prepared.pop(id(job))
+        room = self.rooms.get(job.room)
+        if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
+            self.poller.discard(handle)
+            return
+        self.poller.start_write(handle, spec, room, job.key)
+        self.me.trace.mark(job.room, "posted")
 
     async def handle(self, mail: WorkerMail) -> None:
         self.me.trace.mark_mail("worker", mail)
@@ -418,6 +446,9 @@ class TransferWorker(Actor["WorkerMail"]):
                 await self._cancel(room)
             case Reached():
                 self._reached_posted = False
+                failed, self._failed_starts = self._failed_starts, []
+                for job, detail in failed:
+                    await self._done(job, False, detail, FailureReason.TRANSPORT)
                 await self._start_ready()
             case RepeatStaging(before=before):
                 for staged in list(self._granting.values()):
@@ -476,12 +507,10 @@ class TransferWorker(Actor["WorkerMail"]):
             self._discard(job)
             return
         try:
-            prepared = self._prepared.pop(id(job), None)
-            if prepared is None:
-                spec = self._spec(job)
-                self.poller.post_write(spec, room, job.key)
-            else:
-                self.poller.start_write(prepared[0], prepared[1], room, job.key)
+            if id(job) in self._prepared:
+                self._start_prepared(job)
+                return
+            self.poller.post_write(self._spec(job), room, job.key)
             self.me.trace.mark(job.room, "posted")
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
@@ -725,7 +754,7 @@ class TransferWorker(Actor["WorkerMail"]):
             self._unready.append(job)
             for wait in job.waits:
                 if wait is not None and not is_ready(wait):
-                    self.completions.notify(wait, functools.partial(self._on_reached, job.room))
+                    self.completions.notify(wait, functools.partial(self._on_reached, job))
 
     async def _start_ready(self) -> None:
         """Start the layer-wise jobs whose events completed, in arrival order."""
