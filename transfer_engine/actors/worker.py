@@ -677,33 +677,33 @@ class TransferWorker(Actor["WorkerMail"]):
             stream=self.stream,
         )
         leases = self._buffers[staged.host][1]
+        spec = self._staged_spec(staged, memory, offset)
+        made: int | TransferError | None = None
         try:
+            # The WRITE is made (checked, lists prepared) while the gather runs: only its start
+            # waits for the gathered bytes (docs/DECISIONS.md, "made before its bytes are ready").
             if self.stream is None:
+                made = self._make(spec)
                 await run_cpu_copy(gather, staged.nbytes)
             else:
                 if job.ready is not None:
                     self.stream.wait_event(job.ready)  # the gather reads KV the caller's stream wrote
                 gather()
+                made = self._make(spec)
                 await self.completions.wait(recorded(self.stream))
             self.me.trace.mark(job.room, "gathered")
         except Exception as exc:  # a kernel error fails the room, never the worker
             log.exception("worker %d: gather for room %d failed", self.index, job.room)
+            if isinstance(made, int):
+                self.poller.discard(made)
             leases.release(offset)
             await self._done(job, False, f"gather failed: {exc}", FailureReason.TRANSPORT)
             return
-        notif = chunk_notification(job, staged.allocation.alloc_id)
-        runs = staged.runs if staged.runs is not None else [(0, 0, staged.nbytes)]
-        spec = WriteSpec(
-            job.peer.agent_name,
-            memory.mem_type,
-            np.array([memory.addr + offset + src for src, _, _ in runs], dtype=np.uint64),
-            np.array([staged.dst + dst for _, dst, _ in runs], dtype=np.uint64),
-            np.array([length for _, _, length in runs], dtype=np.uint64),
-            memory.device_id,
-            notif,
-        )
         try:
-            self.poller.post_write(spec, self.inbox, _Lease(staged, offset))
+            if isinstance(made, TransferError):
+                raise made
+            assert made is not None
+            self.poller.start_write(made, spec, self.inbox, _Lease(staged, offset))
             self.me.trace.mark(job.room, "posted")
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
@@ -711,6 +711,28 @@ class TransferWorker(Actor["WorkerMail"]):
             await self._done(job, False, str(exc), FailureReason.TRANSPORT)
             return
         self.counters["staged_writes"] += 1
+
+    def _make(self, spec: WriteSpec) -> int | TransferError:
+        """Make ``spec``'s WRITE without starting it: its handle, or the error that refused it."""
+        try:
+            return self.poller.prepare_write(spec)
+        except TransferError as exc:
+            return exc
+
+    @staticmethod
+    def _staged_spec(staged: _Staged, memory: StagingMemory, offset: int) -> WriteSpec:
+        """The WRITE of a staged chunk (or group) from its staging lease into its ring region."""
+        assert staged.allocation is not None
+        runs = staged.runs if staged.runs is not None else [(0, 0, staged.nbytes)]
+        return WriteSpec(
+            staged.job.peer.agent_name,
+            memory.mem_type,
+            np.array([memory.addr + offset + src for src, _, _ in runs], dtype=np.uint64),
+            np.array([staged.dst + dst for _, dst, _ in runs], dtype=np.uint64),
+            np.array([length for _, _, length in runs], dtype=np.uint64),
+            memory.device_id,
+            chunk_notification(staged.job, staged.allocation.alloc_id),
+        )
 
     async def _cancel(self, room: int) -> None:
         """End every chunk of ``room`` not posted yet: waiting for events or a grant, or parked."""
