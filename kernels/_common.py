@@ -457,11 +457,14 @@ def column_block(row_units: int, cap: int = 256) -> tuple[int, bool]:
     return min(next_pow2(row_units), cap), False
 
 
-def piece_block(block_bytes: int, piece_bytes: int, pieces: int) -> int:
-    """Pieces per program: ``block_bytes`` worth, a power of two in ``[1, 4096]``, no more than needed."""
+def piece_block(block_bytes: int, piece_bytes: int) -> int:
+    """Pieces per program: ``block_bytes`` worth, a power of two in ``[1, 4096]``.
+
+    Not fewer for a small copy: BLOCK is a compile-time constant, and one that followed the token
+    count made every new room size a new kernel, compiled on the engine's loop (0.5-2 s each on the
+    GPU machine). A small copy's program masks the lanes past its tokens instead."""
     want = max(1, block_bytes // max(1, piece_bytes))
-    block = 1 << (want.bit_length() - 1)
-    return max(1, min(block, 4096, next_pow2(pieces)))
+    return min(1 << (want.bit_length() - 1), 4096)
 
 
 def check_stream(stream: torch.cuda.Stream | None, device: torch.device) -> None:

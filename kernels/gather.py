@@ -55,7 +55,7 @@ HOST_CONFIG = LaunchConfig(block_bytes=32768, num_warps=4)
 """Launch shape for pinned-host ``out``; see docs/PERF.md."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens", "head_start"])  # one compiled kernel for every room size
 def _gather_kernel(
     kv_base,  # *UNIT: kv[0]; tensor t starts at kv_base + table[t, 0]
     table,  # *i64 [T, 4]: (offset from kv[0], block, token and head strides) in units
@@ -196,7 +196,7 @@ def gather_heads(
         row = num_heads * du
         piece, even = column_block(row)
         npiece = triton.cdiv(row, piece)
-        block = piece_block(cfg.block_bytes, piece * unit, tokens * npiece)
+        block = piece_block(cfg.block_bytes, piece * unit)
         unit_dtype = INT_VIEW[unit]
         kernel = _gather_kernel if which == "jit" else triton_int(_gather_kernel)
         grid = (triton.cdiv(tokens * npiece, block), len(layout))

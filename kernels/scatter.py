@@ -58,7 +58,7 @@ HOST_CONFIG = LaunchConfig(block_bytes=8192, num_warps=4)
 """Launch shape for a pinned-host ``region``; see docs/PERF.md."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])  # one compiled kernel for every room size
 def _scatter_kernel(
     region,  # *UNIT: the staging region
     kv_base,  # *UNIT: kv[0]; tensor t starts at kv_base + table[t, 0]
@@ -199,7 +199,7 @@ def scatter_heads(
         du = layout.head_dim * itemsize // unit
         piece, even = column_block(du * math.gcd(*(n for _, _, n in table_rows)))
         max_pieces = triton.cdiv(max(n for _, _, n in table_rows) * du, piece)
-        block = piece_block(cfg.block_bytes, piece * unit, tokens * max_pieces)
+        block = piece_block(cfg.block_bytes, piece * unit)
         unit_dtype = INT_VIEW[unit]
         region_bytes = flat.view(torch.uint8)  # trailing bytes past the last whole unit hold no block
         host_table = torch.tensor([(off // unit, h, n) for off, h, n in table_rows], dtype=torch.int64)

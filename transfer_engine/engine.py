@@ -61,7 +61,7 @@ from transfer_engine.mail import (
     Shutdown,
     Subscribe,
 )
-from transfer_engine.memory import allocate_staging, chunk_region_bytes
+from transfer_engine.memory import allocate_staging, chunk_region_bytes, warm_staging_kernels
 from transfer_engine.peers import Peer, PrefillInstance
 from transfer_engine.ports import (
     ACTOR_MAILBOX,
@@ -523,6 +523,13 @@ class TransferEngine:
             trace=self.me.trace,
         )
         await tg.start(self.poller.run)
+        if cfg.path in ("auto", "staged", "host"):  # before any peer can wait on this loop
+            started = time.monotonic()
+            launches = warm_staging_kernels(self.pool, scatter=cfg.role == "decode")
+            if launches:
+                log.info(
+                    "staging kernels warmed: %d launches in %.2f s", launches, time.monotonic() - started
+                )
         self.control = Control(
             cfg.host, cfg.control_port, self._dispatch, name=f"{cfg.role}{cfg.tp_rank}", curve=self.curve
         )

@@ -68,3 +68,39 @@ async def run_cpu_copy(copy: Callable[[], None], nbytes: int) -> None:
         copy()
     else:
         await anyio.to_thread.run_sync(copy)
+
+
+def head_counts(heads: int) -> list[int]:
+    """The head-slice widths a staged copy of a pool with ``heads`` local heads may use: its
+    divisors (a TP ratio cuts the heads evenly; replicated heads copy whole ones)."""
+    return [n for n in range(1, heads + 1) if heads % n == 0]
+
+
+def warm_staging_kernels(pool: KVPool, *, scatter: bool) -> int:
+    """Compile the staging kernels a CUDA ``pool`` will launch, before any peer is connected.
+
+    Triton compiles a kernel on its first launch for each set of compile-time constants, on the
+    calling thread: the engine's loop, where 0.5-2 s without heartbeats got a peer declared dead on a
+    fresh GPU machine (docs/PERF.md). The constants depend on the pool's layout and on the head-slice
+    width, not on the room's size (``kernels.piece_block``), so a one-token copy per width of
+    :func:`head_counts` compiles every kernel a room can need (pinned host staging runs the same
+    kernels). Each width gathers slot 0's heads and, with ``scatter`` (a decode rank), scatters them
+    back where they were: the pool's bytes are unchanged. Returns the launches (0 on CPU: nothing
+    is compiled there).
+    """
+    if pool.device.type != "cuda":
+        return 0
+    from transfer_engine.kernels import as_kv_table, gather_heads, scatter_heads  # CUDA pools only
+
+    kv = as_kv_table(pool.kv_views)
+    slot = torch.zeros(1, dtype=torch.int64)
+    launches = 0
+    for n in head_counts(kv.heads):
+        out = torch.empty(len(kv) * n * kv.head_dim * kv.itemsize, dtype=torch.uint8, device=pool.device)
+        gather_heads(kv, slot, 0, n, out)
+        launches += 1
+        if scatter:
+            scatter_heads(out, kv, slot, [(0, 0, n)])  # the same bytes back into the same place
+            launches += 1
+    torch.cuda.synchronize(pool.device)
+    return launches
