@@ -44,6 +44,16 @@ if [ "$phase" = layerwise-ab ]; then  # issue 16: serving TTFT with --layerwise,
   done
   exit 0
 fi
+if [ "$phase" = layerwise-pairs ]; then  # issue 16: TTFT chunk-level vs layer-wise, request by request (< 6 min)
+  SB="--device cuda --model-hidden 2048 --model-layers 16 --model-heads 16 --model-kv-heads 8 --model-head-dim 128
+      --model-ffn 5632 --long 4096 --chunk-tokens 512 --max-batch-tokens 1024 --samples ${SAMPLES:-9} --phases ttft --layerwise-ab"
+  for path in ${PATHS:-direct host}; do
+    echo "== path=$path, pairs"
+    timeout 170 python3 tools/serving_bench.py $SB --engine path=$path --json-out "$OUT/serving-pairs-$path.json" 2>&1 \
+      | grep -v "NIXL INFO" | grep -iE "A/B|error|failed|Traceback" | head -12
+  done
+  exit 0
+fi
 if [ "$phase" = layerwise-serving ]; then  # issue 16: TTFT with and without --layerwise, host and device path (< 8 min)
   SB="--device cuda --model-hidden 2048 --model-layers 16 --model-heads 16 --model-kv-heads 8 --model-head-dim 128
       --model-ffn 5632 --long 4096 --chunk-tokens 512 --max-batch-tokens 1024 --samples 8 --window 1 --rounds 1"

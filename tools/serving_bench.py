@@ -14,7 +14,9 @@ Phases, all through the HTTP front door of one :class:`examples.serving.run.Clus
 1. TTFT split, one request at a time (no queueing behind other requests), ``--samples`` short
    (``--short`` tokens) then long (``--long``) prompts: TTFT and its parts, queue -> prefill
    compute -> transfer tail (the prefill's last kernel done -> every decode rank has every byte)
-   -> first decode step; p50 and p99 of each.
+   -> first decode step; p50 and p99 of each. With ``--layerwise-ab`` each prompt is sent twice
+   back to back, chunk-level then layer-wise (the request's own ``"layerwise"``), and the phase
+   prints both modes and the per-pair difference, so slow drifts of the machine cancel.
 2. Event-loop lag of the decode leader (a 1 ms ticker in its serving loop: how late each tick
    wakes) and decode tokens/s, in windows of ``--window`` s: ``idle`` (nothing to do), ``transfers
    only`` (long prompts with max_new_tokens=1 landing, no decode batch), ``decode alone``
@@ -28,6 +30,7 @@ Prints one line per measurement; ``--json-out`` writes them all.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -67,6 +70,8 @@ def pct(values: list[float]) -> str:
 async def ttft_phase(cluster: Cluster, args: argparse.Namespace, vocab: int, out: dict[str, Any]) -> None:
     for label, length in (("short", args.short), ("long", args.long)):
         items = client.make_workload(args.samples, 0.0, [length], 4, 0, vocab, seed=length)
+        if args.layerwise_ab:  # the same prompt twice in a row, chunk-level then layer by layer
+            items = [dataclasses.replace(it, layerwise=lw) for it in items for lw in (False, True)]
         results = []
         async with client_session() as session:
             for it in items:
@@ -74,6 +79,9 @@ async def ttft_phase(cluster: Cluster, args: argparse.Namespace, vocab: int, out
         bad = [r.error for r in results if not r.ok]
         if bad:
             raise SystemExit(f"{label} prompts: {len(bad)} requests failed: {bad[:3]}")
+        if args.layerwise_ab:
+            ab_report(label, length, results, out)
+            continue
         split = {
             k: [r.final["split_ms"][k] for r in results]
             for k in ("queue", "prefill", "transfer_tail", "first_step")
@@ -87,6 +95,30 @@ async def ttft_phase(cluster: Cluster, args: argparse.Namespace, vocab: int, out
         print(f"TTFT {label:5} ({length:5} tokens, ms): total {pct(ttft)}", flush=True)
         for k, v in split.items():
             print(f"    {k:14} {pct(v)}", flush=True)
+
+
+def ab_report(label: str, length: int, results: list[Any], out: dict[str, Any]) -> None:
+    """``--layerwise-ab``: TTFT and its split per mode, and the per-pair differences (layer-wise minus
+    chunk-level, each pair the same prompt back to back). The first pair warms up and is left out."""
+    pairs = [(results[i], results[i + 1]) for i in range(2, len(results) - 1, 2)]
+    keys = ("ttft", "prefill", "transfer_tail", "first_step")
+
+    def value(r: Any, k: str) -> float:
+        return float(r.final["ttft_ms"] if k == "ttft" else r.final["split_ms"][k])
+
+    got: dict[str, Any] = {"prompt_tokens": length, "pairs": len(pairs)}
+    for k in keys:
+        chunk = [value(a, k) for a, _ in pairs]
+        layer = [value(b, k) for _, b in pairs]
+        diff = [y - x for x, y in zip(chunk, layer, strict=True)]
+        got[k] = {"chunk_ms": chunk, "layerwise_ms": layer, "diff_ms": diff}
+        print(
+            f"TTFT A/B {label:5} ({length:5} tokens) {k:13} ms: chunk p50 {percentile(chunk, 50):7.2f}, "
+            f"layer-wise p50 {percentile(layer, 50):7.2f}, difference per pair p50 {percentile(diff, 50):+7.2f} "
+            f"(min {min(diff):+.2f}, max {max(diff):+.2f}; {len(diff)} pairs)",
+            flush=True,
+        )
+    out[f"ttft_ab_{label}"] = got
 
 
 def client_session() -> Any:
@@ -264,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="pin prefill ranks to the first half of the CPUs, decode ranks to the second (default: on for cpu)",
+    )
+    parser.add_argument(
+        "--layerwise-ab",
+        action="store_true",
+        help="TTFT phase: each prompt twice, chunk-level then layer-wise (per request), paired",
     )
     parser.add_argument("--phases", default="ttft,lag", help="which phases to run (default ttft,lag)")
     parser.add_argument("--json-out", default="")

@@ -36,6 +36,8 @@ class Item:
     max_new: int
     cancel_after_tokens: int | None = None
     cancel_after_s: float | None = None
+    layerwise: bool | None = None
+    """Ask the prefill to send the last chunk layer by layer (None: the server's default)."""
 
 
 @dataclass
@@ -83,9 +85,10 @@ async def generate(session: aiohttp.ClientSession, url: str, item: Item) -> Resu
     result = Result(item)
     try:
         with anyio.move_on_after(item.cancel_after_s if item.cancel_after_s else math.inf) as scope:
-            async with session.post(
-                f"{url}/generate", json={"prompt": item.prompt, "max_new_tokens": item.max_new}
-            ) as resp:
+            body: dict[str, Any] = {"prompt": item.prompt, "max_new_tokens": item.max_new}
+            if item.layerwise is not None:
+                body["layerwise"] = item.layerwise
+            async with session.post(f"{url}/generate", json=body) as resp:
                 if resp.status != 200:
                     result.error = f"HTTP {resp.status}: {await resp.text()}"
                     return result

@@ -1,6 +1,7 @@
 """The front door: HTTP in (aiohttp), requests out to the prefill and decode leaders (ZMQ), tokens back.
 
-``POST /generate`` with ``{"prompt": [token ids], "max_new_tokens": n}`` answers a stream of JSON
+``POST /generate`` with ``{"prompt": [token ids], "max_new_tokens": n}`` (and optionally
+``"layerwise": true|false``, overriding the prefill server's ``--layerwise`` for this request) answers a stream of JSON
 lines (``application/x-ndjson``): ``{"rid": ..., "tokens": [...]}`` as the decode produces them, then one
 ``{"rid": ..., "done": true, "ok": ..., "ttft_ms": ..., "transfer_ms": ..., "split_ms": {...}}``. A client that
 closes the connection cancels its request on both servers. ``GET /stats`` (``?reset=1`` starts a new
@@ -169,6 +170,9 @@ class FrontDoor:
             raise web.HTTPBadRequest(text=f"prompt token {bad[0]!r} is not an id in [0, {self.vocab})")
         if not isinstance(max_new, int) or max_new < 1:
             raise web.HTTPBadRequest(text=f"max_new_tokens={max_new!r} must be an integer >= 1")
+        layerwise = body.get("layerwise")
+        if layerwise is not None and not isinstance(layerwise, bool):
+            raise web.HTTPBadRequest(text=f"layerwise={layerwise!r} must be true, false or absent")
         live = [i for i in range(len(self.decode)) if i not in self.dead]
         if not live:
             raise web.HTTPServiceUnavailable(text="no decode instance is alive")
@@ -181,7 +185,7 @@ class FrontDoor:
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         finished = False
         try:
-            await self.prefill.send(msg.PrefillRequest(rid, room, prompt))
+            await self.prefill.send(msg.PrefillRequest(rid, room, prompt, layerwise))
             await self.decode[instance].send(
                 msg.DecodeRequest(rid, room, len(prompt), max_new, self.bootstrap)
             )

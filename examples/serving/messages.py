@@ -18,6 +18,8 @@ class PrefillRequest(msgspec.Struct, frozen=True, tag=True):
     rid: int
     room: int
     prompt: list[int]
+    layerwise: bool | None = None
+    """Send this request's last chunk layer by layer (None: the prefill server's ``--layerwise``)."""
 
 
 class DecodeRequest(msgspec.Struct, frozen=True, tag=True):
@@ -135,6 +137,8 @@ class Chunk(msgspec.Struct, frozen=True, array_like=True):
     send_pages: list[int]
     last: bool
     aux_slot: int
+    layerwise: bool = False
+    """A last chunk sent layer by layer (``PrefillRequest.layerwise``)."""
 
 
 class Step(msgspec.Struct, frozen=True, array_like=True):

@@ -172,12 +172,12 @@ class Rank:
         self.opened: dict[int, msg.OpenSend | msg.OpenRecv] = {}
         self.settled: dict[int, float] = {}
         self.kernels_done: dict[int, float] = {}
-        self.prefill_layer_hook: Callable[[list[msg.Chunk]], LayerHook] | None = None
+        self.prefill_layer_hook: Callable[[list[msg.Chunk]], LayerHook | None] | None = None
         """Per prefill batch, the hook :func:`run_layers` calls after each layer (None: chunks are
         sent whole, after the batch's last layer)."""
         self.layer_senders: dict[int, Sender] = {}
         """``--layerwise``: the rooms of this batch whose chunk is open layer by layer, by rid."""
-        if spec.layerwise and spec.role == "prefill":
+        if spec.role == "prefill":  # per batch: only for its chunks sent layer by layer
             self.prefill_layer_hook = self._layerwise_hook
         self.record = None
         if spec.record_dir:
@@ -239,8 +239,9 @@ class Rank:
             self.kernels_done.pop(rid, None)
         return logits
 
-    def _layerwise_hook(self, chunks: list[msg.Chunk]) -> LayerHook:
-        """``--layerwise``: after layer 0 opens each request's last chunk (``begin_chunk``), every
+    def _layerwise_hook(self, chunks: list[msg.Chunk]) -> LayerHook | None:
+        """Chunks marked ``layerwise`` (``--layerwise``, or the request's own ``layerwise``; None
+        when the batch has none): after layer 0 opens each such last chunk (``begin_chunk``), every
         layer but the last is reported ready as soon as it is enqueued (the group's WRITE is ordered
         after it on the current stream). The last layer is reported by :meth:`_prefill` once the aux
         item (the first token, from the logits) is written, since the room's aux WRITE follows its
@@ -251,13 +252,16 @@ class Rank:
         of the forward (docs/PERF.md, "The serving example on the GPU"); only the last chunk's
         transfer is on the time to first token."""
         self.layer_senders = {}
+        chunks = [c for c in chunks if c.layerwise]
+        if not chunks:
+            return None
         last_layer = self.pool.layout.num_layers - 1
 
         async def on_layer(layer: int) -> None:
             if layer == 0:
                 for c in chunks:
                     handle = self.handles.get(c.rid)
-                    if not c.last or not isinstance(handle, Sender):
+                    if not isinstance(handle, Sender):
                         continue
                     try:
                         await handle.begin_chunk(
@@ -269,6 +273,7 @@ class Rank:
                         )
                         continue
                     self.layer_senders[c.rid] = handle
+                    self.write_record(rid=c.rid, layerwise=True)  # tests check which requests went so
             if layer < last_layer:
                 for rid, handle in list(self.layer_senders.items()):
                     try:
@@ -422,6 +427,8 @@ class Request:
     t_first_chunk: float = 0.0
     t_kernels_done: float = 0.0
     t_landed: float = 0.0
+    layerwise: bool = False
+    """Prefill: its last chunk goes layer by layer."""
     t_first_step: float = 0.0
 
 
@@ -451,8 +458,17 @@ class Leader:
     async def on_message(self, m: msg.ToServer) -> None:
         now = time.monotonic()
         match m:
-            case msg.PrefillRequest(rid=rid, room=room, prompt=prompt) if self.prefill:
-                self.queue.append(Request(rid, room, list(prompt), len(prompt), t_arrived=now))
+            case msg.PrefillRequest(rid=rid, room=room, prompt=prompt, layerwise=layerwise) if self.prefill:
+                self.queue.append(
+                    Request(
+                        rid,
+                        room,
+                        list(prompt),
+                        len(prompt),
+                        t_arrived=now,
+                        layerwise=self.spec.layerwise if layerwise is None else layerwise,
+                    )  # fmt: skip
+                )
             case msg.DecodeRequest() if not self.prefill:
                 self.queue.append(
                     Request(m.rid, m.room, [], m.prompt_len, m.max_new_tokens, m.bootstrap, t_arrived=now)
@@ -531,6 +547,7 @@ class Leader:
                     r.pages[start // ps : pages_for(end, ps)],
                     last,
                     r.aux_slot,
+                    last and r.layerwise,
                 )
             )
             if not start:

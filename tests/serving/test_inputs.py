@@ -59,6 +59,7 @@ async def test_front_door_answers_400_naming_the_value() -> None:
                 ({"prompt": [1, 99999]}, "99999"),
                 ({"prompt": []}, "prompt=[]"),
                 ({"prompt": [1], "max_new_tokens": 0}, "max_new_tokens=0"),
+                ({"prompt": [1], "layerwise": "yes"}, "layerwise='yes'"),
             ]:
                 async with session.post(f"{url}/generate", json=body) as resp:
                     assert resp.status == 400

@@ -10,6 +10,7 @@ free on both sides and no engine holds a room, handle or WRITE. Budget: about 10
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -51,6 +52,8 @@ def records(directory: Path) -> dict[str, Any]:
     """What the ranks wrote: KV digests per role and rid (heads merged over ranks), first logits."""
     kv: dict[str, dict[int, dict[str, str]]] = {"prefill": defaultdict(dict), "decode": defaultdict(dict)}
     logits: dict[int, list[float]] = {}
+    layerwise: set[int] = set()
+    """Requests whose last chunk a prefill rank sent layer by layer."""
     for path in directory.glob("*.jsonl"):
         role = "prefill" if path.name.startswith("prefill") else "decode"
         for line in path.read_text().splitlines():
@@ -59,7 +62,9 @@ def records(directory: Path) -> dict[str, Any]:
                 kv[role][rec["rid"]].update(rec["kv"])
             if "first_logits" in rec:
                 logits[rec["rid"]] = rec["first_logits"]
-    return {"kv": kv, "logits": logits}
+            if rec.get("layerwise"):
+                layerwise.add(rec["rid"])
+    return {"kv": kv, "logits": logits, "layerwise": layerwise}
 
 
 def check_kv_arrived(rec: dict[str, Any], results: list[client.Result]) -> None:
@@ -207,4 +212,26 @@ async def test_layerwise_prefill_tokens_identical_to_reference(
     assert compare(results, ref) == len(items)
     rec = records(tmp_path)
     check_kv_arrived(rec, results)
+    assert rec["layerwise"] == {r.rid for r in results}
+    assert leftovers(stats) == []
+
+
+@pytest.mark.timeout(150)
+async def test_layerwise_per_request_tokens_identical_to_reference(tmp_path: Path) -> None:
+    """A request's own ``"layerwise"`` overrides the server's default (here off): requests alternate
+    chunk-level and layer-wise on one server, as ``tools/serving_bench.py --layerwise-ab`` does; only
+    the ones that asked go layer by layer, and every token and KV byte is the reference's."""
+    s = spec(tmp_path, 2, 2, engine={"layers_per_write": 1})
+    items = [
+        dataclasses.replace(it, layerwise=it.index % 2 == 1)
+        for it in client.make_workload(6, 20.0, [17, 70], 4, 0, MODEL.vocab, seed=4)
+    ]
+    results, stats = await serve(s, items)
+    ref = await reference_for(s, items)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert compare(results, ref) == len(items)
+    rec = records(tmp_path)
+    check_kv_arrived(rec, results)
+    assert rec["layerwise"] == {r.rid for r in results if r.item.layerwise}
+    assert len(rec["layerwise"]) == 3
     assert leftovers(stats) == []

@@ -652,3 +652,24 @@ def test_write_done_while_other_decode_ranks_still_bootstrap() -> None:
     assert room.status is RoomStatus.TRANSFERRING
     room.write_done(0, 1, 0.3)
     assert room.status is RoomStatus.SUCCESS
+
+
+def test_transfer_timeout_says_what_the_sender_still_waits_for() -> None:
+    room = sender(decode_tp=2, targets=(0, 1), aux_targets=(0,), deadlines=Deadlines(transfer=5.0))
+    room.queue_chunk(2, False, None, now=0.0)
+    room.queue_chunk(2, True, 0, now=0.0)
+    for _ in range(4):
+        room.job_started()
+    room.write_done(0, 0, now=1.0)
+    room.job_ended()
+    room.write_done(0, 1, now=1.0)
+    room.job_ended()
+    room.write_done(1, 0, now=1.0)
+    room.job_ended()
+    assert room.status is RoomStatus.TRANSFERRING
+    failure = room.expired(10.0)
+    assert failure is not None and failure.reason is FailureReason.TRANSFER_TIMEOUT
+    assert failure.detail == (
+        "room 7 spent more than 5.0 s in TRANSFERRING (2 chunk(s) queued, the last; "
+        "3 of 4 chunk WRITEs done; aux 0 of 1; 1 job(s) at the workers)"
+    )

@@ -384,9 +384,9 @@ class TransferWorker(Actor["WorkerMail"]):
                 try:
                     self._start_prepared(job)
                     return
-                except TransferError as exc:
+                except Exception as exc:  # a callback must not lose a job: the Reached mail answers it
                     log.warning("worker %d: room %d: %s", self.index, job.room, exc)
-                    self._failed_starts.append((job, str(exc)))
+                    self._failed_starts.append((job, f"{type(exc).__name__}: {exc}"))
         if not self._reached_posted:
             self._reached_posted = True
             self.inbox.post(Reached())

@@ -197,7 +197,15 @@ class _Room:
         if deadline is None or now < deadline:
             return None
         limit, reason = self.deadlines.for_state(self.status)
-        return Fail(reason, f"room {self.room} spent more than {limit} s in {self.status.name}")
+        waiting = self.waiting_for()
+        return Fail(
+            reason,
+            f"room {self.room} spent more than {limit} s in {self.status.name}{f' ({waiting})' if waiting else ''}",
+        )
+
+    def waiting_for(self) -> str:
+        """What the room still waits for, in words (for a deadline's failure); empty: not said."""
+        return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +255,12 @@ class SenderRoom(_Room):
     def quiescent(self) -> bool:
         """No WRITE of this room can still be posted or land."""
         return self.in_flight == 0
+
+    def waiting_for(self) -> str:
+        chunks = f"{len(self.chunks)} chunk(s) queued{', the last' if self.sealed else ', not the last'}"
+        writes = f"{len(self.done)} of {len(self.chunks) * len(self.targets)} chunk WRITEs done"
+        aux = f"aux {len(self.aux_done)} of {len(self.aux_targets)}"
+        return f"{chunks}; {writes}; {aux}; {self.in_flight} job(s) at the workers"
 
     @property
     def next_page(self) -> int:
