@@ -479,9 +479,10 @@ class TransferWorker(Actor["WorkerMail"]):
         )
 
     async def _prepare(self, job: WriteJob) -> bool:
-        """Plan and make a held direct job's WRITE while its layers are still being computed, so that
-        only the start is left once they are (docs/DECISIONS.md, "A layer group's WRITE is made
-        before its layers are ready"). False: it cannot be made, and the job was answered."""
+        """Plan and make a direct (or slice) job's WRITE while the KV it reads is still being
+        computed (a held layer group, or a chunk whose ``ready`` event has not completed), so that
+        only the start is left once it is (docs/DECISIONS.md, "A layer group's WRITE is made before
+        its layers are ready"). False: it cannot be made, and the job was answered."""
         try:
             spec = self._spec(job)
             self._prepared[id(job)] = (self.poller.prepare_write(spec), spec)
@@ -500,6 +501,9 @@ class TransferWorker(Actor["WorkerMail"]):
 
     async def _execute(self, job: WriteJob) -> None:
         if job.ready is not None:
+            # the KV is still being computed: make the WRITE meanwhile, so only its start waits
+            if not is_ready(job.ready) and id(job) not in self._prepared and not await self._prepare(job):
+                return
             await self.completions.wait(job.ready)  # NIXL reads the KV itself: it must be written first
             self.me.trace.mark(job.room, "ready")
         room = self.rooms.get(job.room)
