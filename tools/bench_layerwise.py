@@ -244,7 +244,11 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                         start, done = forward.run(
                             lambda layer, s=sender: s.layers_ready(layer, layer + 1), lambda: None
                         )
-                    sender.wait(120)
+                    try:
+                        sender.wait(args.room_timeout)
+                    except TimeoutError:
+                        print(f"room {room} did not end: {_stuck(engine)}", file=sys.stderr, flush=True)
+                        raise
                     if profile is not None and mode != "chunk" and rep:
                         engine._call(profile.disable)
                     landed = pipe.recv()
@@ -274,6 +278,25 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
     if profile is not None and profiled:
         _print_profile(profile, profiled, args.profile)
     out.send(rows)
+
+
+def _stuck(engine: BlockingEngine) -> str:
+    """What a prefill engine holds when a room did not end: its leaks, each worker's held and made
+    jobs, the poller's WRITEs in flight and their states."""
+    inner = engine._engine
+    poller = inner.poller
+    assert poller is not None
+
+    def look() -> str:
+        workers = [(len(w._unready), len(w._prepared), len(w._failed_starts), w.depth) for w in inner.workers]
+        posted = [(p.handle, poller.transport.state(p.handle).name) for p in poller._posted]
+        waiters = [dict(w.completions.counters) for w in inner.workers]
+        return (
+            f"leaks {inner.leaks()}; workers (held, made, failed starts, inbox) {workers}; "
+            f"WRITEs in flight {posted}; waiters {waiters}; poller {dict(poller.counters)}"
+        )
+
+    return str(engine._call(look))
 
 
 def _post_ns(engine: BlockingEngine) -> Counter[str]:
@@ -311,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--ffn", type=int, default=97280, help="(5120 x 97280 bf16: about a Qwen3-32B layer's weights)"
+    )
+    parser.add_argument(
+        "--room-timeout", type=float, default=120.0, help="s a room may take before the run stops"
     )
     parser.add_argument("--torch-threads", type=int, default=1, help="CPU: the forward's torch threads")
     parser.add_argument(
