@@ -96,6 +96,20 @@ async def serve(s: ClusterSpec, items: list[client.Item]) -> tuple[list[client.R
     return results, stats
 
 
+async def serve_like_reference(
+    s: ClusterSpec, items: list[client.Item], tmp_path: Path
+) -> tuple[list[client.Result], dict[str, Any], dict[str, Any], list[Any]]:
+    """Serve ``items`` (none cancelled); every one completes with the reference's tokens and the KV
+    that arrived is the KV computed. Returns (results, the ranks' records, stats, reference)."""
+    results, stats = await serve(s, items)
+    ref = await reference_for(s, items)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert compare(results, ref) == len(items)
+    rec = records(tmp_path)
+    check_kv_arrived(rec, results)
+    return results, rec, stats, ref
+
+
 def check_first_logits(rec: dict[str, Any], results: list[client.Result], ref: list[Any]) -> None:
     for r in results:
         if r.ok and r.item.max_new > 1:
@@ -127,12 +141,7 @@ async def test_p_equals_d_tokens_identical_to_monolithic(tmp_path: Path) -> None
 async def test_p_differs_from_d_logits_within_tolerance(tmp_path: Path, p: int, d: int) -> None:
     s = spec(tmp_path, p, d)
     items = client.make_workload(6, 20.0, [17, 70], 4, 0, MODEL.vocab, seed=2)
-    results, stats = await serve(s, items)
-    ref = await reference_for(s, items)
-    assert all(r.ok for r in results), [r.error for r in results]
-    assert compare(results, ref) == len(items)
-    rec = records(tmp_path)
-    check_kv_arrived(rec, results)
+    results, rec, stats, ref = await serve_like_reference(s, items, tmp_path)
     check_first_logits(rec, results, ref)
     assert leftovers(stats) == []
 
@@ -206,12 +215,7 @@ async def test_layerwise_prefill_tokens_identical_to_reference(
     arrived is the KV computed."""
     s = spec(tmp_path, p, d, layerwise=True, engine={"layers_per_write": per_write})
     items = client.make_workload(6, 20.0, [17, 70], 4, 0, MODEL.vocab, seed=3)
-    results, stats = await serve(s, items)
-    ref = await reference_for(s, items)
-    assert all(r.ok for r in results), [r.error for r in results]
-    assert compare(results, ref) == len(items)
-    rec = records(tmp_path)
-    check_kv_arrived(rec, results)
+    results, rec, stats, ref = await serve_like_reference(s, items, tmp_path)
     assert rec["layerwise"] == {r.rid for r in results}
     assert leftovers(stats) == []
 
@@ -226,12 +230,7 @@ async def test_layerwise_per_request_tokens_identical_to_reference(tmp_path: Pat
         dataclasses.replace(it, layerwise=it.index % 2 == 1)
         for it in client.make_workload(6, 20.0, [17, 70], 4, 0, MODEL.vocab, seed=4)
     ]
-    results, stats = await serve(s, items)
-    ref = await reference_for(s, items)
-    assert all(r.ok for r in results), [r.error for r in results]
-    assert compare(results, ref) == len(items)
-    rec = records(tmp_path)
-    check_kv_arrived(rec, results)
+    results, rec, stats, ref = await serve_like_reference(s, items, tmp_path)
     assert rec["layerwise"] == {r.rid for r in results if r.item.layerwise}
     assert len(rec["layerwise"]) == 3
     assert leftovers(stats) == []

@@ -112,15 +112,28 @@ class NixlPoller:
 
         Raises AddressRangeError / TransportError when it cannot be posted (no reply comes then).
         """
+        self._track(self._counted(lambda: self.transport.post_write(spec)), spec, reply_to, token)
+
+    def prepare_write(self, spec: WriteSpec) -> int:
+        """Make a WRITE without starting it (its descriptors checked and prepared); returns the handle
+        for :meth:`start_write` or :meth:`discard`. Raises as :meth:`post_write`."""
+        return self._counted(lambda: self.transport.prepare_write(spec))
+
+    def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+        """Start the WRITE ``handle`` made of ``spec``; replies as :meth:`post_write`. TransportError:
+        not started, and the handle is gone."""
+        self._track(self._counted(lambda: self.transport.start_write(handle)), spec, reply_to, token)
+
+    def _counted(self, call: Callable[[], int]) -> int:
+        """``call()`` (a transport's post, make or start), counting the refusals it raises."""
         try:
-            handle = self.transport.post_write(spec)
+            return call()
         except AddressRangeError:
             self.counters["writes_refused_address"] += 1
             raise
         except TransportError:
             self.counters["writes_refused"] += 1
             raise
-        self._track(handle, spec, reply_to, token)
 
     def _track(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
         self._posted.append(_Posted(handle, spec.peer, spec.nbytes, reply_to, token))
@@ -128,28 +141,6 @@ class NixlPoller:
         self.counters["descriptors_posted"] += len(spec.src)
         self._heat()
         self._wake.set()
-
-    def prepare_write(self, spec: WriteSpec) -> int:
-        """Make a WRITE without starting it (its descriptors checked and prepared); returns the handle
-        for :meth:`start_write` or :meth:`discard`. Raises as :meth:`post_write`."""
-        try:
-            return self.transport.prepare_write(spec)
-        except AddressRangeError:
-            self.counters["writes_refused_address"] += 1
-            raise
-        except TransportError:
-            self.counters["writes_refused"] += 1
-            raise
-
-    def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
-        """Start the WRITE ``handle`` made of ``spec``; replies as :meth:`post_write`. TransportError:
-        not started, and the handle is gone."""
-        try:
-            self.transport.start_write(handle)
-        except TransportError:
-            self.counters["writes_refused"] += 1
-            raise
-        self._track(handle, spec, reply_to, token)
 
     def discard(self, handle: int) -> None:
         """Drop a WRITE made by :meth:`prepare_write` and never started."""
