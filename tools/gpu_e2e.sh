@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU end to end (issue 8), on a machine with 2+ GPUs and the wheels of ../shared/tools/fetch-device-wheels
-# in ./.whl. Usage, from the project root:
+# GPU end to end (issue 8), on a machine with GPUs and, in ./.whl, the wheels it lacks (nixl, pyzmq, msgspec,
+# the test plugins). Usage, from the project root:
 #   tools/gpu_e2e.sh tests          # the whole suite with CUDA: gpu kernel tests + integration on CUDA pools
 #   tools/gpu_e2e.sh bench 1:1 2:1  # tools/bench_transfer.py sweeps for the listed P:D scenarios
 #   tools/gpu_e2e.sh strided        # paged KV layouts: compiled kernel tests, CUDA matrix, bench_kernels by layout
