@@ -49,8 +49,12 @@ def _buffer(args: argparse.Namespace, index: int) -> tuple[torch.Tensor, str, in
     if args.device == "cuda":
         index %= torch.cuda.device_count()
         torch.cuda.set_device(index)
-        return torch.zeros(args.mib << 21, dtype=torch.uint8, device=f"cuda:{index}"), "VRAM", index
-    return torch.zeros(args.mib << 21, dtype=torch.uint8), "DRAM", 0
+        return (
+            torch.zeros(args.mib << (21 if args.gapped else 20), dtype=torch.uint8, device=f"cuda:{index}"),
+            "VRAM",
+            index,
+        )
+    return torch.zeros(args.mib << (21 if args.gapped else 20), dtype=torch.uint8), "DRAM", 0
 
 
 def target(args: argparse.Namespace, conn: Connection) -> None:

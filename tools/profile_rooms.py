@@ -12,7 +12,11 @@ profiled. Prints the wall time per room, then the functions with the most own ti
 and the most time under them (``cumtime``), in microseconds per room.
 
 Not a benchmark of latency (the two sides share one loop, so their work adds up): it says what the
-loop runs and what each part costs, to choose what to remove.
+loop runs and what each part costs, to choose what to remove. On the CPU box it is what it says. On
+a GPU the one process holds both agents, and UCX moves a WRITE within one process by another way
+than between two: there `transfer()` took 7.8 ms per one-page room and `get_new_notifs` 0.78 ms a
+call (H100, session 7), which hides the rest. Use its CPU profile, and `bench_transfer --trace`
+(two processes) for GPU steps.
 """
 
 from __future__ import annotations

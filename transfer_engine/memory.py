@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import anyio
 import torch
 
+from transfer_engine.kernels import as_kv_table, gather_heads, scatter_heads
 from transfer_engine.layout import KVPool
 from transfer_engine.protocol.messages import MemRegion
 
@@ -90,8 +91,6 @@ def warm_staging_kernels(pool: KVPool, *, scatter: bool) -> int:
     """
     if pool.device.type != "cuda":
         return 0
-    from transfer_engine.kernels import as_kv_table, gather_heads, scatter_heads  # CUDA pools only
-
     kv = as_kv_table(pool.kv_views)
     slot = torch.zeros(1, dtype=torch.int64)
     launches = 0

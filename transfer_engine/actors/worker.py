@@ -58,6 +58,9 @@ from .base import Actor
 
 log = logging.getLogger(__name__)
 
+Made = tuple[int, WriteSpec]
+"""A WRITE made ahead and not started: its transport handle and what it moves."""
+
 
 def is_ready(ready: Ready) -> bool:
     """Whether a layer-wise job's ``ready`` has completed (never blocks)."""
@@ -316,8 +319,9 @@ class TransferWorker(Actor["WorkerMail"]):
         """Layer-wise jobs whose ``waits`` have not all completed, in arrival order."""
         self._failed_starts: list[tuple[WriteJob, str]] = []
         """Held jobs whose start from the waiter's callback failed: answered by the next Reached."""
-        self._prepared: dict[int, tuple[int, WriteSpec]] = {}
-        """id(job) -> (handle, spec): the WRITEs of held direct jobs, made and not started."""
+        self._prepared: dict[int, Made] = {}
+        """id(job) -> its WRITE, made and not started, for the held direct jobs in ``_unready`` (an
+        entry leaves with its job, so an id is never a stale one)."""
         self._layer_regions: dict[tuple[str, int, int], _LayerRegion] = {}
         """(decode agent, room, chunk id) -> the region of a layer-wise staged chunk."""
         self._group_kv: dict[tuple[int, int], KVTable] = {}
@@ -382,7 +386,7 @@ class TransferWorker(Actor["WorkerMail"]):
                 del self._unready[held]
                 self.me.trace.mark(job.room, "started")
                 try:
-                    self._start_prepared(job)
+                    self._start_made(job, self._prepared.pop(id(job)))
                     return
                 except Exception as exc:  # a callback must not lose a job: the Reached mail answers it
                     log.warning("worker %d: room %d: %s", self.index, job.room, exc)
@@ -391,9 +395,9 @@ class TransferWorker(Actor["WorkerMail"]):
             self._reached_posted = True
             self.inbox.post(Reached())
 
-    def _start_prepared(self, job: WriteJob) -> None:
+    def _start_made(self, job: WriteJob, made: Made) -> None:
         """Start ``job``'s WRITE made by :meth:`_prepare` (a room gone: dropped). Raises TransferError."""
-        handle, spec = self._prepared.pop(id(job))
+        handle, spec = made
         room = self.rooms.get(job.room)
         if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
             self.poller.discard(handle)
@@ -478,41 +482,44 @@ class TransferWorker(Actor["WorkerMail"]):
             job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id, notif
         )
 
-    async def _prepare(self, job: WriteJob) -> bool:
+    async def _prepare(self, job: WriteJob) -> Made | None:
         """Plan and make a direct (or slice) job's WRITE while the KV it reads is still being
         computed (a held layer group, or a chunk whose ``ready`` event has not completed), so that
         only the start is left once it is (docs/DECISIONS.md, "A layer group's WRITE is made before
-        its layers are ready"). False: it cannot be made, and the job was answered."""
+        its layers are ready"). None: it cannot be made, and the job was answered."""
         try:
             spec = self._spec(job)
-            self._prepared[id(job)] = (self.poller.prepare_write(spec), spec)
+            made = (self.poller.prepare_write(spec), spec)
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             await self._done(job, False, str(exc), FailureReason.TRANSPORT)
-            return False
+            return None
         self.me.trace.mark(job.room, "prepared")
-        return True
+        return made
 
     def _discard(self, job: WriteJob) -> None:
-        """Drop ``job``'s prepared WRITE, if it has one (its room was cancelled or the worker ends)."""
-        prepared = self._prepared.pop(id(job), None)
-        if prepared is not None:
-            self.poller.discard(prepared[0])
+        """Drop a held ``job``'s made WRITE, if it has one (its room was cancelled)."""
+        made = self._prepared.pop(id(job), None)
+        if made is not None:
+            self.poller.discard(made[0])
 
-    async def _execute(self, job: WriteJob) -> None:
+    async def _execute(self, job: WriteJob, made: Made | None = None) -> None:
+        """Post ``job``'s WRITE, or start ``made``, the one made for it while it was held."""
         if job.ready is not None:
-            # the KV is still being computed: make the WRITE meanwhile, so only its start waits
-            if not is_ready(job.ready) and id(job) not in self._prepared and not await self._prepare(job):
-                return
+            if not is_ready(job.ready):  # the KV is still being computed: make the WRITE meanwhile
+                made = await self._prepare(job)
+                if made is None:
+                    return
             await self.completions.wait(job.ready)  # NIXL reads the KV itself: it must be written first
             self.me.trace.mark(job.room, "ready")
         room = self.rooms.get(job.room)
         if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
-            self._discard(job)
+            if made is not None:
+                self.poller.discard(made[0])
             return
         try:
-            if id(job) in self._prepared:
-                self._start_prepared(job)
+            if made is not None:
+                self._start_made(job, made)
                 return
             self.poller.post_write(self._spec(job), room, job.key)
             self.me.trace.mark(job.room, "posted")
@@ -740,8 +747,9 @@ class TransferWorker(Actor["WorkerMail"]):
 
     async def _cancel(self, room: int) -> None:
         """End every chunk of ``room`` not posted yet: waiting for events or a grant, or parked."""
-        for job in [job for job in self._unready if job.room == room]:
-            self._unready.remove(job)
+        cancelled = [job for job in self._unready if job.room == room]
+        self._unready = [job for job in self._unready if job.room != room]
+        for job in cancelled:
             self._discard(job)
             await self._done(job, False, "cancelled while its layers were not ready", FailureReason.ABORTED)
         for key in [k for k in self._layer_regions if k[1] == room]:
@@ -775,8 +783,11 @@ class TransferWorker(Actor["WorkerMail"]):
         if all(is_ready(w) for w in job.waits):
             await self._start_layer(job)
         else:
-            if not is_staged_job(job) and not await self._prepare(job):
-                return
+            if not is_staged_job(job):
+                made = await self._prepare(job)
+                if made is None:
+                    return
+                self._prepared[id(job)] = made
             self._unready.append(job)
             for wait in job.waits:
                 if wait is not None and not is_ready(wait):
@@ -784,17 +795,18 @@ class TransferWorker(Actor["WorkerMail"]):
 
     async def _start_ready(self) -> None:
         """Start the layer-wise jobs whose events completed, in arrival order."""
-        ready = [job for job in self._unready if all(is_ready(w) for w in job.waits)]
+        done = [all(is_ready(w) for w in job.waits) for job in self._unready]
+        ready = [job for job, ok in zip(self._unready, done, strict=True) if ok]
         if not ready:
             return
-        self._unready = [job for job in self._unready if job not in ready]
+        self._unready = [job for job, ok in zip(self._unready, done, strict=True) if not ok]
         for job in ready:
             self.me.trace.mark(job.room, "started")
-            await self._start_layer(job)
+            await self._start_layer(job, self._prepared.pop(id(job), None))
 
-    async def _start_layer(self, job: WriteJob) -> None:
+    async def _start_layer(self, job: WriteJob, made: Made | None = None) -> None:
         if not is_staged_job(job):
-            await self._execute(job)
+            await self._execute(job, made)
             return
         assert job.chunk is not None and job.group is not None
         key = (job.peer.agent_name, job.room, job.chunk.chunk_id)
