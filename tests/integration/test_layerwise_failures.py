@@ -172,3 +172,37 @@ async def test_held_group_write_is_made_before_its_layers_and_started_after() ->
         assert prefill.poller.counters["writes_posted"] == posted + 1  # the group [1, 3): the prepared one
         assert patterns.mismatches(c.decode[0].pool, 60, pages, 16) == 0
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_group_whose_layers_complete_while_its_write_is_made_is_started() -> None:
+    """Direct path: the layers of a held group complete while the worker makes its WRITE (the window
+    between the worker seeing them pending and asking to be woken). The group must still be started:
+    before the fix the worker held it with nothing left to wake it, and the room never ended (seen on
+    cold GPU machines, where making a WRITE is slow)."""
+    async with cluster(small_layout(), 1, 1, path="direct", layers_per_write=1) as c:
+        pages = np.arange(4)
+        prefill = c.prefill[0]
+        assert prefill.poller is not None
+        patterns.fill(prefill.pool, 62, pages)
+        receivers = [await e.receiver(62, c.bootstrap, pages) for e in c.decode]
+        sender = prefill.sender(62)
+        later = threading.Event()
+        make = prefill.poller.prepare_write
+        made: list[int] = []
+
+        def make_then_complete(spec):  # the real make, then the layers complete
+            handle = make(spec)
+            made.append(handle)
+            later.set()
+            return handle
+
+        prefill.poller.prepare_write = make_then_complete  # type: ignore[method-assign]
+        await sender.begin_chunk(pages, last=True)
+        await sender.layers_ready(0, 3, ready=later)
+        with anyio.fail_after(10):
+            await sender.wait()
+            await receivers[0].wait()
+        assert made, "the group was not held: the test did not reach the window it checks"
+        assert patterns.mismatches(c.decode[0].pool, 62, pages, 16) == 0
+        c.assert_no_leaks()

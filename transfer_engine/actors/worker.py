@@ -780,18 +780,21 @@ class TransferWorker(Actor["WorkerMail"]):
         with its first group; post once every ``waits`` completed (polled by :meth:`run`)."""
         if is_staged_job(job) and not await self._layer_region(job):
             return
-        if all(is_ready(w) for w in job.waits):
+        pending = [w for w in job.waits if w is not None and not is_ready(w)]
+        if not pending:
             await self._start_layer(job)
-        else:
-            if not is_staged_job(job):
-                made = await self._prepare(job)
-                if made is None:
-                    return
-                self._prepared[id(job)] = made
-            self._unready.append(job)
-            for wait in job.waits:
-                if wait is not None and not is_ready(wait):
-                    self.completions.notify(wait, functools.partial(self._on_reached, job))
+            return
+        if not is_staged_job(job):
+            made = await self._prepare(job)
+            if made is None:
+                return
+            self._prepared[id(job)] = made
+        self._unready.append(job)
+        # Every wait found pending gets its callback, even one that completed since (while the WRITE
+        # was made, or just now on the GPU): notify() then calls back at once. Looking again here and
+        # skipping those would hold the job with nothing left to wake it (a room that never ended).
+        for wait in pending:
+            self.completions.notify(wait, functools.partial(self._on_reached, job))
 
     async def _start_ready(self) -> None:
         """Start the layer-wise jobs whose events completed, in arrival order."""
