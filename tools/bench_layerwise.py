@@ -35,8 +35,8 @@ host's monotonic clock:
   observing the GPU. ``started``: done -> the worker started the last group's job (mark
   ``started``); ``react`` - ``started`` is the NIXL post. Both are nan when the group's job reached
   the worker after its layers had completed (nothing was waited for);
-- ``last WRITE`` split, from ``posted``: ``seen``, the prefill's room got the last WRITE's end from
-  its poller (``room:WriteEnded``); ``notif``, the decode's poller drained the room's last
+- ``last WRITE`` split, from ``posted``: ``seen``, the prefill got the last WRITE's end from its
+  poller (its room's ``room:WriteEnded``; staged and host: the worker's ``write_ended``); ``notif``, the decode's poller drained the room's last
   notification (``notif``); ``applied`` = landed - that notification: the decode's actors;
 - ``forward``: forward start -> done; layer-wise sending must not slow it (compare with ``chunk``,
   which sends nothing during it);
@@ -344,7 +344,13 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                     landed, notified = pipe.recv()
                     marks = engine.take_trace()
                     posted = _mark(marks, room, "p.posted")
-                    seen = _mark(marks, room, "p.room:WriteEnded")
+                    # the poller's reply goes to the room (direct, slice) or to the worker (staged, host)
+                    ended = (
+                        "p.write_ended"
+                        if any(s == "p.write_ended" for _, r, s in marks if r == room)
+                        else "p.room:WriteEnded"
+                    )
+                    seen = _mark(marks, room, ended)
                     # the last group's steps at the worker (layer-wise): its loop learnt that the layers
                     # completed (reached; absent when the job came after they had), the job was started:
                     # ms after done, NaN when absent

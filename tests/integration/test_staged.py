@@ -222,3 +222,43 @@ async def test_a_bad_region_granted_with_the_request_fails_the_room_naming_it(
             await sender.wait()
         assert info.value.reason is FailureReason.PROTOCOL
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_slow_staging_allocation_does_not_stall_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill worker allocates its staging buffer on first use; pinning GBs takes seconds (5.2 s
+    seen for 8.6 GB), longer than a peer's lease. The allocation (here the real one, made 1.5 s slow)
+    must not stall the event loop: a task ticking every 10 ms on it never waits long, and the room
+    succeeds."""
+    import time
+
+    from transfer_engine.actors import worker
+
+    real = worker.allocate_staging
+    calls: list[int] = []
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(1.5)
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "allocate_staging", slow)
+    gaps: list[float] = []
+
+    async def tick(stop: anyio.Event) -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await anyio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async with cluster(small_layout(), 2, 1, path="staged") as c:
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick, stop)
+            await run_room(c, 70, np.arange(4), np.arange(4), [2, 2])
+            stop.set()
+        assert calls, "no staging buffer was allocated: the test did not exercise the slow allocation"
+        assert max(gaps) < 0.5, f"the loop stalled {max(gaps):.2f} s"
+        c.assert_no_leaks()
