@@ -9,9 +9,11 @@ import threading
 import anyio
 import numpy as np
 import pytest
+import torch
 
 from transfer_engine import patterns
 from transfer_engine.errors import FailureReason, TransferFailed
+from transfer_engine.layout import KVLayout
 from transfer_engine.protocol import messages as m
 
 from .harness import DEVICE, cluster, run_room, shuffled_pages, small_layout
@@ -261,4 +263,30 @@ async def test_slow_staging_allocation_does_not_stall_the_loop(monkeypatch: pyte
             stop.set()
         assert calls, "no staging buffer was allocated: the test did not exercise the slow allocation"
         assert max(gaps) < 0.5, f"the loop stalled {max(gaps):.2f} s"
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_host_writes_spread_over_posting_threads_land_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With NIXL posting threads (``num_threads`` x ``split_batch_size``), a staged WRITE out of host
+    memory is cut into pieces the threads copy side by side (transport.nixl.spread): every byte lands,
+    the notification comes once, after the last piece."""
+    from transfer_engine.transport import nixl
+
+    real, cuts = nixl.spread, []
+
+    def spread(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        cuts.append((len(args[2]), len(out[2])))
+        return out
+
+    monkeypatch.setattr(nixl, "spread", spread)
+    layout = KVLayout(num_layers=4, num_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
+    params = {"num_threads": "2", "split_batch_size": "2"}
+    async with cluster(layout, 1, 1, path="staged", nixl_params=params) as c:
+        prefill = c.prefill[0]
+        assert prefill.poller is not None and prefill.poller.transport._host_pieces == 4  # type: ignore[attr-defined]
+        for room in (80, 81):  # chunks of 1 MiB: four pieces each
+            await run_room(c, room, np.arange(8) + 8 * (room - 80), np.arange(8), [4, 4])
+        assert (1, 4) in cuts, f"no WRITE was cut into the threads' pieces: {cuts}"
         c.assert_no_leaks()

@@ -159,6 +159,52 @@ def default_params(backend: str, params: dict[str, str], device_type: str) -> di
     return {**params, "num_threads": str(POST_THREADS), "split_batch_size": str(POST_SPLIT)}
 
 
+HOST_PIECE_MIN = 256 << 10
+"""Smallest piece a host-memory WRITE is cut into for the posting threads (:func:`spread`)."""
+
+
+def host_pieces(params: dict[str, str]) -> int:
+    """How many pieces a host-memory (DRAM) WRITE is spread over: NIXL's ``num_threads`` x
+    ``split_batch_size`` when the backend has both, else 0 (never cut).
+
+    UCX copies a DRAM -> DRAM WRITE between processes on one host inside ``transfer()``, on the
+    caller's thread, unless the WRITE has more descriptors than one posting batch: measured on the
+    GPU machine (tools/nixl_descriptor_probe.py, 64 MiB): one descriptor posted for 14-15 ms at
+    4.4-4.8 GB/s with or without threads; the same bytes in 16 pieces on 4 threads of 4 posted in
+    65 us and were DONE at 18.5-24 GB/s (docs/PERF.md, "Host WRITEs spread over the posting threads")."""
+    try:
+        threads, batch = int(params.get("num_threads", 0)), int(params.get("split_batch_size", 0))
+    except ValueError:
+        return 0  # NIXL itself refuses such params when the agent is made
+    return threads * batch if threads > 0 and batch > 0 else 0
+
+
+def spread(
+    src: np.ndarray,
+    dst: np.ndarray,
+    length: np.ndarray,
+    devices: np.ndarray | int,
+    pieces: int,
+    min_piece: int = HOST_PIECE_MIN,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | int]:
+    """The same bytes as about ``pieces`` descriptors of equal size (each at least ``min_piece``,
+    the last of each descriptor shorter): every descriptor is cut at multiples of that size. Returns
+    the inputs unchanged when nothing needs cutting."""
+    total = int(length.sum())
+    if pieces <= 1 or total == 0:
+        return src, dst, length, devices
+    size = np.uint64(max(min_piece, -(-total // pieces)))
+    counts = np.maximum((length + size - np.uint64(1)) // size, np.uint64(1)).astype(np.int64)
+    if (counts == 1).all():
+        return src, dst, length, devices
+    which = np.repeat(np.arange(len(length)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    offset = (np.arange(len(which)) - first).astype(np.uint64) * size
+    cut = np.minimum(size, length[which] - offset)
+    cut_devices = devices[which] if isinstance(devices, np.ndarray) else devices
+    return src[which] + offset, dst[which] + offset, cut, cut_devices
+
+
 def _descs(addr: np.ndarray, length: np.ndarray, devices: np.ndarray | int) -> np.ndarray:
     out = np.empty((len(addr), 3), dtype=np.uint64)
     out[:, 0] = addr
@@ -199,6 +245,8 @@ class NixlTransport:
         self._peer_of: dict[int, tuple[str, int]] = {}
         """Prepared, not started WRITEs: (peer, descriptors), for :meth:`start_write`'s errors."""
         self._ids = itertools.count(1)
+        self._host_pieces = host_pieces(params or {})
+        """Pieces a DRAM WRITE is spread over for the posting threads (0: none; :func:`host_pieces`)."""
         self.post_ns: Counter[str] = Counter()
         """Nanoseconds spent in each step of :meth:`post_write`, summed, and ``writes`` posted."""
 
@@ -259,6 +307,8 @@ class NixlTransport:
         :meth:`release` drops (no byte moves before the start). Raises as :meth:`post_write`."""
         peer, src, dst, length = spec.peer, spec.src, spec.dst, spec.length
         local_devices, local_mem, notif = spec.local_devices, spec.local_mem, spec.notif
+        if local_mem == "DRAM" and self._host_pieces:  # copied by the posting threads, not in transfer()
+            src, dst, length, local_devices = spread(src, dst, length, local_devices, self._host_pieces)
         remote = self._peers.get(peer)
         if remote is None:
             raise TransportError(f"no NIXL peer named {peer!r}")
