@@ -1,6 +1,6 @@
 """What one NIXL descriptor costs: one-shot ``initialize_xfer`` against prepared lists, same bytes.
 
-    python tools/nixl_descriptor_probe.py [--device cuda] [--mib 1024] [--pieces 128] [--gapped]
+    python tools/nixl_descriptor_probe.py [--device cuda|pinned] [--mib 1024] [--pieces 128] [--gapped]
                                           [--threads N [--split K]]
 
 Two processes (GPU 0 -> GPU 1 with ``--device cuda``, so UCX takes cuda_ipc). The initiator WRITEs
@@ -54,11 +54,16 @@ def _buffer(args: argparse.Namespace, index: int) -> tuple[torch.Tensor, str, in
             "VRAM",
             index,
         )
-    return torch.zeros(args.mib << (21 if args.gapped else 20), dtype=torch.uint8), "DRAM", 0
+    pinned = args.device == "pinned"  # host memory as the host path stages in: pinned by CUDA
+    return (
+        torch.zeros(args.mib << (21 if args.gapped else 20), dtype=torch.uint8, pin_memory=pinned),
+        "DRAM",
+        0,
+    )
 
 
 def target(args: argparse.Namespace, conn: Connection) -> None:
-    agent = _agent("probe-target")
+    agent = _agent("probe-target", args.target_threads, args.split if args.target_threads else 0)
     buf, mem, dev = _buffer(args, 1)
     agent.register_memory(buf, mem)
     conn.send((agent.get_agent_metadata(), buf.data_ptr(), mem, dev))
@@ -91,13 +96,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda", "pinned"],
+        help="pinned: host memory pinned by CUDA",
+    )
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--pieces", type=int, default=128)
     parser.add_argument(
         "--gapped", action="store_true", help="a gap after every piece (buffers are 2x --mib)"
     )
     parser.add_argument("--threads", type=int, default=0, help="UCX backend num_threads of the initiator")
+    parser.add_argument(
+        "--target-threads",
+        type=int,
+        default=0,
+        help="the target's num_threads (an engine's decode has 4 on GPUs)",
+    )
     parser.add_argument("--split", type=int, default=0, help="UCX backend split_batch_size (with --threads)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")

@@ -43,7 +43,7 @@ def test_one_large_descriptor_is_cut_into_equal_pieces() -> None:
     )
     assert len(length) == 16
     assert set(length.tolist()) == {4 << 20}
-    assert (src - (1 << 40)).tolist() == [i * (4 << 20) for i in range(16)]
+    assert sorted((src - (1 << 40)).tolist()) == [i * (4 << 20) for i in range(16)]
     assert (dst - (1 << 41)).tolist() == (src - (1 << 40)).tolist()
     assert dev == 0
 
@@ -60,7 +60,7 @@ def test_devices_follow_their_descriptor() -> None:
     src = np.array([0, 1 << 30], dtype=U64)
     _, _, cut, dev = spread(src, src, length, np.array([5, 6], dtype=U64), 6)
     assert cut.tolist() == [HOST_PIECE_MIN] * 6
-    assert isinstance(dev, np.ndarray) and dev.tolist() == [5, 5, 5, 5, 6, 6]
+    assert isinstance(dev, np.ndarray) and sorted(dev.tolist()) == [5, 5, 5, 5, 6, 6]
 
 
 @settings(max_examples=200, deadline=None)
@@ -75,6 +75,10 @@ def test_spread_moves_exactly_the_same_bytes(lengths: list[int], pieces: int, mi
     dst = src[::-1].copy()
     s, d, n, _ = spread(src, dst, length, 0, pieces, min_piece)
     assert int(n.sum()) == int(length.sum())
-    assert _covered(s, d, n) == _covered(src, dst, length)
+    by_src = np.argsort(s, kind="stable")
+    assert _covered(s[by_src], d[by_src], n[by_src]) == _covered(src, dst, length)
+    if len(n) != len(length):  # no two neighbours in the list touch in memory (NIXL would merge them)
+        touching = (s[:-1] + n[:-1] == s[1:]) & (d[:-1] + n[:-1] == d[1:]) & (n[:-1] > 0)
+        assert not touching.any()
     if len(n) != len(length):  # cut: no piece above the common size
         assert int(n.max()) <= max(min_piece, -(-int(length.sum()) // pieces))
