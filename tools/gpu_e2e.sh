@@ -5,6 +5,7 @@
 #   tools/gpu_e2e.sh bench 1:1 2:1  # tools/bench_transfer.py sweeps for the listed P:D scenarios
 #   tools/gpu_e2e.sh strided        # paged KV layouts: compiled kernel tests, CUDA matrix, bench_kernels by layout
 #   tools/gpu_e2e.sh percall        # issue 17 on one GPU: direct/staged c1/c8 with --trace (< 8 min)
+#   tools/gpu_e2e.sh host-threads   # issue 17: the host path with and without NIXL's posting threads (< 8 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -41,6 +42,20 @@ if [ "$phase" = layerwise-ab ]; then  # issue 16: serving TTFT with --layerwise,
     timeout 80 python3 tools/serving_bench.py $SB --engine path=direct --engine completion_thread=$thread --layerwise \
       --json-out "$OUT/serving-direct--layerwise-thread$thread.json" 2>&1 | grep -v "NIXL INFO" \
       | grep -iE "ttft|prompt|tail|error|failed|Traceback" | head -12
+  done
+  exit 0
+fi
+if [ "$phase" = host-threads ]; then  # issue 17: host WRITEs spread over NIXL's posting threads, A/B against one (< 8 min)
+  QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"
+  for v in "" "num_threads=0"; do
+    for c in 1 8; do
+      echo "== bench_transfer path=host c$c TE_NIXL_PARAMS=$v"
+      TE_NIXL_PARAMS="$v" TE_RING_BYTES=8589934592 timeout 150 python3 tools/bench_transfer.py $QWEN --path host \
+        --concurrency $c --rooms $((c == 1 ? 6 : 16)) --rounds 3 --lat-rooms 20 2>&1 | grep -v "NIXL INFO" | grep -E "^path=|rror"
+    done
+    echo "== bench_layerwise path=host TE_NIXL_PARAMS=$v"
+    TE_NIXL_PARAMS="$v" timeout 200 python3 tools/bench_layerwise.py --device cuda --path host --tokens 1024,4096 \
+      --per-write 1,4 --reps 3 --room-timeout 20 2>&1 | grep -v "NIXL INFO" | tail -12
   done
   exit 0
 fi
