@@ -1,6 +1,6 @@
 """The blocking facade's added latency per small room, against the asyncio API, in one run.
 
-    python tools/bench_facade.py [--samples 200] [--pages 1] [--device cpu|cuda]
+    python tools/bench_facade.py [--samples 200] [--pages 1] [--device cpu|cuda] [--busy]
 
 One prefill and one decode process (spawned; pinned to disjoint CPU halves, as
 ``tools/bench_transfer.py`` does on the CPU box). Each process runs ONE engine through
@@ -29,6 +29,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -50,6 +51,22 @@ def _pin(args: argparse.Namespace, side: str) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     half = max(1, len(cpus) // 2)
     os.sched_setaffinity(0, cpus[:half] if side == "prefill" else cpus[half:] or cpus)
+
+
+def _busy(args: argparse.Namespace) -> None:
+    """``--busy``: a thread running Python without pause, as a scheduler's thread between its waits.
+    It holds the GIL whenever it can, so every call of the engine's loop thread that releases the GIL
+    may wait for it to be handed back."""
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    if not args.busy:
+        return
+
+    def spin() -> None:
+        while True:
+            sum(range(100))
+
+    threading.Thread(target=spin, name="busy", daemon=True).start()
 
 
 def _engine(args: argparse.Namespace, role: str, port: int) -> BlockingEngine:
@@ -75,6 +92,7 @@ def _poll_until(handle: Any, want: RoomStatus, poll_s: float) -> RoomStatus:
 def prefill_main(args: argparse.Namespace, port: int, conn: Connection) -> None:
     _pin(args, "prefill")
     engine = _engine(args, "prefill", port)
+    _busy(args)
     pages = np.arange(args.pages, dtype=np.int64)
     poll_s = args.poll_us / 1e6
     conn.send("up")
@@ -128,6 +146,7 @@ async def _async_receive(engine: BlockingEngine, room: int, bootstrap: str, page
 def decode_main(args: argparse.Namespace, port: int, conn: Connection) -> None:
     _pin(args, "decode")
     engine = _engine(args, "decode", port)
+    _busy(args)
     bootstrap = f"tcp://127.0.0.1:{port}"
     engine.connect(bootstrap)
     pages = np.arange(args.pages, dtype=np.int64)[::-1].copy()
@@ -208,6 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--busy", action="store_true", help="a Python thread busy without pause in each process"
+    )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.0,
+        help="sys.setswitchinterval in each process (0: Python's 5 ms)",
+    )
     parser.add_argument(
         "--heartbeat-interval", type=float, default=5.0, help="engine lease (the shared 2-core box stalls)"
     )

@@ -77,6 +77,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Workers and the scatter actor observe CUDA events (and layer-wise ``threading.Event``s) with one
     waiting thread each, which wakes the loop when one completes (:mod:`transfer_engine.completion`).
     False polls them on the loop every 100 us instead (the behaviour before issue 17, for A/B)."""
+    gil_switch_interval: float = 0.0005
+    """The blocking facade (:class:`~transfer_engine.facade.BlockingEngine`) lowers the process's
+    ``sys.setswitchinterval`` to this (never raises it) when it starts; 0 leaves it alone. The engine's
+    loop thread gives the GIL up in every NIXL call and every wait for I/O, and while a scheduler's
+    thread runs Python it gets it back only when that thread is made to drop it: after the interval,
+    5 ms by default. With such a thread busy, a one-page room took 10.2 ms at 5 ms and 1.85 ms at
+    0.5 ms, against 1.64 ms with no busy thread (CPU box, ``tools/bench_facade.py --busy``; docs/PERF.md,
+    "The loop's GIL hand-overs"). A thread is only made to drop the GIL when another waits for it, so
+    an idle engine costs the scheduler nothing."""
     trace_steps: int = 0
     """Keep the last this many step marks of rooms (:mod:`transfer_engine.steptrace`), for
     benchmarks; 0 (the default) records nothing."""
@@ -118,6 +127,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"trace_steps={self.trace_steps} must be >= 0")
         if self.poll_spin < 0:
             raise ConfigError(f"poll_spin={self.poll_spin} must be >= 0")
+        if self.gil_switch_interval < 0:
+            raise ConfigError(f"gil_switch_interval={self.gil_switch_interval} must be >= 0")
         if self.poll_interval <= 0:
             raise ConfigError(f"poll_interval={self.poll_interval} must be > 0")
         if self.waiting_timeout is not None and self.waiting_timeout <= 0:

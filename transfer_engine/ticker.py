@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import errno
 import heapq
 import itertools
 import logging
@@ -47,9 +48,14 @@ class _Itimerspec(ctypes.Structure):
 
 
 def _load_libc() -> ctypes.CDLL | None:
+    """libc as a ``PyDLL``: its calls keep the GIL. ``timerfd_settime`` and a non-blocking ``read``
+    return in about a microsecond; through ``ctypes.CDLL`` (and ``os.read``) each released the GIL,
+    and with a busy Python thread in the process (a scheduler's) every release cost a hand-over:
+    164 us per arm on average, 6.9 ms at worst, against 1.2 us (docs/PERF.md, "The loop's timer
+    and the GIL")."""
     if not sys.platform.startswith("linux"):
         return None
-    lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    lib = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
     return lib if hasattr(lib, "timerfd_create") else None
 
 
@@ -76,6 +82,7 @@ class FineTimers:
         self._heap: list[tuple[float, int, Callable[[], object]]] = []
         self._seq = itertools.count()
         self._spec = _Itimerspec()
+        self._expirations = ctypes.c_uint64()
         self._armed = float("inf")
         loop.add_reader(fd, self._fired)
         self._finalizer = weakref.finalize(self, os.close, fd)
@@ -107,10 +114,12 @@ class FineTimers:
             raise _oserror("timerfd_settime")
 
     def _fired(self) -> None:
-        try:
-            os.read(self._fd, 8)
-        except BlockingIOError:  # re-armed after it became readable
-            return
+        # libc's read, keeping the GIL (os.read would hand it over); the fd is non-blocking
+        if self._libc.read(self._fd, ctypes.byref(self._expirations), 8) != 8:
+            err = ctypes.get_errno()
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK):  # re-armed after it became readable
+                return
+            raise OSError(err, f"read(timerfd): {os.strerror(err)}")
         self._armed = float("inf")
         now = time.monotonic()
         due: list[Callable[[], object]] = []

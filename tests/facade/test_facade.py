@@ -203,3 +203,24 @@ def test_layerwise_from_a_forward_thread() -> None:
         assert patterns.aux_ok(decode._engine.pool, room, 1)
         with pytest.raises(LocalProtocolError, match="layers_ready"):
             sender.layers_ready(0, 1)
+
+
+def test_start_lowers_the_gil_switch_interval_and_never_raises_it() -> None:
+    """A facade engine lowers the process's switch interval to ``gil_switch_interval`` (the engine's
+    loop thread gets the GIL back sooner from a busy scheduler thread), never raises it, and 0 leaves
+    it alone."""
+    saved = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        with engine("prefill", free_port(), gil_switch_interval=0.0005):
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+        sys.setswitchinterval(0.0001)
+        with engine("prefill", free_port(), gil_switch_interval=0.0005):
+            assert sys.getswitchinterval() == pytest.approx(0.0001)  # already lower: kept
+        sys.setswitchinterval(0.005)
+        with engine("prefill", free_port(), gil_switch_interval=0.0):
+            assert sys.getswitchinterval() == pytest.approx(0.005)
+        with pytest.raises(ConfigError, match="gil_switch_interval"):
+            EngineConfig(role="prefill", gil_switch_interval=-1.0)
+    finally:
+        sys.setswitchinterval(saved)

@@ -102,3 +102,40 @@ async def test_a_raising_callback_does_not_stop_the_others() -> None:
     timers.call_later(0.0005, done.set)  # due in the same wake-up
     with anyio.fail_after(5):
         await done.wait()
+
+
+@pytest.mark.anyio
+async def test_arming_and_firing_keep_the_gil() -> None:
+    """Arming the timer and reading it when it fired must not hand the GIL to another thread: with a
+    busy Python thread in the process (a scheduler's), each hand-over cost 164 us on average and up to
+    6.9 ms (docs/PERF.md). A thread counting as fast as it can must not advance while the loop's
+    thread arms the timer and reads it 20 times (about 40 us; no forced switch: the switch interval is
+    50 ms)."""
+    import threading
+
+    timers = fine_timers()
+    assert isinstance(timers, FineTimers)
+    count, started, stop = [0], threading.Event(), threading.Event()
+
+    def spin() -> None:
+        started.set()
+        while not stop.is_set():
+            count[0] += 1
+
+    interval = sys.getswitchinterval()
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    started.wait()
+    await anyio.sleep(0.01)  # the counting thread runs now
+    sys.setswitchinterval(0.05)
+    try:
+        before = count[0]
+        for _ in range(20):
+            timers._arm(0.0)  # a deadline in the past: the fd is readable at once
+            timers._fired()
+        after = count[0]
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        thread.join()
+    assert after == before, f"the GIL was handed over: the other thread counted {after - before}"
