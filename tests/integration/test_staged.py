@@ -285,7 +285,7 @@ async def test_host_writes_spread_over_posting_threads_land_whole(monkeypatch: p
     monkeypatch.setattr(nixl, "spread", spread)
     layout = KVLayout(num_layers=4, num_heads=8, head_dim=128, dtype=torch.bfloat16, page_size=16)
     params = {"num_threads": "2", "split_batch_size": "2"}
-    async with cluster(layout, 1, 1, path="staged", nixl_params=params) as c:
+    async with cluster(layout, 1, 1, path="host", nixl_params=params) as c:  # staging in host memory
         prefill = c.prefill[0]
         assert prefill.poller is not None and prefill.poller.transport._host_pieces == 4  # type: ignore[attr-defined]
         for room in (80, 81):  # chunks of 1 MiB: four pieces each
