@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "--switch-interval",
         type=float,
         default=0.0,
-        help="sys.setswitchinterval in each process (0: Python's 5 ms)",
+        help="sys.setswitchinterval in each process, after the engine started (0: the facade's own, gil_switch_interval)",
     )
     parser.add_argument(
         "--heartbeat-interval", type=float, default=5.0, help="engine lease (the shared 2-core box stalls)"
