@@ -133,16 +133,16 @@ class RawGroup:
             self.buf = self.buf.pin_memory()
         self.agent.register_memory(self.buf, self.mem)
 
-    def layout(self, count: int, nbytes: int, base: int) -> np.ndarray:
-        """``count`` descriptors of ``nbytes`` (gapped) or one of their sum, from ``base``."""
+    def layout(self, count: int, nbytes: int, base: int, dev: int) -> np.ndarray:
+        """``count`` descriptors of ``nbytes`` (gapped) or one of their sum, from ``base`` on ``dev``."""
         if not self.gapped:
-            return np.array([[base, count * nbytes, self.dev]], dtype=np.uint64)
-        return np.array([[base + 2 * i * nbytes, nbytes, self.dev] for i in range(count)], dtype=np.uint64)
+            return np.array([[base, count * nbytes, dev]], dtype=np.uint64)
+        return np.array([[base + 2 * i * nbytes, nbytes, dev] for i in range(count)], dtype=np.uint64)
 
 
 def _raw_target(raw: RawGroup, pipe: Connection) -> None:
     """Decode side of :func:`_raw_group`: per sample, say armed, poll until a notification came."""
-    pipe.send((raw.agent.get_agent_metadata(), raw.buf.data_ptr()))
+    pipe.send((raw.agent.get_agent_metadata(), raw.buf.data_ptr(), raw.dev))
     while (msg := pipe.recv()) != "end":
         assert msg == "arm", msg
         pipe.send("armed")
@@ -157,15 +157,15 @@ def _raw_group(
     """Median ms of a raw WRITE of one group of ``per_write`` layers of ``tokens``: ``transfer()`` ->
     the decode drained its notification (the first sample, which connects, is dropped)."""
     pipe.send(("raw", tokens, per_write))
-    metadata, addr = pipe.recv()
+    metadata, addr, remote_dev = pipe.recv()
     peer = raw.agent.add_remote_agent(metadata)
     nbytes = tokens * args.kv_heads * args.head_dim * 2
     count = 2 * per_write
-    src = raw.agent.get_xfer_descs(raw.layout(count, nbytes, raw.buf.data_ptr()), raw.mem)
-    dst = raw.agent.get_xfer_descs(raw.layout(count, nbytes, addr), raw.mem)
+    src = raw.agent.get_xfer_descs(raw.layout(count, nbytes, raw.buf.data_ptr(), raw.dev), raw.mem)
+    dst = raw.agent.get_xfer_descs(raw.layout(count, nbytes, addr, remote_dev), raw.mem)
     local = raw.agent.prep_xfer_dlist("NIXL_INIT_AGENT", src)
     remote = raw.agent.prep_xfer_dlist(peer, dst)
-    indices = list(range(len(raw.layout(count, nbytes, 0))))
+    indices = list(range(len(raw.layout(count, nbytes, 0, 0))))
     times = []
     for _ in range(reps + 1):
         handle = raw.agent.make_prepped_xfer("WRITE", local, indices, remote, indices, b"raw")
