@@ -262,7 +262,7 @@ async def test_slow_staging_allocation_does_not_stall_the_loop(monkeypatch: pyte
             await run_room(c, 70, np.arange(4), np.arange(4), [2, 2])
             stop.set()
         assert calls, "no staging buffer was allocated: the test did not exercise the slow allocation"
-        assert max(gaps) < 0.5, f"the loop stalled {max(gaps):.2f} s"
+        assert max(gaps) < 1.0, f"the loop stalled {max(gaps):.2f} s"
         c.assert_no_leaks()
 
 
