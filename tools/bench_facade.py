@@ -53,9 +53,10 @@ def _pin(args: argparse.Namespace, side: str) -> None:
     os.sched_setaffinity(0, cpus[:half] if side == "prefill" else cpus[half:] or cpus)
 
 
-def _busy(args: argparse.Namespace) -> None:
-    """``--busy``: a thread running Python without pause, as a scheduler's thread between its waits.
-    It holds the GIL whenever it can, so every call of the engine's loop thread that releases the GIL
+def _contend(args: argparse.Namespace) -> None:
+    """After the engine started: ``--switch-interval`` over the facade's own, and with ``--busy`` a
+    thread running Python without pause, as a scheduler's thread between its waits. That thread
+    holds the GIL whenever it can, so every call of the engine's loop thread that releases the GIL
     may wait for it to be handed back."""
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -92,7 +93,7 @@ def _poll_until(handle: Any, want: RoomStatus, poll_s: float) -> RoomStatus:
 def prefill_main(args: argparse.Namespace, port: int, conn: Connection) -> None:
     _pin(args, "prefill")
     engine = _engine(args, "prefill", port)
-    _busy(args)
+    _contend(args)
     pages = np.arange(args.pages, dtype=np.int64)
     poll_s = args.poll_us / 1e6
     conn.send("up")
@@ -146,7 +147,7 @@ async def _async_receive(engine: BlockingEngine, room: int, bootstrap: str, page
 def decode_main(args: argparse.Namespace, port: int, conn: Connection) -> None:
     _pin(args, "decode")
     engine = _engine(args, "decode", port)
-    _busy(args)
+    _contend(args)
     bootstrap = f"tcp://127.0.0.1:{port}"
     engine.connect(bootstrap)
     pages = np.arange(args.pages, dtype=np.int64)[::-1].copy()

@@ -57,7 +57,6 @@ import argparse
 import cProfile
 import math
 import multiprocessing as mp
-import os
 import pstats
 import statistics
 import sys
@@ -75,6 +74,9 @@ from transfer_engine.facade import BlockingEngine
 from transfer_engine.layout import KVLayout, KVPool
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.testing import free_port
+
+# tools/ is the script's folder, first on sys.path (also in the spawned children)
+from bench_transfer import RawPair, raw_wait_notifs  # isort: skip
 
 TRACE = 1 << 16
 ANCHOR_WITHIN_S = 50e-6
@@ -108,30 +110,24 @@ def _mark(marks: list[tuple[int, int, str]], room: int, step: str) -> float:
     return max(times) / 1e9
 
 
-class RawGroup:
-    """One raw NIXL agent per process with one registered buffer: the yardstick for a layer group.
+class RawGroup(RawPair):
+    """The raw agent and buffer of ``tools/bench_transfer.py`` (one per process), as the yardstick
+    for a layer group.
 
     The prefill writes a group's bytes as the engine's WRITE of it lies: on the direct and slice
     paths one descriptor per KV tensor of the group (2 x layers_per_write, gapped as separate
-    tensors are), on the staged and host paths one descriptor (its gathered region; host: DRAM).
-    Timed from the prefill's ``transfer()`` to the decode draining the notification, on the machine's
-    monotonic clock: what the group's own transfer takes with no engine around it.
+    tensors are), on the staged and host paths one descriptor (its gathered region; host: pinned
+    DRAM). Timed from the prefill's ``transfer()`` to the decode draining the notification, on the
+    machine's monotonic clock: what the group's own transfer takes with no engine around it.
     """
 
     def __init__(self, args: argparse.Namespace, device: torch.device, name: str) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         host = args.path == "host" or device.type == "cpu"
         self.gapped = args.path not in ("staged", "host")
-        self.mem = "DRAM" if host else "VRAM"
-        self.dev = 0 if host else device.index or 0
         desc = max(args.tokens) * args.kv_heads * args.head_dim * 2
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         size = 2 * max(args.per_write) * desc * 2  # every descriptor followed by a gap of its size
-        self.buf = torch.zeros(size, dtype=torch.uint8, device="cpu" if host else device)
-        if host and device.type == "cuda":
-            self.buf = self.buf.pin_memory()
-        self.agent.register_memory(self.buf, self.mem)
+        cpu = torch.device("cpu")
+        super().__init__(name, size, cpu if host else device, pinned=host and device.type == "cuda")
 
     def layout(self, count: int, nbytes: int, base: int, dev: int) -> np.ndarray:
         """``count`` descriptors of ``nbytes`` (gapped) or one of their sum, from ``base`` on ``dev``."""
@@ -146,8 +142,7 @@ def _raw_target(raw: RawGroup, pipe: Connection) -> None:
     while (msg := pipe.recv()) != "end":
         assert msg == "arm", msg
         pipe.send("armed")
-        while not any(raw.agent.get_new_notifs().values()):
-            os.sched_yield()
+        raw_wait_notifs(raw, 1)
         pipe.send(time.monotonic())
 
 
@@ -161,11 +156,11 @@ def _raw_group(
     peer = raw.agent.add_remote_agent(metadata)
     nbytes = tokens * args.kv_heads * args.head_dim * 2
     count = 2 * per_write
-    src = raw.agent.get_xfer_descs(raw.layout(count, nbytes, raw.buf.data_ptr(), raw.dev), raw.mem)
-    dst = raw.agent.get_xfer_descs(raw.layout(count, nbytes, addr, remote_dev), raw.mem)
-    local = raw.agent.prep_xfer_dlist("NIXL_INIT_AGENT", src)
-    remote = raw.agent.prep_xfer_dlist(peer, dst)
-    indices = list(range(len(raw.layout(count, nbytes, 0, 0))))
+    src = raw.layout(count, nbytes, raw.buf.data_ptr(), raw.dev)
+    dst = raw.layout(count, nbytes, addr, remote_dev)
+    local = raw.agent.prep_xfer_dlist("NIXL_INIT_AGENT", raw.agent.get_xfer_descs(src, raw.mem))
+    remote = raw.agent.prep_xfer_dlist(peer, raw.agent.get_xfer_descs(dst, raw.mem))
+    indices = list(range(len(src)))
     times = []
     for _ in range(reps + 1):
         handle = raw.agent.make_prepped_xfer("WRITE", local, indices, remote, indices, b"raw")

@@ -106,11 +106,14 @@ def _room_pages(args: argparse.Namespace, slot: int) -> np.ndarray:
 class RawPair:
     """A raw NIXL agent on each side of the benchmark, with one registered buffer each."""
 
-    def __init__(self, name: str, nbytes: int, device: torch.device) -> None:
+    def __init__(self, name: str, nbytes: int, device: torch.device, *, pinned: bool = False) -> None:
+        """``pinned``: host memory pinned by CUDA, as the engine's host staging (``device`` is the CPU)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+        if pinned:
+            self.buf = self.buf.pin_memory()
         self.mem = "VRAM" if device.type == "cuda" else "DRAM"
         self.dev = (device.index or 0) if device.type == "cuda" else 0
         self.agent.register_memory(self.buf, self.mem)
@@ -131,7 +134,7 @@ def _raw_write(raw: RawPair, peer: str, dst: Any, nbytes: int, notif: bytes) -> 
     raw.agent.release_xfer_handle(handle)
 
 
-def _raw_wait_notifs(raw: RawPair, count: int) -> None:
+def raw_wait_notifs(raw: RawPair, count: int) -> None:
     """Poll the raw agent until ``count`` notifications came, yielding the CPU between polls.
 
     A bare spin here can starve the writer: with few cores the woken writer may be queued behind this
@@ -304,7 +307,7 @@ async def _decode(
         conn.send((raw.agent.get_agent_metadata(), raw.buf.data_ptr(), raw.dev, raw.mem, room_bytes))
         raw.agent.add_remote_agent(conn.recv())
         conn.send("loaded")
-        _raw_wait_notifs(raw, 1)  # the warm-up WRITE
+        raw_wait_notifs(raw, 1)  # the warm-up WRITE
     cfg = _config(args, "decode", rank, port)
     bootstrap = f"tcp://127.0.0.1:{port}"
     async with TransferEngine(cfg, pool) as engine:
@@ -351,7 +354,7 @@ async def _decode(
             _ab(args, engine, rnd)
             await anyio.to_thread.run_sync(barrier.wait)
             if raw is not None and conn is not None:
-                _raw_wait_notifs(raw, args.raw_reps)  # progress here: UCX may need the target's calls
+                raw_wait_notifs(raw, args.raw_reps)  # progress here: UCX may need the target's calls
                 raw_gbps = conn.recv()
                 raw_rounds.append(raw_gbps)
             await anyio.to_thread.run_sync(barrier.wait)
@@ -365,7 +368,7 @@ async def _decode(
             if raw is not None and conn is not None:
                 t1 = time.perf_counter()
                 conn.send("go")
-                _raw_wait_notifs(raw, 1)
+                raw_wait_notifs(raw, 1)
                 raw_lat.append(time.perf_counter() - t1)
                 while not conn.poll():  # "ready": the prefill has sent this sample's room
                     raw.agent.get_new_notifs()  # keep the raw agent progressing meanwhile

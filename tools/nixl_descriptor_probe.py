@@ -46,20 +46,13 @@ def _agent(name: str, threads: int = 0, split: int = 0) -> Any:
 
 
 def _buffer(args: argparse.Namespace, index: int) -> tuple[torch.Tensor, str, int]:
+    nbytes = args.mib << (21 if args.gapped else 20)  # gapped: every piece followed by a gap of its size
     if args.device == "cuda":
         index %= torch.cuda.device_count()
         torch.cuda.set_device(index)
-        return (
-            torch.zeros(args.mib << (21 if args.gapped else 20), dtype=torch.uint8, device=f"cuda:{index}"),
-            "VRAM",
-            index,
-        )
+        return torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{index}"), "VRAM", index
     pinned = args.device == "pinned"  # host memory as the host path stages in: pinned by CUDA
-    return (
-        torch.zeros(args.mib << (21 if args.gapped else 20), dtype=torch.uint8, pin_memory=pinned),
-        "DRAM",
-        0,
-    )
+    return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pinned), "DRAM", 0
 
 
 def target(args: argparse.Namespace, conn: Connection) -> None:

@@ -51,8 +51,8 @@ def _load_libc() -> ctypes.CDLL | None:
     """libc as a ``PyDLL``: its calls keep the GIL. ``timerfd_settime`` and a non-blocking ``read``
     return in about a microsecond; through ``ctypes.CDLL`` (and ``os.read``) each released the GIL,
     and with a busy Python thread in the process (a scheduler's) every release cost a hand-over:
-    164 us per arm on average, 6.9 ms at worst, against 1.2 us (docs/PERF.md, "The loop's timer
-    and the GIL")."""
+    164 us per arm on average, 6.9 ms at worst, against 1.2 us (docs/PERF.md, "The loop's GIL
+    hand-overs")."""
     if not sys.platform.startswith("linux"):
         return None
     lib = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -116,10 +116,9 @@ class FineTimers:
     def _fired(self) -> None:
         # libc's read, keeping the GIL (os.read would hand it over); the fd is non-blocking
         if self._libc.read(self._fd, ctypes.byref(self._expirations), 8) != 8:
-            err = ctypes.get_errno()
-            if err in (errno.EAGAIN, errno.EWOULDBLOCK):  # re-armed after it became readable
+            if ctypes.get_errno() in (errno.EAGAIN, errno.EWOULDBLOCK):  # re-armed after it became readable
                 return
-            raise OSError(err, f"read(timerfd): {os.strerror(err)}")
+            raise _oserror("read(timerfd)")
         self._armed = float("inf")
         now = time.monotonic()
         due: list[Callable[[], object]] = []

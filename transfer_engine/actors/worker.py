@@ -787,7 +787,8 @@ class TransferWorker(Actor["WorkerMail"]):
 
     async def _layer_job(self, job: WriteJob) -> None:
         """A layer group of a chunk to one decode rank: on staged paths ask for the chunk's region
-        with its first group; post once every ``waits`` completed (polled by :meth:`run`)."""
+        with its first group; post once every ``waits`` completed. A direct group still waiting has its
+        WRITE made now; the completion waiter's callback (:meth:`_on_reached`) starts it."""
         if is_staged_job(job) and not await self._layer_region(job):
             return
         pending = [w for w in job.waits if w is not None and not is_ready(w)]
