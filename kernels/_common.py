@@ -155,21 +155,42 @@ class KVTable:
         return found.use()
 
 
-@dataclass(frozen=True)
 class _Table:
-    tensor: torch.Tensor
-    ready: torch.cuda.Event | None
+    """An uploaded pointer table, and the streams already ordered after its upload."""
+
+    __slots__ = ("tensor", "ready", "ordered")
+
+    def __init__(self, tensor: torch.Tensor, ready: torch.cuda.Event | None, origin: int) -> None:
+        self.tensor = tensor
+        self.ready = ready
+        self.ordered = {origin}
 
     def use(self) -> torch.Tensor:
-        return use_on_current_stream(self.tensor, self.ready)
+        if self.ready is None:
+            return self.tensor
+        stream = current_stream_id(self.tensor.get_device())
+        if stream not in self.ordered:  # once per stream: later work on it is ordered anyway
+            use_on_current_stream(self.tensor, self.ready, -1)
+            self.ordered.add(stream)
+        return self.tensor
 
 
-def use_on_current_stream(tensor: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
-    """Order the current stream after ``tensor``'s upload, and keep its memory until that stream's work ends."""
+def current_stream_id(index: int) -> int:
+    """The id of the current stream of CUDA device ``index`` (torch's C entry point: no Stream object)."""
+    return int(torch._C._cuda_getCurrentStream(index)[0])
+
+
+def use_on_current_stream(tensor: torch.Tensor, ready: torch.cuda.Event | None, origin: int) -> torch.Tensor:
+    """Order the current stream after ``tensor``'s upload, and keep its memory until that stream's work ends.
+
+    ``origin``: the id of the stream the upload was enqueued on. Used on that same stream, the
+    tensor is already ordered (and was allocated there): nothing to wait for or record."""
     if ready is not None:
-        stream = torch.cuda.current_stream(tensor.device)
-        stream.wait_event(ready)
-        tensor.record_stream(stream)
+        index = tensor.get_device()
+        if current_stream_id(index) != origin:
+            stream = torch.cuda.current_stream(index)
+            stream.wait_event(ready)
+            tensor.record_stream(stream)
     return tensor
 
 
@@ -187,25 +208,27 @@ def _table_for(key: tuple[object, ...], itemsize: int, unit: int, device: torch.
     assert isinstance(rows, tuple)
     base = rows[0][0]
     data = [((ptr - base) // unit, *(st * itemsize // unit for st in strides)) for ptr, *strides in rows]
-    tensor, ready = upload(torch.tensor(data, dtype=torch.int64), device)
-    table = _Table(tensor, ready)
+    tensor, ready, origin = upload(torch.tensor(data, dtype=torch.int64), device)
+    table = _Table(tensor, ready, origin)
     _TABLES[cache_key] = table
     if len(_TABLES) > _TABLE_CACHE_SIZE:
         _TABLES.popitem(last=False)
     return table
 
 
-def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event | None, int]:
     """Copy a small host tensor to ``device`` on the current stream, asynchronously (from pinned
-    memory), with an event that marks its arrival. On CPU: the tensor itself, no event."""
+    memory), with an event that marks its arrival and the id of the stream it went on. On CPU: the
+    tensor itself, no event, stream 0."""
     if device.type != "cuda":
-        return host, None
+        return host, None, 0
     if not host.is_pinned():
         host = host.pin_memory()
     tensor = host.to(device, non_blocking=True)
+    stream = torch.cuda.current_stream(device)
     ready = torch.cuda.Event()
-    ready.record(torch.cuda.current_stream(device))
-    return tensor, ready
+    ready.record(stream)
+    return tensor, ready, int(stream.stream_id)
 
 
 def as_kv_table(kv: Sequence[torch.Tensor] | KVTable) -> KVTable:
@@ -323,10 +346,12 @@ class SlotIndex:
     low: int
     high: int
     ready: torch.cuda.Event | None = None
+    origin: int = 0
+    """Id of the stream the upload went on: a launch on that stream needs no wait."""
 
     def use(self) -> torch.Tensor:
         """The index tensor, with the current stream ordered after its upload."""
-        return use_on_current_stream(self.tensor, self.ready)
+        return use_on_current_stream(self.tensor, self.ready, self.origin)
 
     @property
     def count(self) -> int:
@@ -374,12 +399,9 @@ def prepare_slots(
             lo_t, hi_t = torch.aminmax(host)
             low, high = int(lo_t), int(hi_t)
         _check_range(host, low, high, num_slots)
-        if device.type == "cuda":
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                tensor, ready = upload(host, device)
-        else:
-            tensor, ready = host, None
-        return SlotIndex(tensor, low, high, ready)
+        with launcher(device, stream):
+            tensor, ready, origin = upload(host, device)
+        return SlotIndex(tensor, low, high, ready, origin)
     _check_range(None, index.low, index.high, num_slots)
     return index
 
@@ -425,7 +447,7 @@ def staging_view(
             raise KernelInputError(f"{name} is on {buf.device}, the KV on {kv_device}")
     flat = buf.reshape(-1)
     if flat.dtype != dtype:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if flat.data_ptr() % itemsize:
             raise KernelInputError(
                 f"{name} byte buffer at address {flat.data_ptr():#x} is not aligned to {dtype} items"
@@ -501,12 +523,34 @@ def slot_count(slots: torch.Tensor | SlotIndex) -> int:
 
 @contextlib.contextmanager
 def launcher(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Make ``device`` and ``stream`` current for the launches inside (nothing on CPU)."""
+    """Make ``device`` and ``stream`` current for the launches inside (nothing on CPU).
+
+    Through torch's C entry points, and only what differs: ``torch.cuda.device`` and
+    ``torch.cuda.stream`` cost about 25 us a pair on the GPU machine, a sizeable part of a small
+    copy's host call (docs/PERF.md, "The kernels' host calls")."""
     if device.type != "cuda":
         yield
         return
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        yield
+    index = torch.cuda.current_device() if device.index is None else device.index
+    before = torch.cuda._exchange_device(index)
+    try:
+        if stream is None:
+            yield
+            return
+        prev = torch._C._cuda_getCurrentStream(index)
+        switch = prev[0] != stream.stream_id
+        if switch:
+            torch._C._cuda_setStream(
+                stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type
+            )
+        try:
+            yield
+        finally:
+            if switch:
+                torch._C._cuda_setStream(stream_id=prev[0], device_index=prev[1], device_type=prev[2])
+    finally:
+        if before != index:
+            torch.cuda._exchange_device(before)
 
 
 @functools.cache

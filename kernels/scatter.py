@@ -203,7 +203,7 @@ def scatter_heads(
         unit_dtype = INT_VIEW[unit]
         region_bytes = flat.view(torch.uint8)  # trailing bytes past the last whole unit hold no block
         host_table = torch.tensor([(off // unit, h, n) for off, h, n in table_rows], dtype=torch.int64)
-        block_table, _ = upload(host_table, layout.device)  # same stream as the launch: ordered
+        block_table, _, _ = upload(host_table, layout.device)  # same stream as the launch: ordered
         kernel = _scatter_kernel if which == "jit" else triton_int(_scatter_kernel)
         grid = (triton.cdiv(tokens * max_pieces, block), len(layout), len(table_rows))
         kernel[grid](  # type: ignore[index]
