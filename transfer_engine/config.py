@@ -61,6 +61,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     one WRITE per decode rank until a group holds at least this many (the chunk's last layer always
     flushes). Fewer layers per WRITE shorten the tail after the forward; more cost fewer WRITEs
     (``tools/bench_layerwise.py`` measures both)."""
+    pipeline_layers: int = 0
+    """A chunk given whole to ``Sender.send()`` whose KV on this rank is at least ``pipeline_min_bytes``
+    goes out as layer groups of this many layers, as if its layers had been reported ready one group
+    after another: on a staged path the gather of one group, the WRITE of the one before and the
+    decode's scatter of the one before that overlap instead of running one after the other
+    (docs/PERF.md, "A whole chunk sent as layer groups"). 0: whole."""
+    pipeline_min_bytes: int = 64 << 20
     bootstrap_timeout: float = 30.0
     waiting_timeout: float | None = None
     transfer_timeout: float = 60.0
@@ -136,6 +143,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("ring_bytes", "staging_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 sizes it automatically)")
+        if not isinstance(self.pipeline_layers, int) or self.pipeline_layers < 0:
+            raise ConfigError(f"pipeline_layers={self.pipeline_layers!r} must be an integer >= 0 (0: off)")
+        if self.pipeline_min_bytes < 0:
+            raise ConfigError(f"pipeline_min_bytes={self.pipeline_min_bytes} must be >= 0")
         if not isinstance(self.layers_per_write, int) or self.layers_per_write < 1:
             raise ConfigError(f"layers_per_write={self.layers_per_write!r} must be an integer >= 1")
         if self.staging_chunk_pages < 1:

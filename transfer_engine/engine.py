@@ -190,7 +190,13 @@ class Sender(_Handle):
     :meth:`expect` gave the room's page count, by the page count reaching it.
     """
 
-    def __init__(self, actor: SenderRoomActor, pool: KVPool, layers_per_write: int = 4) -> None:
+    def __init__(
+        self,
+        actor: SenderRoomActor,
+        pool: KVPool,
+        layers_per_write: int = 4,
+        pipeline: tuple[int, int] = (0, 0),
+    ) -> None:
         super().__init__(actor)
         self._room_actor = actor
         self._pool = pool
@@ -200,6 +206,8 @@ class Sender(_Handle):
         self._sent = 0
         self._chunks = 0
         self._layers = LayerChunks(pool.layout.num_layers, layers_per_write)
+        self._pipeline_layers, self._pipeline_min_bytes = pipeline
+        """``EngineConfig.pipeline_layers`` and ``pipeline_min_bytes``: when send() cuts a chunk into groups."""
         self._waits: list[Ready] = []
         """The ``ready`` of each layers_ready() call since the last group went out (None left out)."""
         self._pending_stream: torch.cuda.Stream | None = None
@@ -271,12 +279,26 @@ class Sender(_Handle):
             # the KV of this chunk is written by work queued so far on the caller's stream
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self._pool.device))
-        if layerwise:
+        pipelined = not layerwise and self._pipelines(arr.size)
+        if layerwise or pipelined:
             self._layers.open(self._chunks)
         self._sealed = last
         self._sent = sent
         self._chunks += 1
-        return QueueChunk(arr, last, aux_slot, ready, layerwise)
+        return QueueChunk(arr, last, aux_slot, ready, layerwise or pipelined)
+
+    def _pipelines(self, pages: int) -> bool:
+        """Whether send() of ``pages`` pages goes out as layer groups (``EngineConfig.pipeline_layers``)."""
+        per = self._pipeline_layers
+        layout = self._pool.layout
+        if not per or per >= layout.num_layers:
+            return False
+        return pages * self._pool.page_bytes * layout.num_kv_tensors >= self._pipeline_min_bytes
+
+    def _groups_of(self, chunk: QueueChunk) -> list[LayersReady]:
+        """The layer groups of a chunk that send() cuts (every layer ready once ``chunk.ready`` is)."""
+        waits: tuple[Ready, ...] = () if chunk.ready is None else (chunk.ready,)
+        return [LayersReady(group, waits) for group in self._layers.ready_in_groups(self._pipeline_layers)]
 
     def _prepare_layers(self, start: int, end: int, ready: Ready) -> LayersReady | None:
         """Validate one layers_ready() and return the group's mail when a group is complete (else
@@ -377,8 +399,11 @@ class Sender(_Handle):
         """
         self._actor.ports.me.trace.mark(self.room, "send")
         chunk = self._prepare(pages, last, aux_slot, ready)
+        groups = self._groups_of(chunk) if chunk.layerwise else []
         try:
             await self._actor.inbox.send(chunk)
+            for group in groups:
+                await self._actor.inbox.send(group)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             # the room ended while send() waited for its turn (an abort came in): nothing was queued
             raise LocalProtocolError(
@@ -700,7 +725,9 @@ class TransferEngine:
             assert ended is not None  # complete, so it fails now instead of at bootstrap_timeout
             actor.failed_by.update(ended.aborted_by)
             actor.inbox.send_nowait(LocalAbort(ended.detail))
-        return Sender(actor, self.pool, per_write)
+        return Sender(
+            actor, self.pool, per_write, (self.config.pipeline_layers, self.config.pipeline_min_bytes)
+        )
 
     def _check_capacity(self, room: int) -> None:
         if len(self.rooms) >= self.config.max_rooms:

@@ -246,8 +246,8 @@ class JobKey:
 
 @dataclass(frozen=True, slots=True)
 class Reached:
-    """Worker's completion waiter -> worker: a completion a held layer-wise job waits for was reached
-    (at most one of these is queued at a time)."""
+    """Worker's completion waiter -> worker: a completion that a held layer-wise job or a parked
+    staged chunk waits for was reached (at most one of these is queued at a time)."""
 
 
 @dataclass(frozen=True, slots=True)

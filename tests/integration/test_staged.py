@@ -292,3 +292,42 @@ async def test_host_writes_spread_over_posting_threads_land_whole(monkeypatch: p
             await run_room(c, room, np.arange(8) + 8 * (room - 80), np.arange(8), [4, 4])
         assert (1, 4) in cuts, f"no WRITE was cut into the threads' pieces: {cuts}"
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(
+    DEVICE != "cuda", reason="a gather that runs on a CUDA stream (CPU gathers are copies on a thread)"
+)
+async def test_a_chunk_whose_kv_is_not_written_yet_does_not_hold_the_next_one() -> None:
+    """Room 1's chunk is ready only after a ~0.2 s kernel; room 2 goes to the same decode peer,
+    hence the same worker, and is ready at once. Room 2 must be gathered and posted while room 1
+    waits for its KV: neither the worker's task nor its stream may wait for room 1 first (the old
+    worker gathered behind room 1's event and waited for that gather). Every byte checked."""
+    layout = small_layout()
+    async with cluster(layout, 1, 1, path="staged", trace_steps=10_000) as c:
+        engine = c.prefill[0]
+        slow, fast = torch.cuda.Stream(engine.pool.device), torch.cuda.Stream(engine.pool.device)
+        receivers = [
+            await c.decode[0].receiver(r, c.bootstrap, np.arange(10 * r, 10 * r + 3)) for r in (1, 2)
+        ]
+        with torch.cuda.stream(slow):
+            patterns.fill(engine.pool, 1, np.arange(3))  # (its uploads wait for this stream)
+            torch.cuda._sleep(300_000_000)  # send() records its ready event after this kernel
+            await engine.sender(1).send(np.arange(3), last=True)
+        with torch.cuda.stream(fast):
+            patterns.fill(engine.pool, 2, np.arange(3, 6))
+            await engine.sender(2).send(np.arange(3, 6), last=True)
+        with anyio.fail_after(30):
+            for receiver in receivers:
+                await receiver.wait()
+        marks = engine.me.trace.take()
+        first = {(room, step): t for t, room, step in reversed(marks)}
+        t0 = min(t for t, _, _ in marks)
+        steps = "; ".join(f"{(t - t0) / 1e6:.3f} {room} {step}" for t, room, step in marks if room in (1, 2))
+        assert first[(2, "p.posted")] < first[(1, "p.gathered")], steps
+        for r in (1, 2):
+            assert (
+                patterns.mismatches(c.decode[0].pool, r, np.arange(10 * r, 10 * r + 3), 3 * layout.page_size)
+                == 0
+            )
+        c.assert_no_leaks()

@@ -320,6 +320,10 @@ class TransferWorker(Actor["WorkerMail"]):
         self._failed_starts: list[tuple[WriteJob, str]] = []
         """Held jobs whose start from the waiter's callback failed: answered by the next Reached."""
         self._prepared: dict[int, Made] = {}
+        self._gathering: dict[int, int | TransferError | None] = {}
+        self._awaiting_kv: set[int] = set()
+        """Parked staged chunks (``id`` of their ``_Staged``) whose KV event the waiter watches."""
+        """Staged chunks (by ``id`` of their ``_Staged``) whose gather runs: the WRITE made for each."""
         """id(job) -> its WRITE, made and not started, for the held direct jobs in ``_unready`` (an
         entry leaves with its job, so an id is never a stale one)."""
         self._layer_regions: dict[tuple[str, int, int], _LayerRegion] = {}
@@ -370,6 +374,10 @@ class TransferWorker(Actor["WorkerMail"]):
             for handle, _spec in self._prepared.values():  # jobs held when the worker ended
                 self.poller.discard(handle)
             self._prepared.clear()
+            for made in self._gathering.values():  # WRITEs made for gathers still running
+                if isinstance(made, int):
+                    self.poller.discard(made)
+            self._gathering.clear()
 
     def _on_reached(self, job: WriteJob) -> None:
         """On the loop, from the completion waiter: a wait of the held ``job`` completed.
@@ -454,6 +462,8 @@ class TransferWorker(Actor["WorkerMail"]):
                 for job, detail in failed:
                     await self._done(job, False, detail, FailureReason.TRANSPORT)
                 await self._start_ready()
+                for agent in list(self._parked):  # parked chunks whose KV was written meanwhile
+                    await self._progress(agent)
             case RepeatStaging(before=before):
                 for staged in list(self._granting.values()):
                     if staged.request is not None and staged.asked_at < before:
@@ -665,6 +675,16 @@ class TransferWorker(Actor["WorkerMail"]):
         while parked:
             staged = parked.pop(0)
             assert staged.allocation is not None
+            ready = staged.job.ready
+            if ready is not None and not is_ready(ready):
+                # Its KV is still being computed: it waits without a lease, and the chunks behind
+                # it to this peer go first (a gather ordered after its event would hold the stream).
+                self.counters["kv_waits"] += 1
+                waiting.append(staged)
+                if id(staged) not in self._awaiting_kv:
+                    self._awaiting_kv.add(id(staged))
+                    self.completions.notify(ready, functools.partial(self._kv_written, staged))
+                continue
             if not tracker.admits(staged.allocation):
                 self.counters["watermark_waits"] += 1
                 waiting.append(staged)
@@ -680,6 +700,15 @@ class TransferWorker(Actor["WorkerMail"]):
             self._parked[agent] = waiting + self._parked.get(agent, [])
         else:
             self._parked.pop(agent, None)
+
+    def _kv_written(self, staged: _Staged) -> None:
+        """On the loop, from the completion waiter: the KV of parked ``staged`` is written; the
+        :class:`Reached` mail makes the worker look at its parked chunks again."""
+        self._awaiting_kv.discard(id(staged))
+        if self.inbox.closed or self._reached_posted:
+            return
+        self._reached_posted = True
+        self.inbox.post(Reached())
 
     async def _gather_and_write(self, staged: _Staged, memory: StagingMemory, offset: int) -> None:
         job = staged.job
@@ -700,6 +729,7 @@ class TransferWorker(Actor["WorkerMail"]):
         leases = self._buffers[staged.host][1]
         spec = self._staged_spec(staged, memory, offset)
         made: int | TransferError | None = None
+        gathered = None
         try:
             # The WRITE is made (checked, lists prepared) while the gather runs: only its start
             # waits for the gathered bytes (docs/DECISIONS.md, "made before its bytes are ready").
@@ -711,14 +741,37 @@ class TransferWorker(Actor["WorkerMail"]):
                     self.stream.wait_event(job.ready)  # the gather reads KV the caller's stream wrote
                 gather()
                 made = self._make(spec)
-                await self.completions.wait(recorded(self.stream))
-            self.me.trace.mark(job.room, "gathered")
+                gathered = recorded(self.stream)
         except Exception as exc:  # a kernel error fails the room, never the worker
             log.exception("worker %d: gather for room %d failed", self.index, job.room)
             if isinstance(made, int):
                 self.poller.discard(made)
             leases.release(offset)
             await self._done(job, False, f"gather failed: {exc}", FailureReason.TRANSPORT)
+            return
+        if gathered is None:
+            self._start_gathered(staged, offset, spec, made)
+            return
+        # The worker goes on with its next job while the gather runs (the next chunk's or layer
+        # group's gather queues behind it on the stream); the completion waiter starts this WRITE
+        # once the gather has completed (docs/DECISIONS.md, "A worker never waits for its gather").
+        self._gathering[id(staged)] = made
+        self.completions.notify(gathered, functools.partial(self._start_gathered, staged, offset, spec, made))
+
+    def _start_gathered(
+        self, staged: _Staged, offset: int, spec: WriteSpec, made: int | TransferError | None
+    ) -> None:
+        """The gather of ``staged`` into its lease at ``offset`` has completed: start its WRITE.
+
+        On the loop: from the worker's task (CPU copies) or from the completion waiter. A WRITE that
+        cannot start ends as if it had failed: ``WriteEnded`` to this worker, which frees the lease
+        and answers the room."""
+        tracked = self._gathering.pop(id(staged), None) is not None
+        job = staged.job
+        self.me.trace.mark(job.room, "gathered")
+        if self.inbox.closed:  # the worker ended (and discarded the WRITEs it tracked): nobody will answer
+            if isinstance(made, int) and not tracked:
+                self.poller.discard(made)
             return
         try:
             if isinstance(made, TransferError):
@@ -728,8 +781,7 @@ class TransferWorker(Actor["WorkerMail"]):
             self.me.trace.mark(job.room, "posted")
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
-            leases.release(offset)
-            await self._done(job, False, str(exc), FailureReason.TRANSPORT)
+            self.inbox.post(WriteEnded(_Lease(staged, offset), False, str(exc)))
             return
         self.counters["staged_writes"] += 1
 
