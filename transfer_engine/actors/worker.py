@@ -136,6 +136,11 @@ WorkerMail = (
 )
 
 
+def held_ready(job: WriteJob) -> bool:
+    """Whether a held job's KV is written: every wait of its layer group, and its chunk's event."""
+    return all(is_ready(w) for w in job.waits) and (job.ready is None or is_ready(job.ready))
+
+
 def is_staged_job(job: WriteJob) -> bool:
     return job.chunk is not None and is_staged(job.request.path)
 
@@ -349,7 +354,8 @@ class TransferWorker(Actor["WorkerMail"]):
 
     @property
     def layer_jobs(self) -> int:
-        """Layer-wise jobs waiting for their events or a grant, and layer-wise regions held (0 when idle)."""
+        """Jobs held until their KV is written (layer groups, direct chunks), and layer-wise regions held
+        (0 when idle)."""
         return len(self._unready) + len(self._layer_regions)
 
     @property
@@ -388,7 +394,7 @@ class TransferWorker(Actor["WorkerMail"]):
         self.me.trace.mark(job.room, "reached")
         if self.inbox.closed:  # the worker ended, nobody waits
             return
-        if id(job) in self._prepared and all(is_ready(w) for w in job.waits):
+        if id(job) in self._prepared and held_ready(job):
             held = next((i for i, j in enumerate(self._unready) if j is job), None)
             if held is not None:
                 del self._unready[held]
@@ -516,11 +522,18 @@ class TransferWorker(Actor["WorkerMail"]):
     async def _execute(self, job: WriteJob, made: Made | None = None) -> None:
         """Post ``job``'s WRITE, or start ``made``, the one made for it while it was held."""
         if job.ready is not None:
-            if not is_ready(job.ready):  # the KV is still being computed: make the WRITE meanwhile
-                made = await self._prepare(job)
+            if not is_ready(job.ready):
+                # The KV is still being computed (NIXL reads it itself: it must be written first).
+                # The WRITE is made now and the job held, not the worker: the completion waiter
+                # starts it (:meth:`_on_reached`), and the jobs behind it go on meanwhile.
                 if made is None:
-                    return
-            await self.completions.wait(job.ready)  # NIXL reads the KV itself: it must be written first
+                    made = await self._prepare(job)
+                    if made is None:
+                        return
+                self._prepared[id(job)] = made
+                self._unready.append(job)
+                self.completions.notify(job.ready, functools.partial(self._on_reached, job))
+                return
             self.me.trace.mark(job.room, "ready")
         room = self.rooms.get(job.room)
         if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
@@ -813,7 +826,7 @@ class TransferWorker(Actor["WorkerMail"]):
         self._unready = [job for job in self._unready if job.room != room]
         for job in cancelled:
             self._discard(job)
-            await self._done(job, False, "cancelled while its layers were not ready", FailureReason.ABORTED)
+            await self._done(job, False, "cancelled while its KV was not written", FailureReason.ABORTED)
         for key in [k for k in self._layer_regions if k[1] == room]:
             region = self._layer_regions.pop(key)
             for job in region.waiting:
@@ -861,7 +874,7 @@ class TransferWorker(Actor["WorkerMail"]):
 
     async def _start_ready(self) -> None:
         """Start the layer-wise jobs whose events completed, in arrival order."""
-        done = [all(is_ready(w) for w in job.waits) for job in self._unready]
+        done = [held_ready(job) for job in self._unready]
         ready = [job for job, ok in zip(self._unready, done, strict=True) if ok]
         if not ready:
             return
