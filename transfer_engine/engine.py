@@ -624,7 +624,7 @@ class TransferEngine:
         self.scatter = ScatterActor(
             self.pool,
             memory,
-            self.ring.inbox,
+            self.ring,
             self.board,
             capacity=ACTOR_MAILBOX,
             reserve=SCATTERS_PER_ROOM * cfg.max_rooms,

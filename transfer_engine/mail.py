@@ -332,18 +332,6 @@ class RoomClosed:
 
 
 @dataclass(frozen=True, slots=True)
-class FreeRegions:
-    """Room or scatter -> ring: release these ring allocations (no WRITE into them can land any more).
-
-    ``done`` is set once they are released, so a room reports itself quiescent only after the ring
-    really is (a leak check right after ``wait()`` sees the true state).
-    """
-
-    alloc_ids: tuple[int, ...]
-    done: anyio.Event | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class Subscribe:
     """Engine -> ring: a prefill peer connected; send it the current watermark."""
 
@@ -440,4 +428,4 @@ RoomMail = (
     | m.ChunkLanded
     | m.AuxLanded
 )
-RingMail = m.StagingRequest | FreeRegions | Subscribe | RoomClosed
+RingMail = m.StagingRequest | Subscribe | RoomClosed

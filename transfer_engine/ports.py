@@ -38,8 +38,8 @@ JOBS_PER_ROOM = 32
 SCATTERS_PER_ROOM = 4
 """ScatterJobs a decode room has at the scatter actor at once."""
 RING_POSTS_PER_ROOM = 3
-"""Mails a decode room ever posts to the ring: RoomClosed, FreeRegions (RoomOpened is a call now;
-the bound keeps one spare)."""
+"""Mails a decode room ever posts to the ring: RoomClosed (opening and freeing are calls now; the
+bound keeps spares)."""
 ROOM_MAILBOX = 256
 """Ordinary capacity of a room's mailbox (senders wait beyond it)."""
 ROOM_RESERVE = 8
@@ -104,11 +104,17 @@ class WritePort(Protocol):
 
 
 class RingPort(Protocol):
-    """The decode ring's one synchronous entry (the ring actor implements it; all else is mail)."""
+    """The decode ring's synchronous entries (the ring actor implements them; all else is mail)."""
 
     def open_room(self, opened: RoomOpened) -> RegionGranted | None:
         """A staged room exists; called by the room before its TransferRequests leave, on the loop's
         thread. Returns the region of its chunk 0 when the ring grants it with the request."""
+        ...
+
+    def free_regions(self, alloc_ids: tuple[int, ...]) -> None:
+        """Release these ring allocations (no WRITE into them can land any more); on the loop's
+        thread, by the scatter actor once a chunk is copied out and by a room as it ends. Done when
+        it returns: a leak check right after a room's ``wait()`` sees the true state."""
         ...
 
 

@@ -14,9 +14,11 @@ room (:class:`RegionGranted`); every writer gets a ``StagingGrant`` naming the r
 block. A request that cannot be served gets ``StagingRefused`` with the reason (an ``oversized``
 chunk names ``ring_bytes``), and an oversized chunk also fails the room here.
 
-Regions are freed only through this actor's mailbox (:class:`~transfer_engine.mail.FreeRegions`): by the scatter actor
+Regions are freed by a call (:meth:`RingActor.free_regions`, the RingPort): by the scatter actor
 once a chunk has been copied out, and by the room for every region it still holds when it ends,
-which happens only once no WRITE into them can still land. When a free moves the watermark, the
+which happens only once no WRITE into them can still land. A call, not a mail: the copy's
+``Scattered`` waited for a round trip through this mailbox, behind any StagingRequests queued
+there (docs/DECISIONS.md, "Ring regions are freed by a call"). When a free moves the watermark, the
 new one goes to every prefill peer; a peer that connects gets the current one at once.
 """
 
@@ -27,7 +29,6 @@ import logging
 from transfer_engine.errors import StagingError
 from transfer_engine.layout import KVPool
 from transfer_engine.mail import (
-    FreeRegions,
     RegionGranted,
     RingMail,
     RoomClosed,
@@ -86,11 +87,6 @@ class RingActor(Actor[RingMail]):
         match mail:
             case m.StagingRequest():
                 await self._on_request(mail)
-            case FreeRegions(alloc_ids=alloc_ids, done=done):
-                for alloc_id in alloc_ids:
-                    self._free(alloc_id)
-                if done is not None:
-                    done.set()
             case RoomClosed(room=room, opened=opened) if self._open.get(room) is opened:
                 del self._open[room]
                 self._placed.pop(room, None)
@@ -229,6 +225,13 @@ class RingActor(Actor[RingMail]):
         return granted, index, ""
 
     # --- frees and the watermark ------------------------------------------------------------------
+
+    def free_regions(self, alloc_ids: tuple[int, ...]) -> None:
+        """Release ``alloc_ids`` (the RingPort call). Synchronous: it runs between this actor's mails,
+        or while one waits for a room to take a grant; it touches only allocations already handed
+        out, never the one being placed."""
+        for alloc_id in alloc_ids:
+            self._free(alloc_id)
 
     def _free(self, alloc_id: int) -> None:
         key = self._chunk_of.pop(alloc_id, None)

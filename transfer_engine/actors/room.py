@@ -32,7 +32,6 @@ from transfer_engine.errors import (
 from transfer_engine.mail import (
     CancelRoom,
     Drained,
-    FreeRegions,
     JobKey,
     LayersReady,
     LocalAbort,
@@ -82,8 +81,6 @@ from transfer_engine.protocol.rooms import (
 from transfer_engine.protocol.staging import RegionLayout, writer_block_bytes
 
 log = logging.getLogger("transfer_engine.room")
-
-RING_FREE_WAIT_S = 5.0
 
 
 class _ToScatter(NamedTuple):
@@ -804,15 +801,7 @@ class ReceiverRoomActor(_RoomActor):
                     self.ports.ring.post(RoomClosed(self.room, self.opened))
                 except (anyio.ClosedResourceError, MailboxOverflow):
                     pass
-        ring = self.ports.ring
+        ring = self.ports.ring_port
         if ring is not None and self.regions:
-            freed = anyio.Event()
-            ids = tuple(granted.allocation.alloc_id for granted in self.regions.values())
-            try:
-                ring.post(FreeRegions(ids, freed))
-                with anyio.move_on_after(RING_FREE_WAIT_S):
-                    await freed.wait()
-            except (anyio.ClosedResourceError, MailboxOverflow):
-                # only while the engine closes: the ring goes away with it
-                log.debug("room %d: ring closed before its regions were freed", self.room)
+            ring.free_regions(tuple(granted.allocation.alloc_id for granted in self.regions.values()))
         self.regions.clear()

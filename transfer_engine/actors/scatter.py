@@ -4,7 +4,7 @@ The room counts its writers' ``ChunkLanded`` notifications (in any order, in its
 writer of a chunk has landed it sends a :class:`~transfer_engine.mail.ScatterJob` here. The actor scatters all writer
 blocks of the region in one launch on its own CUDA stream (on CPU: the torch implementation, in a
 worker thread so the event loop keeps polling), waits for the stream's event without blocking the
-loop or polling it (:class:`~transfer_engine.completion.CompletionWaiter`), then frees the region through the ring actor and tells the room
+loop or polling it (:class:`~transfer_engine.completion.CompletionWaiter`), then frees the region by a call to the ring (its port) and tells the room
 (:class:`~transfer_engine.mail.Scattered`, addressed by room id). Jobs run in arrival order, one at
 a time. A layer-wise chunk comes as one job per landed layer group of a writer, the region freed
 after the chunk's last one.
@@ -22,9 +22,9 @@ import torch
 from transfer_engine.completion import CompletionWaiter, recorded
 from transfer_engine.kernels import KVTable, as_kv_table, scatter_heads
 from transfer_engine.layout import KVPool
-from transfer_engine.mail import FreeRegions, Mailbox, RingMail, Scattered, ScatterJob, ScatterRun
+from transfer_engine.mail import Scattered, ScatterJob, ScatterRun
 from transfer_engine.memory import StagingMemory, run_cpu_copy
-from transfer_engine.ports import RoomBoard
+from transfer_engine.ports import RingPort, RoomBoard
 
 from .base import Actor
 
@@ -32,13 +32,13 @@ log = logging.getLogger(__name__)
 
 
 class ScatterActor(Actor[ScatterJob]):
-    """See the module docstring. ``ring`` is the ring actor's mailbox (frees go there)."""
+    """See the module docstring. ``ring``: the ring's port (a chunk's region is freed by a call)."""
 
     def __init__(
         self,
         pool: KVPool,
         memory: StagingMemory,
-        ring: Mailbox[RingMail],
+        ring: RingPort,
         rooms: RoomBoard,
         *,
         capacity: int = 4096,
@@ -76,9 +76,7 @@ class ScatterActor(Actor[ScatterJob]):
             log.exception("scatter of room %d chunk %d failed", job.room, job.chunk_id)
             ok, detail = False, f"scatter of chunk {job.chunk_id} failed: {exc}"
         if job.free:
-            freed = anyio.Event()
-            await self.ring.send(FreeRegions((job.alloc_id,), freed))
-            await freed.wait()
+            self.ring.free_regions((job.alloc_id,))
         await self.rooms.deliver(job.room, Scattered(job.chunk_id, ok, detail, job.free))
 
     def _run(self, run: ScatterRun) -> KVTable:
