@@ -230,8 +230,18 @@ async def test_decode_rank_asking_after_the_prefill_aborted_is_told() -> None:
     (Regression: a TransferRequest reaching a Failed room that was still live was ignored.)
     """
     room = 77
+    # The WRITE's completion is reported late on the prefill, and its notification reaches the
+    # decode late: the bytes move at once, so without the second rule decode rank 0 could land and
+    # scatter the chunk before the abort reaches it (and rightly succeed).
     writes = [Rule(Fault.DELAY, match=matching(m.ChunkLanded, room=room), times=None, delay_s=0.5)]
-    async with engines(1, 2, prefill_transport=faulty_factory([], writes=writes), waiting_timeout=5.0) as c:
+    notifs = [Rule(Fault.DELAY, match=matching(m.ChunkLanded, room=room), times=None, delay_s=0.5)]
+    async with engines(
+        1,
+        2,
+        prefill_transport=faulty_factory([], writes=writes),
+        decode_transport=faulty_factory([], notifs=notifs),
+        waiting_timeout=5.0,
+    ) as c:
         src, dst = np.arange(4), np.arange(4)
         for engine in c.prefill:
             patterns.fill(engine.pool, room, src)
