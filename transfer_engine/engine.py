@@ -395,7 +395,8 @@ class Sender(_Handle):
         thread or stream); without it, an event is recorded on the caller's current stream.
         Raises LayoutError/ConfigError for pages or an aux slot outside the pool or past the
         expected total, and LocalProtocolError after the last chunk or once the room is final.
-        Nothing is queued then.
+        Nothing is queued then. With ``EngineConfig.pipeline_layers``, a chunk of at least
+        ``pipeline_min_bytes`` goes out as layer groups, all ready once ``ready`` is.
         """
         self._actor.ports.me.trace.mark(self.room, "send")
         chunk = self._prepare(pages, last, aux_slot, ready)
@@ -405,7 +406,8 @@ class Sender(_Handle):
             for group in groups:
                 await self._actor.inbox.send(group)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            # the room ended while send() waited for its turn (an abort came in): nothing was queued
+            # the room ended while send() waited for its turn (an abort came in): nothing (more) was
+            # queued, and the room is final
             raise LocalProtocolError(
                 f"room {self.room} is {self._actor.status.name}; send() is not allowed"
             ) from None

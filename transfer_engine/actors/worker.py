@@ -325,12 +325,13 @@ class TransferWorker(Actor["WorkerMail"]):
         self._failed_starts: list[tuple[WriteJob, str]] = []
         """Held jobs whose start from the waiter's callback failed: answered by the next Reached."""
         self._prepared: dict[int, Made] = {}
-        self._gathering: dict[int, int | TransferError | None] = {}
-        self._awaiting_kv: set[int] = set()
-        """Parked staged chunks (``id`` of their ``_Staged``) whose KV event the waiter watches."""
-        """Staged chunks (by ``id`` of their ``_Staged``) whose gather runs: the WRITE made for each."""
         """id(job) -> its WRITE, made and not started, for the held direct jobs in ``_unready`` (an
         entry leaves with its job, so an id is never a stale one)."""
+        self._gathering: dict[int, int | TransferError | None] = {}
+        """Staged chunks (by ``id`` of their ``_Staged``) whose gather runs: the WRITE made for each."""
+        self._awaiting_kv: set[int] = set()
+        """Parked staged chunks (``id`` of their ``_Staged``, kept alive by the waiter's callback)
+        whose KV event the completion waiter watches."""
         self._layer_regions: dict[tuple[str, int, int], _LayerRegion] = {}
         """(decode agent, room, chunk id) -> the region of a layer-wise staged chunk."""
         self._group_kv: dict[tuple[int, int], KVTable] = {}
