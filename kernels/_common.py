@@ -216,6 +216,27 @@ def _table_for(key: tuple[object, ...], itemsize: int, unit: int, device: torch.
     return table
 
 
+_BLOCK_TABLES: OrderedDict[tuple[object, ...], _Table] = OrderedDict()
+_BLOCK_TABLE_CACHE_SIZE = 64
+
+
+def block_table(rows: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
+    """A small int64 table of ``rows`` on ``device`` (the scatter's per-writer blocks), uploaded once
+    per distinct ``rows`` and kept in an LRU cache: a decode scatters the same few block layouts
+    over and over, and each upload cost a pin, a copy and an event in the host call. The current
+    stream is ordered after the upload, as for :meth:`KVTable.table`."""
+    key = (str(device), rows)
+    found = _BLOCK_TABLES.get(key)
+    if found is None:
+        tensor, ready, origin = upload(torch.tensor(rows, dtype=torch.int64), device)
+        found = _BLOCK_TABLES[key] = _Table(tensor, ready, origin)
+        if len(_BLOCK_TABLES) > _BLOCK_TABLE_CACHE_SIZE:
+            _BLOCK_TABLES.popitem(last=False)
+    else:
+        _BLOCK_TABLES.move_to_end(key)
+    return found.use()
+
+
 def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event | None, int]:
     """Copy a small host tensor to ``device`` on the current stream, asynchronously (from pinned
     memory), with an event that marks its arrival and the id of the stream it went on. On CPU: the

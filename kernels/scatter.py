@@ -33,6 +33,7 @@ from ._common import (
     LaunchConfig,
     SlotIndex,
     as_kv_table,
+    block_table,
     check_heads,
     check_stream,
     column_block,
@@ -45,7 +46,6 @@ from ._common import (
     slot_rows,
     staging_view,
     triton_int,
-    upload,
 )
 
 __all__ = ["scatter_heads", "scatter_heads_reference"]
@@ -202,15 +202,14 @@ def scatter_heads(
         block = piece_block(cfg.block_bytes, piece * unit)
         unit_dtype = INT_VIEW[unit]
         region_bytes = flat.view(torch.uint8)  # trailing bytes past the last whole unit hold no block
-        host_table = torch.tensor([(off // unit, h, n) for off, h, n in table_rows], dtype=torch.int64)
-        block_table, _, _ = upload(host_table, layout.device)  # same stream as the launch: ordered
+        blocks_on_device = block_table(tuple((off // unit, h, n) for off, h, n in table_rows), layout.device)
         kernel = _scatter_kernel if which == "jit" else triton_int(_scatter_kernel)
         grid = (triton.cdiv(tokens * max_pieces, block), len(layout), len(table_rows))
         kernel[grid](  # type: ignore[index]
             region_bytes[: region_bytes.numel() // unit * unit].view(unit_dtype),
             layout.tensors[0].view(torch.uint8).view(unit_dtype),
             layout.table(unit),
-            block_table,
+            blocks_on_device,
             index.use(),
             tokens,
             VEC=vec,
