@@ -233,3 +233,19 @@ def test_cpu_without_interpret_runs_the_reference(monkeypatch: pytest.MonkeyPatc
     kv, out = _kv(), _out(3)
     gather_heads(kv, SLOTS_OK, 0, 2, out)
     assert torch.equal(out.view(torch.int16), torch.stack([t.view(torch.int16)[SLOTS_OK, 0:2] for t in kv]))
+
+
+def test_block_tables_are_uploaded_once_per_layout_and_the_cache_is_bounded() -> None:
+    from transfer_engine.kernels import _common
+
+    device = torch.device("cpu")
+    rows = ((0, 0, 4), (1024, 4, 4))
+    first = _common.block_table(rows, device)
+    assert first.tolist() == [list(r) for r in rows] and first.dtype == torch.int64
+    assert _common.block_table(rows, device) is first  # a hit: nothing made again
+    other = _common.block_table(((0, 0, 8),), device)
+    assert other is not first and other.tolist() == [[0, 0, 8]]
+    for i in range(_common._BLOCK_TABLE_CACHE_SIZE + 1):
+        _common.block_table(((i, 0, 1),), device)
+    assert len(_common._BLOCK_TABLES) == _common._BLOCK_TABLE_CACHE_SIZE
+    assert _common.block_table(rows, device) is not first  # evicted, made again
