@@ -23,7 +23,7 @@ import functools
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -168,9 +168,10 @@ class _Table:
     def use(self) -> torch.Tensor:
         if self.ready is None:
             return self.tensor
-        stream = current_stream_id(self.tensor.get_device())
+        index = self.tensor.get_device()
+        stream = current_stream_id(index)
         if stream not in self.ordered:  # once per stream: later work on it is ordered anyway
-            use_on_current_stream(self.tensor, self.ready, -1)
+            _wait_for_upload(self.tensor, self.ready, index)
             self.ordered.add(stream)
         return self.tensor
 
@@ -188,36 +189,52 @@ def use_on_current_stream(tensor: torch.Tensor, ready: torch.cuda.Event | None, 
     if ready is not None:
         index = tensor.get_device()
         if current_stream_id(index) != origin:
-            stream = torch.cuda.current_stream(index)
-            stream.wait_event(ready)
-            tensor.record_stream(stream)
+            _wait_for_upload(tensor, ready, index)
     return tensor
 
 
+def _wait_for_upload(tensor: torch.Tensor, ready: torch.cuda.Event, index: int) -> None:
+    """The current stream of device ``index`` waits for ``ready`` and keeps ``tensor``'s memory."""
+    stream = torch.cuda.current_stream(index)
+    stream.wait_event(ready)
+    tensor.record_stream(stream)
+
+
 _TABLES: OrderedDict[tuple[object, ...], _Table] = OrderedDict()
+_BLOCK_TABLES: OrderedDict[tuple[object, ...], _Table] = OrderedDict()
+_BLOCK_TABLE_CACHE_SIZE = 64
+
+
+def _cached_table(
+    cache: OrderedDict[tuple[object, ...], _Table],
+    limit: int,
+    key: tuple[object, ...],
+    rows: Callable[[], Sequence[Sequence[int]]],
+    device: torch.device,
+) -> _Table:
+    """The int64 table of ``rows()`` on ``device``, uploaded once per ``key`` and kept in ``cache``
+    (least recently used first out, at most ``limit``)."""
+    found = cache.get(key)
+    if found is not None:
+        cache.move_to_end(key)
+        return found
+    tensor, ready, origin = upload(torch.tensor(rows(), dtype=torch.int64), device)
+    found = cache[key] = _Table(tensor, ready, origin)
+    if len(cache) > limit:
+        cache.popitem(last=False)
+    return found
 
 
 def _table_for(key: tuple[object, ...], itemsize: int, unit: int, device: torch.device) -> _Table:
     """The pointer table of a layout key, cached by key (addresses only: nothing keeps the pool alive)."""
-    cache_key = (*key, unit)
-    found = _TABLES.get(cache_key)
-    if found is not None:
-        _TABLES.move_to_end(cache_key)
-        return found
     rows = key[3]
     assert isinstance(rows, tuple)
     base = rows[0][0]
-    data = [((ptr - base) // unit, *(st * itemsize // unit for st in strides)) for ptr, *strides in rows]
-    tensor, ready, origin = upload(torch.tensor(data, dtype=torch.int64), device)
-    table = _Table(tensor, ready, origin)
-    _TABLES[cache_key] = table
-    if len(_TABLES) > _TABLE_CACHE_SIZE:
-        _TABLES.popitem(last=False)
-    return table
 
+    def data() -> list[tuple[int, ...]]:
+        return [((ptr - base) // unit, *(st * itemsize // unit for st in strides)) for ptr, *strides in rows]
 
-_BLOCK_TABLES: OrderedDict[tuple[object, ...], _Table] = OrderedDict()
-_BLOCK_TABLE_CACHE_SIZE = 64
+    return _cached_table(_TABLES, _TABLE_CACHE_SIZE, (*key, unit), data, device)
 
 
 def block_table(rows: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
@@ -225,16 +242,9 @@ def block_table(rows: tuple[tuple[int, ...], ...], device: torch.device) -> torc
     per distinct ``rows`` and kept in an LRU cache: a decode scatters the same few block layouts
     over and over, and each upload cost a pin, a copy and an event in the host call. The current
     stream is ordered after the upload, as for :meth:`KVTable.table`."""
-    key = (str(device), rows)
-    found = _BLOCK_TABLES.get(key)
-    if found is None:
-        tensor, ready, origin = upload(torch.tensor(rows, dtype=torch.int64), device)
-        found = _BLOCK_TABLES[key] = _Table(tensor, ready, origin)
-        if len(_BLOCK_TABLES) > _BLOCK_TABLE_CACHE_SIZE:
-            _BLOCK_TABLES.popitem(last=False)
-    else:
-        _BLOCK_TABLES.move_to_end(key)
-    return found.use()
+    return _cached_table(
+        _BLOCK_TABLES, _BLOCK_TABLE_CACHE_SIZE, (str(device), rows), lambda: rows, device
+    ).use()
 
 
 def upload(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event | None, int]:

@@ -28,13 +28,14 @@ import functools
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio
 import numpy as np
 import torch
 
-from transfer_engine.completion import CompletionWaiter, recorded
+from transfer_engine.completion import Completion, CompletionWaiter, recorded
 from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import KVTable, as_kv_table, gather_heads
 from transfer_engine.layout import KVPool, stride_rows_of
@@ -527,13 +528,7 @@ class TransferWorker(Actor["WorkerMail"]):
                 # The KV is still being computed (NIXL reads it itself: it must be written first).
                 # The WRITE is made now and the job held, not the worker: the completion waiter
                 # starts it (:meth:`_on_reached`), and the jobs behind it go on meanwhile.
-                if made is None:
-                    made = await self._prepare(job)
-                    if made is None:
-                        return
-                self._prepared[id(job)] = made
-                self._unready.append(job)
-                self.completions.notify(job.ready, functools.partial(self._on_reached, job))
+                await self._hold(job, [job.ready], made)
                 return
             self.me.trace.mark(job.room, "ready")
         room = self.rooms.get(job.room)
@@ -861,10 +856,17 @@ class TransferWorker(Actor["WorkerMail"]):
         if not pending:
             await self._start_layer(job)
             return
+        await self._hold(job, pending)
+
+    async def _hold(self, job: WriteJob, pending: Sequence[Completion], made: Made | None = None) -> None:
+        """Hold ``job`` until every wait in ``pending`` completed; a direct (or slice) job has its
+        WRITE made now (``made``, if it already was), which the completion waiter's callback
+        (:meth:`_on_reached`) starts. A job whose WRITE cannot be made was answered already."""
         if not is_staged_job(job):
-            made = await self._prepare(job)
             if made is None:
-                return
+                made = await self._prepare(job)
+                if made is None:
+                    return
             self._prepared[id(job)] = made
         self._unready.append(job)
         # Every wait found pending gets its callback, even one that completed since (while the WRITE
@@ -885,6 +887,8 @@ class TransferWorker(Actor["WorkerMail"]):
             await self._start_layer(job, self._prepared.pop(id(job), None))
 
     async def _start_layer(self, job: WriteJob, made: Made | None = None) -> None:
+        """Start a job whose KV is written: a direct (or slice) one, layer group or held chunk, through
+        :meth:`_execute`; a staged layer group through its chunk's ring region."""
         if not is_staged_job(job):
             await self._execute(job, made)
             return
