@@ -54,9 +54,10 @@ class Request:
     ``abort_step`` steps after ``send_metadata``."""
     abort_step: int = 0
     decode_aborted: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
-    """Set once every decode rank called ``abort()``. Until then the prefill holds back the last chunk
-    of a room the decode aborts, so the abort always lands mid-transfer: otherwise it races the room's
-    completion, and an abort after Success is rightly a no-op."""
+    """Set once every decode rank called ``abort()``. Until then, and until the prefill rank's room
+    polls Failed (see ``_heard_abort``), the prefill holds back the last chunk of a room the decode
+    aborts, so the abort always lands mid-transfer: otherwise it races the room's completion, and an
+    abort after Success is rightly a no-op."""
     _decode_aborts: set[int] = field(default_factory=set, repr=False, compare=False)
 
     def note_decode_abort(self, rank: int, group_size: int) -> None:
@@ -208,7 +209,7 @@ def run_prefill_rank(
                 inflight.append((req, sender, pages))
                 continue
             chunk = req.chunks[len([c for c in np.cumsum(req.chunks) if c <= sent])]
-            if req.abort_by == "decode" and sent + chunk == req.pages and not req.decode_aborted.is_set():
+            if req.abort_by == "decode" and sent + chunk == req.pages and not _heard_abort(req, sender):
                 moving.append((req, sender, pages, sent))  # the last chunk waits for the decode's abort
                 continue
             sender.send(pages[sent : sent + chunk])  # a no-op once the room failed, as SGLang expects
@@ -232,6 +233,14 @@ def run_prefill_rank(
                 left.append((req, sender, pages))
         inflight = left
         time.sleep(STEP_S)
+
+
+def _heard_abort(req: Request, sender: KVSender) -> bool:
+    """Whether this prefill rank has heard the decode's abort of ``req`` (its room polls Failed).
+
+    Every decode rank's ``abort()`` returning is not enough: their Abort is still on its way, and a
+    last chunk sent before it lands completes the room, rightly Success on the prefill."""
+    return req.decode_aborted.is_set() and sender.poll() == KVPoll.Failed
 
 
 def _failed(handle: KVSender | KVReceiver, stats: Stats) -> None:
