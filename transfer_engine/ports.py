@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
+import numpy as np
 
 from transfer_engine.layout import KVPool
 from transfer_engine.mail import Mailbox, RegionGranted, RingMail, RoomMail, RoomOpened, ScatterJob
@@ -88,6 +89,20 @@ class WritePort(Protocol):
     def prepare_write(self, spec: WriteSpec) -> int:
         """Make ``spec``'s WRITE without starting it; a handle for :meth:`start_write` or
         :meth:`discard`. Raises as :meth:`post_write`."""
+        ...
+
+    def prepare_lists(self, spec: WriteSpec) -> int:
+        """Check and prepare ``spec``'s descriptor lists once, for several WRITEs of parts of it
+        (:meth:`prepare_indexed`); an id for :meth:`close_lists`. Raises as :meth:`post_write`."""
+        ...
+
+    def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int:
+        """Make the WRITE ``spec``, the descriptors ``index`` of ``lists``, without starting it; as
+        :meth:`prepare_write` otherwise."""
+        ...
+
+    def close_lists(self, lists: int) -> None:
+        """No more WRITEs from ``lists`` (released with the last WRITE made from them)."""
         ...
 
     def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 from anyio.abc import TaskStatus
 
 from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransportError
@@ -118,6 +119,25 @@ class NixlPoller:
         """Make a WRITE without starting it (its descriptors checked and prepared); returns the handle
         for :meth:`start_write` or :meth:`discard`. Raises as :meth:`post_write`."""
         return self._counted(lambda: self.transport.prepare_write(spec))
+
+    def prepare_lists(self, spec: WriteSpec) -> int:
+        """Check and prepare ``spec``'s descriptor lists once, for WRITEs of parts of it
+        (:meth:`prepare_indexed`); :meth:`close_lists` gives them up. Raises as :meth:`post_write`."""
+        lists = self._counted(lambda: self.transport.prepare_lists(spec))
+        self.counters["lists_prepared"] += 1
+        return lists
+
+    def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int:
+        """Make the WRITE ``spec`` of the descriptors ``index`` of ``lists``, without starting it; as
+        :meth:`prepare_write` otherwise."""
+        return self._counted(lambda: self.transport.prepare_indexed(lists, index, spec))
+
+    def close_lists(self, lists: int) -> None:
+        """No more WRITEs from ``lists``; released once the WRITEs made from them are."""
+        try:
+            self.transport.close_lists(lists)
+        except KeyError:  # the transport was closed first (engine shutdown): it released them
+            log.debug("shared lists %d were already released", lists)
 
     def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
         """Start the WRITE ``handle`` made of ``spec``; replies as :meth:`post_write`. TransportError:

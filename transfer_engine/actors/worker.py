@@ -118,6 +118,19 @@ class _LayerRegion:
 
 
 @dataclass(frozen=True, slots=True)
+class _ChunkLists:
+    """Descriptor lists prepared once for every layer group of one chunk to one decode rank
+    (:func:`shares_lists`): each group's WRITE is an index into them."""
+
+    lists: int
+    """The transport's id of the lists."""
+    whole: WriteSpec
+    """The whole chunk's descriptors, tensor-major (its ``notif`` unused)."""
+    per_tensor: int
+    """Descriptors of each tensor."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Lease:
     """Token of a staged WRITE: it ends with ``WriteEnded(_Lease(...))`` from the poller."""
 
@@ -207,12 +220,39 @@ def plan_write(
             np.array([item], dtype=np.uint64),
             m.encode(m.AuxLanded(room=job.room, sender=job.sender)),
         )
+    return (*chunk_descriptors(job, pool, bases, _group_rows(job, pool)), chunk_notification(job, region=-1))
+
+
+def shares_lists(job: WriteJob, pool: KVPool) -> bool:
+    """Whether ``job``, a layer group of a direct or slice chunk in the contiguous layout, is made from
+    descriptor lists prepared once for its whole chunk (``NixlTransport.prepare_lists``): its
+    descriptors are then rows of the chunk's, tensor-major (:func:`group_index`)."""
+    return (
+        job.group is not None
+        and job.chunk is not None
+        and not is_staged_job(job)
+        and pool.strides is None
+        and job.peer.layout.strides is None
+    )
+
+
+def group_index(rows: np.ndarray, per_tensor: int) -> np.ndarray:
+    """Positions in a chunk's tensor-major descriptors (``per_tensor`` of each tensor) of the tensors
+    ``rows``, in row order."""
+    return (rows[:, None] * per_tensor + np.arange(per_tensor, dtype=np.int64)).ravel()
+
+
+def chunk_descriptors(
+    job: WriteJob, pool: KVPool, bases: np.ndarray, rows: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(src_addr, dst_addr, length)`` of a chunk job's WRITE (see :func:`plan_write`): of the tensors
+    ``rows`` (one layer group's), or of every tensor when None. Pure; raises TransferError."""
+    req, peer, chunk = job.request, job.peer, job.chunk
+    assert chunk is not None
     dst_pages_all = np.asarray(req.dst_pages, dtype=np.int64)
-    notif = chunk_notification(job, region=-1)
     spec = req.slices[0]
-    rows = _group_rows(job, pool)
     if pool.strides is not None or peer.layout.strides is not None:
-        return (*_strided_write(job, pool, bases, dst_pages_all, spec, rows), notif)
+        return _strided_write(job, pool, bases, dst_pages_all, spec, rows)
     peer_bases = peer.bases
     if rows is not None:  # one group of layers: its tensors only, on both sides
         bases, peer_bases = bases[rows], peer_bases[rows]
@@ -224,16 +264,13 @@ def plan_write(
                 f"[{chunk.page_start}, {chunk.page_start + chunk.num_pages}) but decode rank "
                 f"{req.decode_rank} gave only {len(dst_pages_all)} pages"
             )
-        src, dst, length = descriptors.direct_descriptors(
-            bases, peer_bases, pool.page_bytes, job.src_pages, dst_pages
-        )
-        return src, dst, length, notif
+        return descriptors.direct_descriptors(bases, peer_bases, pool.page_bytes, job.src_pages, dst_pages)
     src_ps, dst_ps = pool.layout.page_size, peer.layout.page_size
     start = chunk.page_start * src_ps
     tokens = descriptors.chunk_tokens(start, chunk.num_pages, src_ps, len(dst_pages_all) * dst_ps)
     src_slots = descriptors.slots_of(job.src_pages, src_ps, 0, tokens)
     dst_slots = descriptors.slots_of(dst_pages_all, dst_ps, start, tokens)
-    src, dst, length = descriptors.slice_descriptors(
+    return descriptors.slice_descriptors(
         bases,
         peer_bases,
         pool.slot_bytes,
@@ -245,7 +282,6 @@ def plan_write(
         spec.dst_head_start,
         spec.num_heads,
     )
-    return src, dst, length, notif
 
 
 def _strided_write(
@@ -336,6 +372,9 @@ class TransferWorker(Actor["WorkerMail"]):
         self._layer_regions: dict[tuple[str, int, int], _LayerRegion] = {}
         """(decode agent, room, chunk id) -> the region of a layer-wise staged chunk."""
         self._group_kv: dict[tuple[int, int], KVTable] = {}
+        self._chunk_lists: dict[tuple[str, int, int], _ChunkLists] = {}
+        """(decode agent, room, chunk id) -> the lists its direct or slice layer groups are made from,
+        until its closing group is made or the room is cancelled."""
         self.completions = CompletionWaiter(f"worker-{index}", threaded=completion_thread)
         """Wakes this worker when its gathers' stream or its jobs' ready events complete."""
         self._reached_posted = False
@@ -386,6 +425,9 @@ class TransferWorker(Actor["WorkerMail"]):
                 if isinstance(made, int):
                     self.poller.discard(made)
             self._gathering.clear()
+            for shared in self._chunk_lists.values():
+                self.poller.close_lists(shared.lists)
+            self._chunk_lists.clear()
 
     def _on_reached(self, job: WriteJob) -> None:
         """On the loop, from the completion waiter: a wait of the held ``job`` completed.
@@ -506,14 +548,53 @@ class TransferWorker(Actor["WorkerMail"]):
         only the start is left once it is (docs/DECISIONS.md, "A layer group's WRITE is made before
         its layers are ready"). None: it cannot be made, and the job was answered."""
         try:
-            spec = self._spec(job)
-            made = (self.poller.prepare_write(spec), spec)
+            made = self._make_direct(job)
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             await self._done(job, False, str(exc), FailureReason.TRANSPORT)
             return None
         self.me.trace.mark(job.room, "prepared")
         return made
+
+    def _make_direct(self, job: WriteJob) -> Made:
+        """Plan and make ``job``'s WRITE without starting it. Raises TransferError.
+
+        A layer group of a direct or slice chunk (:func:`shares_lists`) is made from lists prepared
+        with the chunk's first group, once for every group: its planning, range check and list
+        preparation are the chunk's, done once (docs/DECISIONS.md, "A chunk's layer groups share
+        prepared descriptor lists")."""
+        if not shares_lists(job, self.pool):
+            spec = self._spec(job)
+            return self.poller.prepare_write(spec), spec
+        assert job.chunk is not None and job.group is not None
+        key = (job.peer.agent_name, job.room, job.chunk.chunk_id)
+        shared = self._chunk_lists.get(key)
+        try:
+            if shared is None:
+                src, dst, length = chunk_descriptors(job, self.pool, self._bases, None)
+                if len(src) == 0:
+                    raise TransferError(f"room {job.room}: empty WRITE")
+                whole = WriteSpec(
+                    job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id, b""
+                )
+                shared = _ChunkLists(self.poller.prepare_lists(whole), whole, len(src) // len(self._bases))
+                self._chunk_lists[key] = shared
+            index = group_index(_group_rows(job, self.pool), shared.per_tensor)  # type: ignore[arg-type]
+            whole = shared.whole
+            spec = WriteSpec(
+                whole.peer, whole.local_mem, whole.src[index], whole.dst[index], whole.length[index],
+                whole.local_devices, chunk_notification(job, region=-1),
+            )  # fmt: skip
+            self.me.trace.mark(job.room, "planned")
+            return self.poller.prepare_indexed(shared.lists, index, spec), spec
+        finally:
+            if job.group.closes and key in self._chunk_lists:  # the chunk's last group: no more WRITEs
+                self.poller.close_lists(self._chunk_lists.pop(key).lists)
+
+    def _close_lists(self, room: int) -> None:
+        """Give up the shared lists of ``room``'s chunks (the room was cancelled)."""
+        for key in [k for k in self._chunk_lists if k[1] == room]:
+            self.poller.close_lists(self._chunk_lists.pop(key).lists)
 
     def _discard(self, job: WriteJob) -> None:
         """Drop a held ``job``'s made WRITE, if it has one (its room was cancelled)."""
@@ -537,6 +618,8 @@ class TransferWorker(Actor["WorkerMail"]):
                 self.poller.discard(made[0])
             return
         try:
+            if made is None and shares_lists(job, self.pool):
+                made = self._make_direct(job)
             if made is not None:
                 self._start_made(job, made)
                 return
@@ -820,6 +903,7 @@ class TransferWorker(Actor["WorkerMail"]):
         """End every chunk of ``room`` not posted yet: waiting for events or a grant, or parked."""
         cancelled = [job for job in self._unready if job.room == room]
         self._unready = [job for job in self._unready if job.room != room]
+        self._close_lists(room)
         for job in cancelled:
             self._discard(job)
             await self._done(job, False, "cancelled while its KV was not written", FailureReason.ABORTED)

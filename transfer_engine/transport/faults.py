@@ -406,8 +406,22 @@ class FaultyTransport:
     def start_write(self, handle: int) -> int:
         return self.inner.start_write(handle)
 
+    def prepare_lists(self, spec: WriteSpec) -> int:
+        return self.inner.prepare_lists(spec)
+
+    def close_lists(self, lists: int) -> None:
+        self.inner.close_lists(lists)
+
+    def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int:
+        """As :meth:`prepare_write`: a WRITE that a rule alters (a bad address, no notification) is
+        made on its own from ``spec`` by the real transport, which refuses or posts it as it would."""
+        return self._make(spec, lambda made: self.inner.prepare_indexed(lists, index, made))
+
     def prepare_write(self, spec: WriteSpec) -> int:
         """The WRITE rules apply here, when the WRITE is made (a prepared one may be started later)."""
+        return self._make(spec, self.inner.prepare_write)
+
+    def _make(self, spec: WriteSpec, make: Callable[[WriteSpec], int]) -> int:
         rule = self.write_rules.pick(spec.notif)
         fault = rule.fault if rule is not None else None
         if fault is not None:
@@ -418,10 +432,10 @@ class FaultyTransport:
                 f"injected fault: WRITE to {spec.peer} refused ({len(spec.src)} descriptors)"
             )
         if fault is Fault.BAD_ADDRESS:
-            spec = dataclasses.replace(spec, dst=spec.dst + _OUT_OF_RANGE)
+            spec, make = dataclasses.replace(spec, dst=spec.dst + _OUT_OF_RANGE), self.inner.prepare_write
         if fault is Fault.ERROR:
             spec = dataclasses.replace(spec, notif=b"")
-        handle = self.inner.prepare_write(spec)
+        handle = make(spec)
         if fault is Fault.ERROR:
             self._overrides[handle] = _Override(error=True)
         elif fault is Fault.DELAY:

@@ -7,7 +7,10 @@ translated here into :class:`~transfer_engine.errors.TransportError`.
 A WRITE is described by three uint64 arrays ``(src_addr, dst_addr, length)``; the transport turns
 them into NIXL descriptor lists without Python loops, prepares them for that one WRITE and posts
 one prepared transfer carrying one notification (a one-shot ``initialize_xfer`` costs NIXL 2-6 us
-per descriptor on H200s; the prepared lists are released with the transfer). Remote ranges are checked against the regions the peer registered *before* posting
+per descriptor on H200s; the prepared lists are released with the transfer). The groups of a
+layer-wise chunk share lists prepared once for the whole chunk (:meth:`NixlTransport.prepare_lists`):
+each group's WRITE is made from an index into them, with no range check or list preparation of its
+own. Remote ranges are checked against the regions the peer registered *before* posting
 (:class:`~transfer_engine.errors.AddressRangeError`).
 """
 
@@ -99,7 +102,7 @@ class RemotePeer:
         if len(self._starts) == 0:
             raise AddressRangeError(f"peer {self.agent_name} registered no memory")
         idx = np.searchsorted(self._starts, addr, side="right").astype(np.int64) - 1
-        safe = np.clip(idx, 0, None)
+        safe = np.maximum(idx, 0)
         ok = (idx >= 0) & (addr + length <= self._ends[safe])
         if not ok.all():
             bad = int(np.flatnonzero(~ok)[0])
@@ -129,6 +132,9 @@ class Transport(Protocol):
     def remove_peer(self, agent_name: str) -> None: ...
     def post_write(self, spec: WriteSpec) -> int: ...
     def prepare_write(self, spec: WriteSpec) -> int: ...
+    def prepare_lists(self, spec: WriteSpec) -> int: ...
+    def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int: ...
+    def close_lists(self, lists: int) -> None: ...
     def start_write(self, handle: int) -> int: ...
     def state(self, handle: int) -> XferState: ...
     def release(self, handle: int) -> None: ...
@@ -211,6 +217,20 @@ def spread(
     return src[which] + offset, dst[which] + offset, cut, cut_devices
 
 
+@dataclass
+class _SharedLists:
+    """Both sides' descriptor lists prepared once for several WRITEs (``NixlTransport.prepare_lists``)."""
+
+    peer: str
+    local: Any
+    remote: Any
+    count: int
+    users: int = 0
+    """WRITEs made from them and not released."""
+    open: bool = True
+    """More WRITEs may be made from them (until ``close_lists``)."""
+
+
 def _descs(addr: np.ndarray, length: np.ndarray, devices: np.ndarray | int) -> np.ndarray:
     out = np.empty((len(addr), 3), dtype=np.uint64)
     out[:, 0] = addr
@@ -247,7 +267,12 @@ class NixlTransport:
         self._regs: dict[int, Any] = {}
         self._peers: dict[str, RemotePeer] = {}
         self._handles: dict[int, tuple[Any, list[Any]]] = {}
-        """Each posted or prepared WRITE: its NIXL handle and the two descriptor lists prepared for it."""
+        """Each posted or prepared WRITE: its NIXL handle and the two descriptor lists prepared for it
+        (none when it was made from shared lists: see ``_made_from``)."""
+        self._lists: dict[int, _SharedLists] = {}
+        """Descriptor lists prepared once for several WRITEs (:meth:`prepare_lists`)."""
+        self._made_from: dict[int, int] = {}
+        """WRITE handle -> the id of the shared lists it was made from (:meth:`prepare_indexed`)."""
         self._peer_of: dict[int, tuple[str, int]] = {}
         """Prepared, not started WRITEs: (peer, descriptors), for :meth:`start_write`'s errors."""
         self._ids = itertools.count(1)
@@ -350,6 +375,78 @@ class NixlTransport:
         spent["make"] += t4 - t3
         return hid
 
+    def prepare_lists(self, spec: WriteSpec) -> int:
+        """Check ``spec``'s ranges and prepare both sides' descriptor lists once, for several WRITEs
+        that each move some of its descriptors (:meth:`prepare_indexed`): a layer-wise chunk's
+        groups. ``spec.notif`` is not used. Returns the lists' id; :meth:`close_lists` gives it up,
+        and the lists are released once no WRITE made from them is left. Raises as :meth:`post_write`.
+
+        A DRAM WRITE is not spread over the posting threads here (:func:`spread` cuts a WRITE's own
+        descriptors; an index into the chunk's list must name the same ones).
+        """
+        peer = spec.peer
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise TransportError(f"no NIXL peer named {peer!r}")
+        remote_devices, remote_mem = remote.check(spec.dst, spec.length)
+        lists: list[Any] = []
+        try:
+            lists.append(self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._agent.get_xfer_descs(
+                _descs(spec.src, spec.length, spec.local_devices), spec.local_mem
+            )))  # fmt: skip
+            lists.append(self._agent.prep_xfer_dlist(peer, self._agent.get_xfer_descs(
+                _descs(spec.dst, spec.length, remote_devices), remote_mem
+            )))  # fmt: skip
+        except Exception as exc:
+            self._release_lists(lists)
+            raise TransportError(
+                f"cannot prepare lists for {peer} ({len(spec.src)} descriptors): {exc}"
+            ) from exc
+        lid = next(self._ids)
+        self._lists[lid] = _SharedLists(peer, lists[0], lists[1], len(spec.src))
+        return lid
+
+    def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int:
+        """Make a WRITE of the descriptors ``index`` of the shared ``lists`` (:meth:`prepare_lists`),
+        with ``spec.notif``; ``spec`` is the WRITE those descriptors describe (its peer must be the
+        lists'). Returns a handle as :meth:`prepare_write` does. TransportError when an index is
+        outside the lists or NIXL refuses; nothing is made then."""
+        shared = self._lists[lists]
+        if shared.peer != spec.peer:
+            raise TransportError(f"lists {lists} were prepared for {shared.peer!r}, not {spec.peer!r}")
+        if len(index) == 0 or int(index.min()) < 0 or int(index.max()) >= shared.count:
+            raise TransportError(
+                f"descriptor index [{int(index.min()) if len(index) else '-'}, "
+                f"{int(index.max()) if len(index) else '-'}] outside lists {lists} of {shared.count}"
+            )
+        t0 = time.perf_counter_ns()
+        try:
+            handle = self._agent.make_prepped_xfer(
+                "WRITE", shared.local, index, shared.remote, index, spec.notif
+            )
+        except Exception as exc:
+            raise TransportError(
+                f"cannot create WRITE to {spec.peer} ({len(index)} descriptors): {exc}"
+            ) from exc
+        hid = next(self._ids)
+        self._handles[hid] = (handle, [])
+        self._peer_of[hid] = (spec.peer, len(index))
+        self._made_from[hid] = lists
+        shared.users += 1
+        self.post_ns["make"] += time.perf_counter_ns() - t0
+        return hid
+
+    def close_lists(self, lists: int) -> None:
+        """Make no more WRITEs from ``lists``; they are released with the last WRITE made from them."""
+        shared = self._lists[lists]
+        shared.open = False
+        self._drop_lists(lists, shared)
+
+    def _drop_lists(self, lid: int, shared: _SharedLists) -> None:
+        if not shared.open and shared.users == 0:
+            del self._lists[lid]
+            self._release_lists([shared.local, shared.remote])
+
     def start_write(self, handle: int) -> int:
         """Start a WRITE made by :meth:`prepare_write`; returns ``handle``. On TransportError the
         handle is released (nothing was posted)."""
@@ -384,6 +481,11 @@ class NixlTransport:
         except Exception as exc:
             log.warning("release_xfer_handle failed: %s", exc)
         self._release_lists(lists)
+        lid = self._made_from.pop(handle, None)
+        if lid is not None:
+            shared = self._lists[lid]
+            shared.users -= 1
+            self._drop_lists(lid, shared)
 
     def _release_lists(self, lists: list[Any]) -> None:
         for dlist in lists:
@@ -397,11 +499,14 @@ class NixlTransport:
         return notifs
 
     def live_handles(self) -> int:
-        return len(self._handles)
+        """WRITEs made and not released, and shared lists not released (0 when idle: the leak check)."""
+        return len(self._handles) + len(self._lists)
 
     def close(self) -> None:
         for hid in list(self._handles):
             self.release(hid)
+        for lid in list(self._lists):
+            self.close_lists(lid)
         for name in list(self._peers):
             self.remove_peer(name)
         for rid in list(self._regs):

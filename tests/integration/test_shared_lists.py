@@ -1,0 +1,111 @@
+"""The layer groups of a chunk share descriptor lists prepared once for the chunk.
+
+The transport's part (``prepare_lists`` / ``prepare_indexed`` / ``close_lists``) on real NIXL: the
+WRITEs made from an index move exactly those descriptors, the lists outlive ``close_lists`` until
+the last WRITE made from them is released, and a bad index is refused with nothing made. The
+worker's part: a direct or slice layer-wise room prepares lists once per chunk and decode rank,
+every byte lands, nothing is left open (the leak check counts lists as live handles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from transfer_engine.errors import TransportError
+from transfer_engine.transport.nixl import WriteSpec, XferState
+
+from .harness import cluster, run_room, small_layout
+
+pytestmark = pytest.mark.timeout(60)
+
+PIECE = 256
+"""Bytes of each descriptor in the transport test."""
+
+
+@pytest.mark.anyio
+async def test_writes_made_from_an_index_move_those_descriptors_and_release_the_lists_last() -> None:
+    async with cluster(small_layout(), 1, 1) as c:
+        prefill, decode = c.prefill[0], c.decode[0]
+        await decode.connect(c.bootstrap)  # the handshake gives the prefill the decode's regions
+        transport = prefill.poller.transport
+        src_t, dst_t = prefill.pool.tensors[0], decode.pool.tensors[0]
+        host_src = src_t.view(-1).view(torch.uint8).numpy()
+        host_dst = dst_t.view(-1).view(torch.uint8).numpy()
+        # four pieces of distinct bytes at gapped offsets, to four other gapped offsets
+        n = 4
+        src_off = np.array([0, 3, 6, 9], dtype=np.uint64) * np.uint64(PIECE)
+        dst_off = np.array([10, 1, 7, 4], dtype=np.uint64) * np.uint64(PIECE)
+        payload = (np.arange(n * PIECE) % 251).astype(np.uint8).reshape(n, PIECE) ^ 0x5A
+        for i in range(n):
+            host_src[int(src_off[i]) : int(src_off[i]) + PIECE] = payload[i]
+        host_dst[:] = 0
+        whole = WriteSpec(
+            decode.agent_name,
+            prefill.pool.mem_type,
+            np.uint64(src_t.data_ptr()) + src_off,
+            np.uint64(dst_t.data_ptr()) + dst_off,
+            np.full(n, PIECE, dtype=np.uint64),
+            prefill.pool.device_id,
+            b"",
+        )
+        lists = transport.prepare_lists(whole)
+        assert transport.live_handles() == 1  # the lists alone
+
+        def part(index: list[int], peer: str = decode.agent_name) -> tuple[np.ndarray, WriteSpec]:
+            at = np.array(index, dtype=np.int64)
+            return at, dataclasses.replace(
+                whole, peer=peer, src=whole.src[at], dst=whole.dst[at], length=whole.length[at]
+            )
+
+        for bad in ([4], [-1], []):
+            with pytest.raises(TransportError, match="outside lists"):
+                transport.prepare_indexed(lists, np.array(bad, dtype=np.int64), part([0])[1])
+            assert transport.live_handles() == 1, bad
+        with pytest.raises(TransportError, match="were prepared for"):
+            transport.prepare_indexed(lists, *part([0], peer="another-agent"))
+        assert transport.live_handles() == 1
+        handles = [transport.prepare_indexed(lists, *part(idx)) for idx in ([0, 2], [3])]
+        transport.close_lists(lists)  # given up while WRITEs made from it still exist
+        assert transport.live_handles() == 3
+        for h in handles:
+            transport.start_write(h)
+        with anyio.fail_after(5):
+            for h in handles:
+                while (state := transport.state(h)) is XferState.PROC:  # noqa: ASYNC110 (NIXL has no event)
+                    await anyio.sleep(0.001)
+                assert state is XferState.DONE
+        transport.release(handles[0])
+        assert transport.live_handles() == 2  # one WRITE and the lists it was made from
+        transport.release(handles[1])
+        assert transport.live_handles() == 0
+        for i in range(n):
+            got = host_dst[int(dst_off[i]) : int(dst_off[i]) + PIECE]
+            if i == 1:  # descriptor 1 was in no WRITE
+                assert not got.any()
+            else:
+                assert np.array_equal(got, payload[i]), i
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("path", "P", "D"), [("direct", 1, 1), ("direct", 2, 2), ("slice", 1, 2), ("slice", 2, 1)]
+)
+async def test_a_layerwise_room_prepares_lists_once_per_chunk_and_decode_rank(
+    path: str, P: int, D: int
+) -> None:
+    async with cluster(small_layout(), P, D, path=path, layers_per_write=1) as c:
+        rng = np.random.default_rng(7)
+        src, dst = rng.permutation(64)[:6], rng.permutation(64)[:6]
+        await run_room(c, 71, src, dst, [2, 4], layers=1)  # two chunks of three one-layer groups
+        lists = sum(e.poller.counters["lists_prepared"] for e in c.prefill)
+        posted = sum(e.poller.counters["writes_posted"] for e in c.prefill)
+        # one set of lists per chunk and decode rank written to, each made into its 3 one-layer groups
+        assert lists >= 2 and lists % 2 == 0
+        assert posted == 3 * lists
+        c.assert_no_leaks()
