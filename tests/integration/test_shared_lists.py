@@ -34,16 +34,18 @@ async def test_writes_made_from_an_index_move_those_descriptors_and_release_the_
         await decode.connect(c.bootstrap)  # the handshake gives the prefill the decode's regions
         transport = prefill.poller.transport
         src_t, dst_t = prefill.pool.tensors[0], decode.pool.tensors[0]
-        host_src = src_t.view(-1).view(torch.uint8).numpy()
-        host_dst = dst_t.view(-1).view(torch.uint8).numpy()
+        src_bytes = src_t.view(-1).view(torch.uint8)  # on the pool's device (CPU or CUDA)
+        dst_bytes = dst_t.view(-1).view(torch.uint8)
         # four pieces of distinct bytes at gapped offsets, to four other gapped offsets
         n = 4
         src_off = np.array([0, 3, 6, 9], dtype=np.uint64) * np.uint64(PIECE)
         dst_off = np.array([10, 1, 7, 4], dtype=np.uint64) * np.uint64(PIECE)
-        payload = (np.arange(n * PIECE) % 251).astype(np.uint8).reshape(n, PIECE) ^ 0x5A
+        payload = ((torch.arange(n * PIECE) % 251).to(torch.uint8) ^ 0x5A).reshape(n, PIECE)
         for i in range(n):
-            host_src[int(src_off[i]) : int(src_off[i]) + PIECE] = payload[i]
-        host_dst[:] = 0
+            src_bytes[int(src_off[i]) : int(src_off[i]) + PIECE] = payload[i].to(src_bytes.device)
+        dst_bytes.zero_()
+        if dst_bytes.is_cuda:
+            torch.cuda.synchronize()
         whole = WriteSpec(
             decode.agent_name,
             prefill.pool.mem_type,
@@ -84,11 +86,11 @@ async def test_writes_made_from_an_index_move_those_descriptors_and_release_the_
         transport.release(handles[1])
         assert transport.live_handles() == 0
         for i in range(n):
-            got = host_dst[int(dst_off[i]) : int(dst_off[i]) + PIECE]
+            got = dst_bytes[int(dst_off[i]) : int(dst_off[i]) + PIECE].cpu()
             if i == 1:  # descriptor 1 was in no WRITE
                 assert not got.any()
             else:
-                assert np.array_equal(got, payload[i]), i
+                assert torch.equal(got, payload[i]), i
         c.assert_no_leaks()
 
 
