@@ -85,7 +85,6 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     from transfer_engine.engine import Sender, TransferEngine
     from transfer_engine.errors import TransferError
     from transfer_engine.layout import KVPool
-    from transfer_engine.protocol.rooms import RoomStatus
 
     P = args.tp
     name = f"prefill rank {rank}/{P}"
@@ -130,13 +129,9 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
         try:
             if not args.send_early:
                 # As SGLang's scheduler does: send once every decode rank's request is in. (Sending
-                # earlier is allowed, but see --send-early.)
-                delay = 0.001
-                while sender.poll() is RoomStatus.BOOTSTRAPPING:  # noqa: ASYNC110 (no event to wait on)
-                    await anyio.sleep(delay)
-                    delay = min(delay * 2, 0.01)
-                if sender.poll() is RoomStatus.FAILED:
-                    await sender.wait()  # raises the room's failure (a bootstrap timeout, an abort...)
+                # earlier is allowed, but see --send-early.) Raises the room's failure if it failed
+                # first (a bootstrap timeout, an abort...).
+                await sender.wait_bootstrapped()
             trace.mark(plan.room, "bootstrapped")
             start = 0
             for i, n in enumerate(plan.chunks):

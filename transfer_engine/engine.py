@@ -173,6 +173,21 @@ class _Handle:
         if error is not None:
             raise error
 
+    async def wait_bootstrapped(self) -> None:
+        """Return once the room has left Bootstrapping: on a prefill, every decode rank's
+        TransferRequest is in (WaitingForInput, or further on after an early ``send()``); a decode
+        room has left it when :meth:`TransferEngine.receiver` returns. Raises the room's
+        TransferFailed if it failed instead, once nothing of it is in flight (as :meth:`wait`).
+
+        The awaitable form of polling until ``poll()`` is no longer BOOTSTRAPPING: it returns as the
+        room's mail changes the status, with no polling interval added to the room's latency.
+        """
+        actor = self._actor
+        while actor.status is RoomStatus.BOOTSTRAPPING and not actor.done.is_set():
+            await actor.status_changed.wait()
+        if actor.status is RoomStatus.FAILED:
+            await self.wait()
+
     async def abort(self, detail: str = "aborted by the application") -> None:
         """Stop the room at any point; returns when no WRITE of it can still land. Idempotent."""
         if not self._actor.done.is_set():

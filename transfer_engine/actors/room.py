@@ -104,6 +104,9 @@ class _RoomActor:
         self.room = room
         self.inbox: Mailbox[RoomMail] = Mailbox(ROOM_MAILBOX, ROOM_RESERVE)
         self.done = anyio.Event()
+        self.status_changed = anyio.Event()
+        """Set when a mail changed the room's status, or the room ended; replaced by a fresh one
+        after each change (a waiter looks at ``status`` again and waits on the new one)."""
         self.created = time.monotonic()
         self._drain_asked = False
 
@@ -172,6 +175,7 @@ class _RoomActor:
                 self.inbox.close()
                 self.ports.rooms.close(self.room, self.inbox)
                 self.done.set()
+                self.status_changed.set()
             log.info("%s room %d ended %s", self.side, self.room, self.core.status.name)
 
     async def _apply(self, mail: RoomMail) -> None:
@@ -190,6 +194,8 @@ class _RoomActor:
         if self.core.status is not before:
             self.ports.me.trace.mark(self.room, self.core.status.name)
             log.info("%s room %d: %s -> %s", self.side, self.room, before.name, self.core.status.name)
+            changed, self.status_changed = self.status_changed, anyio.Event()
+            changed.set()
             await self.on_status_change(before)
 
     async def on_status_change(self, before: RoomStatus) -> None:

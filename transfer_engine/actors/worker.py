@@ -572,8 +572,11 @@ class TransferWorker(Actor["WorkerMail"]):
         try:
             if shared is None:
                 src, dst, length = chunk_descriptors(job, self.pool, self._bases, None)
-                if len(src) == 0:
-                    raise TransferError(f"room {job.room}: empty WRITE")
+                if len(src) == 0 or len(src) % len(self._bases):
+                    raise TransferError(
+                        f"room {job.room}: {len(src)} descriptors for {len(self._bases)} KV tensors "
+                        "(a chunk's groups need the same count of each)"
+                    )
                 whole = WriteSpec(
                     job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id, b""
                 )
