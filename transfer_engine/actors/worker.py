@@ -582,7 +582,9 @@ class TransferWorker(Actor["WorkerMail"]):
                 )
                 shared = _ChunkLists(self.poller.prepare_lists(whole), whole, len(src) // len(self._bases))
                 self._chunk_lists[key] = shared
-            index = group_index(_group_rows(job, self.pool), shared.per_tensor)  # type: ignore[arg-type]
+            layout = self.pool.layout
+            rows = group_tensors(layout.num_layers, layout.mla, job.group.start, job.group.end)
+            index = group_index(rows, shared.per_tensor)
             whole = shared.whole
             spec = WriteSpec(
                 whole.peer, whole.local_mem, whole.src[index], whole.dst[index], whole.length[index],
