@@ -57,6 +57,7 @@ class Mailbox(Generic[T]):
         self.reserve = reserve
         self._items: deque[T] = deque()
         self._closed = False
+        self._nudged = False
         self._readable = anyio.Event()
         self._writable = anyio.Event()
         self.high_water = 0
@@ -115,6 +116,25 @@ class Mailbox(Generic[T]):
         if len(self._items) < self.capacity:
             self._writable.set()
         return mail
+
+    def nudge(self) -> None:
+        """Make the receiver's :meth:`next` return None once (now if it waits), even with nothing queued."""
+        self._nudged = True
+        self._readable.set()
+
+    async def next(self) -> T | None:
+        """The oldest item, waiting for one, or None when :meth:`nudge` was called since the last
+        None; ``anyio.EndOfStream`` once closed and drained. Queued items come before a nudge."""
+        while True:
+            try:
+                return self.receive_nowait()
+            except anyio.WouldBlock:
+                if self._nudged:
+                    self._nudged = False
+                    return None
+                if self._readable.is_set():
+                    self._readable = anyio.Event()
+                await self._readable.wait()
 
     async def receive(self) -> T:
         """The oldest item, waiting for one; ``anyio.EndOfStream`` once closed and drained."""

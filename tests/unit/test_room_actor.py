@@ -3,6 +3,8 @@ test reads, no sockets, no NIXL. Shows what the room decides and posts, message 
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import Counter
 
 import anyio
@@ -13,7 +15,7 @@ import torch
 from transfer_engine.actors.room import SenderRoomActor
 from transfer_engine.errors import FailureReason
 from transfer_engine.layout import KVLayout, KVPool
-from transfer_engine.mail import CancelRoom, LocalAbort, Mailbox, QueueChunk, WriteDone, WriteJob
+from transfer_engine.mail import CancelRoom, Drained, LocalAbort, Mailbox, QueueChunk, WriteDone, WriteJob
 from transfer_engine.peers import Peer
 from transfer_engine.ports import JOBS_PER_ROOM, PeerBook, RankIdentity, RoomBoard, RoomPorts, WorkerShards
 from transfer_engine.protocol import messages as m
@@ -111,3 +113,55 @@ async def test_jobs_beyond_the_bound_wait_in_the_room_then_abort_waits_for_every
     acks = [(endpoint, msg) for endpoint, msg in outbox.sent if isinstance(msg, m.AbortAck)]
     assert acks == [(peer.endpoint, m.AbortAck(room=5, agent="prefill-0", rank=0))]  # only once quiescent
     assert worker.high_water <= JOBS_PER_ROOM + 1
+
+
+class Drains:
+    """Records the rooms that asked for a drain (their deadline passed), and when."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, float]] = []
+        self.event = anyio.Event()
+
+    def request_drain(self, room: int) -> None:
+        self.asked.append((room, time.monotonic()))
+        self.event.set()
+
+
+async def test_a_room_asks_for_a_drain_at_its_deadline_and_fails_on_the_reply() -> None:
+    """The room's one timer wakes it at its phase's deadline (not before); the Drained reply judges it."""
+    ports, _, _, _ = _ports()
+    drains = Drains()
+    ports = dataclasses.replace(ports, drain=drains)
+    room = SenderRoomActor(ports, 7, Deadlines(0.05, None, 5.0))
+    ports.rooms.open(7, room.inbox)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(room.run)
+        with anyio.fail_after(5):
+            await drains.event.wait()
+        assert [r for r, _ in drains.asked] == [7]
+        assert drains.asked[0][1] >= room.core.deadline  # type: ignore[operator]
+        assert room.status is RoomStatus.BOOTSTRAPPING  # judged only on the reply
+        await room.inbox.send(Drained())
+        with anyio.fail_after(5):
+            await room.done.wait()
+    assert room.status is RoomStatus.FAILED
+    assert room.core.failure is not None and room.core.failure.reason is FailureReason.BOOTSTRAP_TIMEOUT
+
+
+async def test_mailbox_next_gives_queued_mail_before_a_nudge_and_the_nudge_once() -> None:
+    box: Mailbox[int] = Mailbox(4)
+    box.post(1)
+    box.nudge()
+    box.post(2)
+    assert [await box.next(), await box.next(), await box.next()] == [1, 2, None]
+    got: list[int | None] = []
+    async with anyio.create_task_group() as tg:
+
+        async def reader() -> None:
+            got.append(await box.next())
+
+        tg.start_soon(reader)
+        await anyio.wait_all_tasks_blocked()
+        assert got == []  # the nudge was used: it waits
+        box.nudge()
+    assert got == [None]

@@ -12,6 +12,7 @@ decode side that every writer has acknowledged an abort (or died) when the room 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -145,15 +146,29 @@ class _RoomActor:
         after every notification that had arrived was applied.
         """
         log.info("%s room %d: %s", self.side, self.room, self.core.status.name)
+        loop = asyncio.get_running_loop()
+        timer: asyncio.TimerHandle | None = None
+        armed: float | None = None
         try:
             while not (self.core.status.final and self.core.quiescent):
                 deadline = None if self._drain_asked else self.core.deadline
                 wakes = [t for t in (deadline, self.repeat_at()) if t is not None]
-                wait = None if not wakes else max(min(wakes) - time.monotonic(), 0.0)
-                with anyio.move_on_after(wait):
-                    await self._apply(await self.inbox.receive())
+                wake = min(wakes) if wakes else None
+                if wake != armed:  # one timer nudges the inbox at the next wake, re-armed only when it moves
+                    if timer is not None:
+                        timer.cancel()
+                    timer = (
+                        None if wake is None else loop.call_later(wake - time.monotonic(), self.inbox.nudge)
+                    )
+                    armed = wake
+                mail = await self.inbox.next()
+                if mail is not None:
+                    await self._apply(mail)
                     continue
+                armed = None  # the timer fired (or a stale one did): the next turn arms it afresh
                 now = time.monotonic()
+                if wake is not None and now < wake:
+                    continue  # early (the loop's clock) or stale: wait for the rest
                 repeat_at = self.repeat_at()
                 if repeat_at is not None and now >= repeat_at:
                     self.repeat(now)
@@ -170,6 +185,8 @@ class _RoomActor:
                     break
                 await self._apply(mail)
         finally:
+            if timer is not None:
+                timer.cancel()
             with anyio.CancelScope(shield=True):
                 await self.finish()
                 self.inbox.close()
