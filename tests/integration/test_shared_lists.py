@@ -74,6 +74,9 @@ async def test_writes_made_from_an_index_move_those_descriptors_and_release_the_
         handles = [transport.prepare_indexed(lists, *part(idx)) for idx in ([0, 2], [3])]
         transport.close_lists(lists)  # given up while WRITEs made from it still exist
         assert transport.live_handles() == 3
+        with pytest.raises(TransportError, match="no open shared lists"):
+            transport.prepare_indexed(lists, *part([1]))
+        assert transport.live_handles() == 3
         for h in handles:
             transport.start_write(h)
         with anyio.fail_after(5):

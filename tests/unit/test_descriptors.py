@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from transfer_engine.actors.worker import group_index
 from transfer_engine.errors import ConfigError
 from transfer_engine.protocol.descriptors import (
     chunk_tokens,
@@ -16,6 +17,7 @@ from transfer_engine.protocol.descriptors import (
     slice_descriptors,
     slots_of,
 )
+from transfer_engine.protocol.layers import group_tensors
 
 Triple = tuple[list[int], list[int], list[int]]
 
@@ -349,3 +351,41 @@ def test_chunk_tokens(start: int, num_pages: int, page_size: int, capacity: int,
 def test_chunk_tokens_rejects_bad_values(args: tuple[int, int, int, int], name: str) -> None:
     with pytest.raises(ConfigError, match=name):
         chunk_tokens(*args)
+
+
+# ---------------------------------------------------------------- a layer group as rows of its chunk
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    layers=st.integers(1, 6),
+    mla=st.booleans(),
+    pages=st.lists(st.integers(0, 40), min_size=1, max_size=8, unique=True),
+    data=st.data(),
+)
+def test_a_group_planned_alone_is_its_rows_of_the_chunk(
+    layers: int, mla: bool, pages: list[int], data: st.DataObject
+) -> None:
+    """What the worker relies on to make a layer group's WRITE from its chunk's shared lists: the
+    group's own descriptors (its tensors' bases only) are the chunk's at ``group_index(rows)``, for the
+    direct and the slice path."""
+    tensors = layers if mla else 2 * layers
+    src_b = np.arange(tensors, dtype=np.uint64) * np.uint64(1 << 30) + np.uint64(1 << 40)
+    dst_b = np.arange(tensors, dtype=np.uint64) * np.uint64(1 << 30) + np.uint64(1 << 44)
+    dst_pages = data.draw(st.permutations(range(48)))[: len(pages)]
+    start = data.draw(st.integers(0, layers - 1))
+    end = data.draw(st.integers(start + 1, layers))
+    rows = group_tensors(layers, mla, start, end)
+    slots = slots_of(pages, 4)
+    dst_slots = slots_of(dst_pages, 4)
+    plans = {
+        "direct": lambda s, d: direct_descriptors(s, d, 4096, pages, dst_pages),
+        "slice": lambda s, d: slice_descriptors(s, d, 512, 256, 64, slots, dst_slots, 2, 1, 3),
+    }
+    for path, plan in plans.items():
+        whole = plan(src_b, dst_b)
+        assert len(whole[0]) % tensors == 0, path
+        index = group_index(rows, len(whole[0]) // tensors)
+        alone = plan(src_b[rows], dst_b[rows])
+        for got, want in zip((w[index] for w in whole), alone, strict=True):
+            assert got.tolist() == want.tolist(), path

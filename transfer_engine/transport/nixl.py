@@ -411,7 +411,9 @@ class NixlTransport:
         with ``spec.notif``; ``spec`` is the WRITE those descriptors describe (its peer must be the
         lists'). Returns a handle as :meth:`prepare_write` does. TransportError when an index is
         outside the lists or NIXL refuses; nothing is made then."""
-        shared = self._lists[lists]
+        shared = self._lists.get(lists)
+        if shared is None or not shared.open:
+            raise TransportError(f"no open shared lists {lists} (never prepared, or closed)")
         if shared.peer != spec.peer:
             raise TransportError(f"lists {lists} were prepared for {shared.peer!r}, not {spec.peer!r}")
         if len(index) == 0 or int(index.min()) < 0 or int(index.max()) >= shared.count:
