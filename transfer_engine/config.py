@@ -80,6 +80,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """After NIXL activity (a WRITE posted, a room started, a notification) poll without sleeping for
     this long: a sleep costs at least 1 ms (epoll's resolution) and a small WRITE and its notification
     need several progress calls on both sides. 0 turns spinning off (for machines short of cores)."""
+    poll_layer_window: float = 0.0
+    """A decode rank's poller stays at its quick cadence (``poll_interval / 4``) this long after a
+    layer group's notification that is not its chunk's last layers, instead of backing off to
+    ``poll_interval`` and 2.5x that: the next group is one layer's forward away, and a backed-off poll
+    adds up to 0.5 ms to the room's tail. 0 (the default): off. Off by default because on the 2-core
+    CPU box the polls slowed the forward by 25% (docs/PERF.md, "the decode poller kept quick between
+    layer groups"); for A/B on a GPU machine (``TE_POLL_LAYER_WINDOW=0.05``)."""
     completion_thread: bool = True
     """Workers and the scatter actor observe CUDA events (and layer-wise ``threading.Event``s) with one
     waiting thread each, which wakes the loop when one completes (:mod:`transfer_engine.completion`).
@@ -134,6 +141,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"trace_steps={self.trace_steps} must be >= 0")
         if self.poll_spin < 0:
             raise ConfigError(f"poll_spin={self.poll_spin} must be >= 0")
+        if self.poll_layer_window < 0:
+            raise ConfigError(f"poll_layer_window={self.poll_layer_window} must be >= 0")
         if self.gil_switch_interval < 0:
             raise ConfigError(f"gil_switch_interval={self.gil_switch_interval} must be >= 0")
         if self.poll_interval <= 0:

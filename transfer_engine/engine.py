@@ -563,6 +563,8 @@ class TransferEngine:
             busy=(lambda: bool(self.rooms)) if cfg.role == "decode" else (lambda: False),
             spin=cfg.poll_spin,
             trace=self.me.trace,
+            layer_window=cfg.poll_layer_window,
+            num_layers=self.pool.layout.num_layers,
         )
         await tg.start(self.poller.run)
         if cfg.path in ("auto", "staged", "host"):  # before any peer can wait on this loop

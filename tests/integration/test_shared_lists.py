@@ -114,3 +114,17 @@ async def test_a_layerwise_room_prepares_lists_once_per_chunk_and_decode_rank(
         assert lists >= 2 and lists % 2 == 0
         assert posted == 3 * lists
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("window", [0.0, 0.05])
+async def test_the_decode_poller_stays_quick_between_layer_groups_only_when_asked(window: float) -> None:
+    """``poll_layer_window``: each group that leaves more of its chunk to come opens the window on the
+    decode's poller; off by default. Rooms are byte-checked either way."""
+    async with cluster(small_layout(), 1, 1, layers_per_write=1, poll_layer_window=window) as c:
+        rng = np.random.default_rng(3)
+        src, dst = rng.permutation(64)[:4], rng.permutation(64)[:4]
+        await run_room(c, 72, src, dst, [1, 3], layers=1)  # two chunks of three one-layer groups
+        opened = c.decode[0].poller.counters["layer_windows"]
+        assert opened == (4 if window else 0)  # groups [0, 1) and [1, 2) of each chunk
+        c.assert_no_leaks()

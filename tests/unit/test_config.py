@@ -155,6 +155,7 @@ def test_unknown_override_is_named() -> None:
         ({"transfer_timeout": 0.0}, "transfer_timeout"),
         ({"waiting_timeout": -1.0}, "waiting_timeout"),
         ({"poll_interval": 0.0}, "poll_interval"),
+        ({"poll_layer_window": -0.01}, "poll_layer_window"),
         ({"ring_bytes": -1}, "ring_bytes"),
         ({"staging_bytes": -1}, "staging_bytes"),
         ({"staging_chunk_pages": 0}, "staging_chunk_pages"),

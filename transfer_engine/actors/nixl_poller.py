@@ -68,6 +68,8 @@ class NixlPoller:
         busy: Callable[[], bool] = lambda: False,
         spin: float = 0.0,
         trace: StepTrace | None = None,
+        layer_window: float = 0.0,
+        num_layers: int = 0,
     ) -> None:
         self.transport = transport
         self._trace = trace or StepTrace()
@@ -79,6 +81,10 @@ class NixlPoller:
         self._interval = poll_interval
         self._busy = busy
         self._spin = spin
+        self._layer_window = layer_window
+        """``EngineConfig.poll_layer_window``: quick polling this long after a layer group with more to come."""
+        self._num_layers = num_layers
+        """The KV pool's layers: a layer group's notification ending below it has more to come."""
         self._hot_until = 0.0
         self._quick_until = 0.0
         self._idle = 0
@@ -179,11 +185,22 @@ class NixlPoller:
         self._heat()
         self._wake.set()
 
+    def _expect_more(self, notif: m.ChunkLanded | m.AuxLanded) -> None:
+        """A layer group with more of its chunk to come: stay quick for ``layer_window``."""
+        if (
+            isinstance(notif, m.ChunkLanded)
+            and notif.layers is not None
+            and notif.layers[1] < self._num_layers
+        ):
+            self._quick_until = max(self._quick_until, time.monotonic() + self._layer_window)
+            self.counters["layer_windows"] += 1
+
     def _heat(self) -> None:
-        """Poll without sleeping for the next ``spin`` seconds, then quickly until QUICK_S is over."""
+        """Poll without sleeping for the next ``spin`` seconds, then quickly until QUICK_S is over
+        (or a longer window already set: ``poll_layer_window``)."""
         now = time.monotonic()
         self._hot_until = now + self._spin
-        self._quick_until = now + QUICK_S
+        self._quick_until = max(self._quick_until, now + QUICK_S)
         self._idle = 0  # the back-off starts over once the quick window ends
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -261,6 +278,8 @@ class NixlPoller:
                     continue
                 self.counters["notifs"] += 1
                 self._trace.mark(notif.room, "notif")
+                if self._layer_window:
+                    self._expect_more(notif)
                 if not (self._notifications and await self._rooms.deliver(notif.room, notif)):
                     self.counters["notifs_unrouted"] += 1
                     self.book.note(
