@@ -7,6 +7,7 @@ anything: a cluster is what a deployment runs, minus the process boundaries.
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,8 +19,34 @@ EngineMaker = Callable[[str, int, int], TransferEngine]
 """``make(role, rank, bootstrap_port)``: a not yet entered engine of that role and rank."""
 
 
+_EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+_ports = random.Random()
+
+
+def _below_ephemeral() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when it cannot be read)."""
+    try:
+        with open(_EPHEMERAL) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (it may be taken before it is bound: see open_cluster)."""
+    """A TCP port nobody listens on right now, picked below the kernel's ephemeral range.
+
+    It is bound later (by an engine, or by a process started with it), and meanwhile a port of the
+    ephemeral range may be handed to an outgoing connection (every ZMQ peer makes some), which then
+    holds it: a clean-clone test run failed so, "Address already in use". The kernel hands out no
+    port below that range by itself, so only another explicit pick could take one. Where the range
+    starts too low to leave room (some containers), a port the kernel picks (``bind(0)``).
+    """
+    low = min(_below_ephemeral(), 32768)
+    for _ in range(200 if low > 20000 else 0):
+        port = _ports.randrange(20000, low)
+        with contextlib.suppress(OSError), socket.socket() as s:
+            s.bind((host, port))
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
