@@ -6,6 +6,7 @@
 #   tools/gpu_e2e.sh strided        # paged KV layouts: compiled kernel tests, CUDA matrix, bench_kernels by layout
 #   tools/gpu_e2e.sh percall        # issue 17 on one GPU: direct/staged c1/c8 with --trace (< 8 min)
 #   tools/gpu_e2e.sh host-threads   # issue 17: the host path with and without NIXL's posting threads (< 8 min)
+#   tools/gpu_e2e.sh layer-window   # issue 16: the decode poller kept quick between layer groups, on / off (< 5 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -31,6 +32,15 @@ if [ "$phase" = layerwise ] || [ "$phase" = layer-calls ]; then  # issue 16 (one
   for path in direct host; do
     timeout 180 python3 tools/bench_layerwise.py --device cuda --path $path --per-write 1,4 --reps 3 2>&1 \
       | grep -v "NIXL INFO" | tee "$OUT/layerwise-$path.txt" | tail -14
+  done
+  exit 0
+fi
+if [ "$phase" = layer-window ]; then  # issue 16: poll_layer_window on / off, alternating, direct x1 (< 5 min)
+  for window in 0.05 0 0.05 0; do
+    echo "== TE_POLL_LAYER_WINDOW=$window"
+    TE_POLL_LAYER_WINDOW=$window timeout 70 python3 tools/bench_layerwise.py --device cuda --path direct \
+      --tokens 4096,16384 --per-write 1 --reps 5 --room-timeout 20 2>&1 | grep -v "NIXL INFO" \
+      | tee "$OUT/layer-window-$window.txt" | grep -E "tokens|layers x1"
   done
   exit 0
 fi
