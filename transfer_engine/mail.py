@@ -137,14 +137,11 @@ class Mailbox(Generic[T]):
                 await self._readable.wait()
 
     async def receive(self) -> T:
-        """The oldest item, waiting for one; ``anyio.EndOfStream`` once closed and drained."""
-        while True:
-            try:
-                return self.receive_nowait()
-            except anyio.WouldBlock:
-                if self._readable.is_set():
-                    self._readable = anyio.Event()
-                await self._readable.wait()
+        """The oldest item, waiting for one; ``anyio.EndOfStream`` once closed and drained. A
+        :meth:`nudge` is passed over."""
+        while (mail := await self.next()) is None:
+            pass
+        return mail
 
     def close(self) -> None:
         """No more sends; queued mail can still be received. Wakes every waiter."""

@@ -77,23 +77,16 @@ class Outbox(Protocol):
 
 
 class WritePort(Protocol):
-    """Posting WRITEs and registering staging memory (the NIXL poller implements it)."""
-
-    def post_write(self, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
-        """Post ``spec`` now; ``WriteEnded(token, ...)`` goes to ``reply_to`` when it ends.
-
-        Raises AddressRangeError / TransportError when it cannot be posted (no reply comes then).
-        """
-        ...
+    """Making and starting WRITEs, and registering staging memory (the NIXL poller implements it)."""
 
     def prepare_write(self, spec: WriteSpec) -> int:
         """Make ``spec``'s WRITE without starting it; a handle for :meth:`start_write` or
-        :meth:`discard`. Raises as :meth:`post_write`."""
+        :meth:`discard`. Raises AddressRangeError / TransportError when it cannot be made."""
         ...
 
     def prepare_lists(self, spec: WriteSpec) -> int:
         """Check and prepare ``spec``'s descriptor lists once, for several WRITEs of parts of it
-        (:meth:`prepare_indexed`); an id for :meth:`close_lists`. Raises as :meth:`post_write`."""
+        (:meth:`prepare_indexed`); an id for :meth:`close_lists`. Raises as :meth:`prepare_write`."""
         ...
 
     def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int:
@@ -106,7 +99,8 @@ class WritePort(Protocol):
         ...
 
     def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
-        """Start a prepared WRITE; then as :meth:`post_write`. TransportError: not started, handle gone."""
+        """Start a prepared WRITE; ``WriteEnded(token, ...)`` goes to ``reply_to`` when it ends.
+        TransportError: not started, the handle is gone, and no reply comes."""
         ...
 
     def discard(self, handle: int) -> None:

@@ -41,7 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     port below that range by itself, so only another explicit pick could take one. Where the range
     starts too low to leave room (some containers), a port the kernel picks (``bind(0)``).
     """
-    low = min(_below_ephemeral(), 32768)
+    low = _below_ephemeral()
     for _ in range(200 if low > 20000 else 0):
         port = _ports.randrange(20000, low)
         with contextlib.suppress(OSError), socket.socket() as s:

@@ -22,9 +22,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import random
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,25 +39,7 @@ from examples.serving.model import ModelConfig
 from examples.serving.reference import RefResult, RefSpec, reference
 from examples.serving.server import ServerSpec, pages_for, rank_main
 from transfer_engine import ConfigError
-
-_ports = random.Random()
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 below Linux's ephemeral range (32768+).
-
-    The servers bind these some seconds later, while every engine binds its own sockets to port 0;
-    a port taken from the ephemeral range could be handed to one of those meanwhile.
-    """
-    for _ in range(200):
-        port = _ports.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free TCP port in [20000, 32000)")
+from transfer_engine.testing import free_port
 
 
 @dataclass(frozen=True)

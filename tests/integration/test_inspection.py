@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 import os
 import random
 import subprocess
@@ -44,36 +43,33 @@ from .harness import Cluster, cluster, free_port, run_room, shuffled_pages, smal
 class GatedTransport(NixlTransport):
     """The real NIXL transport, except that WRITEs wait behind a gate: a link that is very slow.
 
-    While the gate is shut, ``post_write`` only records the WRITE and its state reads PROC; the first
-    poll after ``open()`` posts it to NIXL for real, and from then on it is an ordinary WRITE.
+    While the gate is shut, ``start_write`` only records the (made) WRITE and its state reads PROC;
+    the first poll after ``open()`` starts it in NIXL for real, and from then on it is an ordinary
+    WRITE.
     """
 
     def __init__(self, name: str) -> None:
         super().__init__(name, progress_thread=False)
         self.gate_open = False
-        self._held: dict[int, tuple[Any, ...]] = {}
-        self._posted: dict[int, int] = {}
-        self._ids = itertools.count(1 << 40)
+        self._held: set[int] = set()
 
-    def post_write(self, *args: Any) -> int:  # type: ignore[override]
+    def start_write(self, handle: int) -> int:
         if self.gate_open:
-            return super().post_write(*args)
-        handle = next(self._ids)
-        self._held[handle] = args
+            return super().start_write(handle)
+        self._held.add(handle)
         return handle
 
     def state(self, handle: int) -> XferState:
         if handle in self._held:
             if not self.gate_open:
                 return XferState.PROC
-            self._posted[handle] = super().post_write(*self._held.pop(handle))
-        return super().state(self._posted.get(handle, handle))
+            self._held.discard(handle)
+            super().start_write(handle)
+        return super().state(handle)
 
     def release(self, handle: int) -> None:
-        super().release(self._posted.pop(handle, handle))
-
-    def live_handles(self) -> int:
-        return super().live_handles() + len(self._held)
+        self._held.discard(handle)
+        super().release(handle)
 
     def close(self) -> None:
         self._held.clear()

@@ -8,8 +8,9 @@ import torch
 
 from examples.serving.frontdoor import FrontDoor
 from examples.serving.model import ModelConfig, Seq, TPModel
-from examples.serving.run import ClusterSpec, free_port
+from examples.serving.run import ClusterSpec
 from transfer_engine import ConfigError, KVPool
+from transfer_engine.testing import free_port
 
 pytestmark = pytest.mark.anyio
 

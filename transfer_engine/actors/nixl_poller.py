@@ -1,8 +1,8 @@
 """NixlPoller actor: the sole owner of the NIXL agent.
 
 Every NIXL call of the engine is made by this object, on the event-loop thread (the agent is not
-thread-safe). It posts WRITEs (:meth:`post_write`, synchronous: the caller learns at once whether
-the WRITE was refused), polls the state of every posted WRITE — which is also what makes NIXL send
+thread-safe). It makes WRITEs (:meth:`prepare_write`, :meth:`prepare_indexed`) and starts them
+(:meth:`start_write`), synchronously: the caller learns at once whether a WRITE was refused. It polls the state of every posted WRITE — which is also what makes NIXL send
 their notifications — releases finished handles, and drains incoming notifications, handing each
 decoded one to its room through the :class:`~transfer_engine.ports.RoomBoard`. Polling is tight
 while WRITEs or live rooms exist and backs off when idle.
@@ -114,21 +114,15 @@ class NixlPoller:
     def in_flight(self, peer: str | None = None) -> int:
         return sum(1 for p in self._posted if peer is None or p.peer == peer)
 
-    def post_write(self, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
-        """Post one WRITE now; once it ends, ``WriteEnded(token, ok, detail)`` goes to ``reply_to``.
-
-        Raises AddressRangeError / TransportError when it cannot be posted (no reply comes then).
-        """
-        self._track(self._counted(lambda: self.transport.post_write(spec)), spec, reply_to, token)
-
     def prepare_write(self, spec: WriteSpec) -> int:
         """Make a WRITE without starting it (its descriptors checked and prepared); returns the handle
-        for :meth:`start_write` or :meth:`discard`. Raises as :meth:`post_write`."""
+        for :meth:`start_write` or :meth:`discard`. Raises AddressRangeError / TransportError when it
+        cannot be made (nothing is then)."""
         return self._counted(lambda: self.transport.prepare_write(spec))
 
     def prepare_lists(self, spec: WriteSpec) -> int:
         """Check and prepare ``spec``'s descriptor lists once, for WRITEs of parts of it
-        (:meth:`prepare_indexed`); :meth:`close_lists` gives them up. Raises as :meth:`post_write`."""
+        (:meth:`prepare_indexed`); :meth:`close_lists` gives them up. Raises as :meth:`prepare_write`."""
         lists = self._counted(lambda: self.transport.prepare_lists(spec))
         self.counters["lists_prepared"] += 1
         return lists
@@ -146,12 +140,12 @@ class NixlPoller:
             log.debug("shared lists %d were already released", lists)
 
     def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
-        """Start the WRITE ``handle`` made of ``spec``; replies as :meth:`post_write`. TransportError:
-        not started, and the handle is gone."""
+        """Start the WRITE ``handle`` made of ``spec``; once it ends, ``WriteEnded(token, ok, detail)``
+        goes to ``reply_to``. TransportError: not started, the handle is gone, and no reply comes."""
         self._track(self._counted(lambda: self.transport.start_write(handle)), spec, reply_to, token)
 
     def _counted(self, call: Callable[[], int]) -> int:
-        """``call()`` (a transport's post, make or start), counting the refusals it raises."""
+        """``call()`` (a transport's make or start), counting the refusals it raises."""
         try:
             return call()
         except AddressRangeError:

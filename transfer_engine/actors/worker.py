@@ -287,6 +287,10 @@ class TransferWorker(Actor["WorkerMail"]):
                 except Exception as exc:  # a callback must not lose a job: the Reached mail answers it
                     log.warning("worker %d: room %d: %s", self.index, job.room, exc)
                     self._failed_starts.append((job, f"{type(exc).__name__}: {exc}"))
+        self._post_reached()
+
+    def _post_reached(self) -> None:
+        """Queue one :class:`Reached` (none if one is queued already)."""
         if not self._reached_posted:
             self._reached_posted = True
             self.inbox.post(Reached())
@@ -446,7 +450,7 @@ class TransferWorker(Actor["WorkerMail"]):
             self.poller.discard(made[0])
 
     async def _execute(self, job: WriteJob, made: Made | None = None) -> None:
-        """Post ``job``'s WRITE, or start ``made``, the one made for it while it was held."""
+        """Make and start ``job``'s WRITE, or start ``made``, the one made for it while it was held."""
         if job.ready is not None:
             if not is_ready(job.ready):
                 # The KV is still being computed (NIXL reads it itself: it must be written first).
@@ -455,19 +459,8 @@ class TransferWorker(Actor["WorkerMail"]):
                 await self._hold(job, [job.ready], made)
                 return
             self.me.trace.mark(job.room, "ready")
-        room = self.rooms.get(job.room)
-        if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
-            if made is not None:
-                self.poller.discard(made[0])
-            return
         try:
-            if made is None and shares_lists(job, self.pool):
-                made = self._make_direct(job)
-            if made is not None:
-                self._start_made(job, made)
-                return
-            self.poller.post_write(self._spec(job), room, job.key)
-            self.me.trace.mark(job.room, "posted")
+            self._start_made(job, made if made is not None else self._make_direct(job))
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             await self._done(job, False, str(exc), FailureReason.TRANSPORT)
@@ -640,10 +633,8 @@ class TransferWorker(Actor["WorkerMail"]):
         """On the loop, from the completion waiter: the KV of parked ``staged`` is written; the
         :class:`Reached` mail makes the worker look at its parked chunks again."""
         self._awaiting_kv.discard(id(staged))
-        if self.inbox.closed or self._reached_posted:
-            return
-        self._reached_posted = True
-        self.inbox.post(Reached())
+        if not self.inbox.closed:
+            self._post_reached()
 
     async def _gather_and_write(self, staged: _Staged, memory: StagingMemory, offset: int) -> None:
         job = staged.job
