@@ -34,7 +34,10 @@ host's monotonic clock:
   (step mark ``reached``, set by the completion waiter's wake-up): the part of ``react`` spent
   observing the GPU. ``started``: done -> the worker started the last group's job (mark
   ``started``); ``react`` - ``started`` is the NIXL post. Both are nan when the group's job reached
-  the worker after its layers had completed (nothing was waited for);
+  the worker after its layers had completed (nothing was waited for). With ``early_start`` (the
+  default) the completion waiter's thread starts the WRITE itself and marks ``started`` and
+  ``posted``; ``wake`` then comes after them (the loop hears of the layers once the thread has
+  started the WRITE and, with ``early_drive``, seen it end);
 - ``last WRITE`` split, from ``posted``: ``seen``, the prefill got the last WRITE's end from its
   poller (its room's ``room:WriteEnded``; staged and host: the worker's ``write_ended``); ``notif``, the decode's poller drained the room's last
   notification (``notif``); ``applied`` = landed - that notification: the decode's actors;

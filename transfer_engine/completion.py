@@ -77,6 +77,19 @@ class _Wait:
     done: Completion
     loop: asyncio.AbstractEventLoop
     callback: Callable[[], object]
+    first: Callable[[], object] | None = None
+    """Run on the waiter's thread once ``done`` is reached, before ``callback`` is handed to the loop."""
+
+
+def _run_first(first: Callable[[], object] | None, name: str) -> None:
+    """Run a wait's ``first`` (:meth:`CompletionWaiter.notify`); what it raises is logged, not raised:
+    the thread must go on waking the others."""
+    if first is None:
+        return
+    try:
+        first()
+    except Exception:
+        log.exception("completion waiter %s: a first step raised", name)
 
 
 def _wake(future: asyncio.Future[None]) -> None:
@@ -153,28 +166,39 @@ class CompletionWaiter:
         self._hand(_Wait(done, loop, functools.partial(_wake, future)))
         await future
 
-    def notify(self, done: Completion, callback: Callable[[], object]) -> None:
+    def notify(
+        self, done: Completion, callback: Callable[[], object], first: Callable[[], object] | None = None
+    ) -> None:
         """Call ``callback()`` on the running loop's thread once ``done`` has completed (at once,
-        from here, when it already has). Needs the thread running and an asyncio loop."""
+        from here, when it already has). Needs the thread running and an asyncio loop.
+
+        ``first()``, if given, runs just before, on whichever thread saw ``done`` complete: the
+        waiter's own, so that what cannot wait for the loop's turn (starting a made WRITE) is done
+        the moment the GPU is (docs/DECISIONS.md, "A held WRITE is started by the completion
+        waiter's thread"). It must be safe on any thread; what it raises is logged and dropped."""
         if reached(done):
             self.counters["reached"] += 1
+            _run_first(first, self.name)
             callback()
             return
         if not self.running:
             raise RuntimeError(f"completion waiter {self.name} is not running")
         if self.threaded:
-            self._hand(_Wait(done, asyncio.get_running_loop(), callback))
+            self._hand(_Wait(done, asyncio.get_running_loop(), callback, first))
         else:
             self.counters["polled"] += 1
-            self._poll_later(done, callback)
+            self._poll_later(done, callback, first)
 
-    def _poll_later(self, done: Completion, callback: Callable[[], object]) -> None:
+    def _poll_later(
+        self, done: Completion, callback: Callable[[], object], first: Callable[[], object] | None
+    ) -> None:
         """Without the thread: query ``done`` every POLL_S on the loop until reached (or closed)."""
         timers = ticker.fine_timers()
         loop = asyncio.get_running_loop()
 
         def check() -> None:
             if reached(done):
+                _run_first(first, self.name)
                 callback()
             elif not self._stopping.is_set():
                 later(POLL_S, check)
@@ -223,6 +247,7 @@ class CompletionWaiter:
             for wait in pending:
                 if wait is pending[0] or reached(wait.done):
                     self.counters["woken"] += 1
+                    _run_first(wait.first, self.name)
                     try:
                         wait.loop.call_soon_threadsafe(wait.callback)
                     except RuntimeError:  # the loop closed: nobody waits any more

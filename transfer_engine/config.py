@@ -91,6 +91,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Workers and the scatter actor observe CUDA events (and layer-wise ``threading.Event``s) with one
     waiting thread each, which wakes the loop when one completes (:mod:`transfer_engine.completion`).
     False polls them on the loop every 100 us instead (the behaviour before issue 17, for A/B)."""
+    early_start: bool = True
+    """A WRITE made while the KV it reads is being computed (a layer group, a chunk whose ready event
+    has not completed) is started by the worker's completion waiter thread the moment that KV is
+    written, instead of by the loop once the waiter's wake-up reaches it (docs/DECISIONS.md, "A held
+    WRITE is started by the completion waiter's thread"). False: the loop starts it (for A/B,
+    ``TE_EARLY_START=0``)."""
+    early_drive: float = 0.002
+    """With ``early_start``: after starting a layer group's WRITE, the waiter's thread asks NIXL for
+    its state until it has ended, for this many seconds at most. NIXL sends a WRITE's notification
+    from that call, so the decode hears of it without waiting for the poller's look on the loop
+    (docs/PERF.md, "Session 11"). Whole chunks are not driven: their copy takes milliseconds, and the
+    thread would only spin. 0: off (``TE_EARLY_DRIVE=0``)."""
     gil_switch_interval: float = 0.0005
     """The blocking facade (:class:`~transfer_engine.facade.BlockingEngine`) lowers the process's
     ``sys.setswitchinterval`` to this (never raises it) when it starts; 0 leaves it alone. The engine's
@@ -143,6 +155,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"poll_spin={self.poll_spin} must be >= 0")
         if self.poll_layer_window < 0:
             raise ConfigError(f"poll_layer_window={self.poll_layer_window} must be >= 0")
+        if self.early_drive < 0:
+            raise ConfigError(f"early_drive={self.early_drive} must be >= 0")
         if self.gil_switch_interval < 0:
             raise ConfigError(f"gil_switch_interval={self.gil_switch_interval} must be >= 0")
         if self.poll_interval <= 0:

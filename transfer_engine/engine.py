@@ -600,7 +600,7 @@ class TransferEngine:
                 worker = TransferWorker(
                     i, self.me, self.pool, self.poller, self.board, self.control,
                     staging_bytes=staging_bytes, capacity=ACTOR_MAILBOX, reserve=(JOBS_PER_ROOM + 1) * cfg.max_rooms,
-                    completion_thread=cfg.completion_thread,
+                    completion_thread=cfg.completion_thread, early_start=cfg.early_start, early_drive=cfg.early_drive,
                 )  # fmt: skip
                 self.workers.append(worker)
                 await tg.start(worker.run)

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import anyio
 import numpy as np
 
+from transfer_engine.errors import TransferError
 from transfer_engine.layout import KVPool
 from transfer_engine.mail import Mailbox, RegionGranted, RingMail, RoomMail, RoomOpened, ScatterJob
 from transfer_engine.peers import Peer
@@ -101,6 +102,25 @@ class WritePort(Protocol):
     def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
         """Start a prepared WRITE; ``WriteEnded(token, ...)`` goes to ``reply_to`` when it ends.
         TransportError: not started, the handle is gone, and no reply comes."""
+        ...
+
+    def start_early(self, handle: int) -> None:
+        """Start a prepared WRITE from any thread (a completion waiter's); untracked until
+        :meth:`adopt`. TransportError: not started, and the handle is gone."""
+        ...
+
+    def drive(self, handle: int, limit_s: float) -> bool:
+        """From the thread that started ``handle``, before :meth:`adopt`: look at its state until it
+        ended (True), for ``limit_s`` at most (NIXL sends its notification from a look)."""
+        ...
+
+    def adopt(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+        """On the loop: track a WRITE :meth:`start_early` started; ``WriteEnded(token, ...)`` goes
+        to ``reply_to`` when it ends."""
+        ...
+
+    def refused(self, exc: TransferError) -> None:
+        """On the loop: count a refusal :meth:`start_early` raised."""
         ...
 
     def discard(self, handle: int) -> None:

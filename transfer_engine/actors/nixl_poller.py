@@ -1,7 +1,10 @@
 """NixlPoller actor: the sole owner of the NIXL agent.
 
-Every NIXL call of the engine is made by this object, on the event-loop thread (the agent is not
-thread-safe). It makes WRITEs (:meth:`prepare_write`, :meth:`prepare_indexed`) and starts them
+Every NIXL call of the engine is made by this object, on the event-loop thread, with one exception:
+a WRITE made ahead may be started by a worker's completion waiter thread (:meth:`start_early`) the
+moment the KV it reads is written, and handed over afterwards (:meth:`adopt`); the transport
+serializes its calls (docs/DECISIONS.md, "A held WRITE is started by the completion waiter's
+thread"). It makes WRITEs (:meth:`prepare_write`, :meth:`prepare_indexed`) and starts them
 (:meth:`start_write`), synchronously: the caller learns at once whether a WRITE was refused. It polls the state of every posted WRITE — which is also what makes NIXL send
 their notifications — releases finished handles, and drains incoming notifications, handing each
 decoded one to its room through the :class:`~transfer_engine.ports.RoomBoard`. Polling is tight
@@ -27,7 +30,7 @@ import anyio.lowlevel
 import numpy as np
 from anyio.abc import TaskStatus
 
-from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransportError
+from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransferError, TransportError
 from transfer_engine.logbook import LogBook
 from transfer_engine.mail import Drained, Mailbox, WriteEnded
 from transfer_engine.ports import RoomBoard
@@ -144,15 +147,39 @@ class NixlPoller:
         goes to ``reply_to``. TransportError: not started, the handle is gone, and no reply comes."""
         self._track(self._counted(lambda: self.transport.start_write(handle)), spec, reply_to, token)
 
+    def start_early(self, handle: int) -> None:
+        """Start the made WRITE ``handle`` from any thread (the completion waiter's); nothing is
+        tracked or counted until :meth:`adopt`, on the loop. TransportError: not started, and the
+        handle is gone (count it with :meth:`refused`)."""
+        self.transport.start_write(handle)
+
+    def drive(self, handle: int, limit_s: float) -> bool:
+        """From the thread that started ``handle`` (:meth:`start_early`), before it is adopted: ask
+        NIXL for its state until it has ended, for ``limit_s`` at most. NIXL sends a WRITE's
+        notification from that call once its bytes are in place, so the decode hears of it without
+        waiting for this poller's own look, which waits for the loop's turn. True: it ended (its
+        handle stays for the poller to release, as every other)."""
+        until = time.monotonic() + limit_s
+        while self.transport.state(handle) is XferState.PROC:
+            if time.monotonic() >= until:
+                return False
+        return True
+
+    def adopt(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+        """Track a WRITE that :meth:`start_early` started, as :meth:`start_write` tracks its own."""
+        self._track(handle, spec, reply_to, token)
+
+    def refused(self, exc: TransferError) -> None:
+        """Count a refusal that :meth:`start_early` raised (on the loop: the counters are its)."""
+        kind = "writes_refused_address" if isinstance(exc, AddressRangeError) else "writes_refused"
+        self.counters[kind] += 1
+
     def _counted(self, call: Callable[[], int]) -> int:
         """``call()`` (a transport's make or start), counting the refusals it raises."""
         try:
             return call()
-        except AddressRangeError:
-            self.counters["writes_refused_address"] += 1
-            raise
-        except TransportError:
-            self.counters["writes_refused"] += 1
+        except TransportError as exc:
+            self.refused(exc)
             raise
 
     def _track(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:

@@ -24,8 +24,10 @@ room's chunks that are not posted yet.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -68,6 +70,40 @@ log = logging.getLogger(__name__)
 
 Made = tuple[int, WriteSpec]
 """A WRITE made ahead and not started: its transport handle and what it moves."""
+
+
+class _Start(enum.Enum):
+    """Who starts a held job's made WRITE (:class:`_Held`)."""
+
+    HELD = "held"
+    """Not started: the first to claim it (the waiter's thread or the loop) starts or drops it."""
+    STARTING = "starting"
+    """The completion waiter's thread claimed it and is starting it."""
+    STARTED = "started"
+    """The thread started it: the loop adopts it when its callback comes."""
+    REFUSED = "refused"
+    """The thread's start was refused: the loop answers the job when its callback comes."""
+    TAKEN = "taken"
+    """The loop claimed it (to start it itself, or to drop it: the room was cancelled)."""
+
+
+@dataclass(eq=False, slots=True)
+class _Held:
+    """The WRITE made for a held job, claimed once: by the completion waiter's thread, which starts
+    it the moment the job's KV is written (:meth:`TransferWorker._start_early`), or by the loop."""
+
+    made: Made
+    state: _Start = _Start.HELD
+    refusal: TransferError | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self) -> bool:
+        """Claim it for the loop; False when the thread has it (its callback answers for it)."""
+        with self.lock:
+            if self.state is not _Start.HELD:
+                return False
+            self.state = _Start.TAKEN
+            return True
 
 
 def is_ready(ready: Ready) -> bool:
@@ -178,6 +214,8 @@ class TransferWorker(Actor["WorkerMail"]):
         capacity: int = 4096,
         reserve: int = 0,
         completion_thread: bool = True,
+        early_start: bool = True,
+        early_drive: float = 0.0,
     ) -> None:
         super().__init__(capacity, reserve)
         self.index = index
@@ -199,11 +237,12 @@ class TransferWorker(Actor["WorkerMail"]):
         """Layer-wise jobs whose ``waits`` have not all completed, in arrival order."""
         self._failed_starts: list[tuple[WriteJob, str]] = []
         """Held jobs whose start from the waiter's callback failed: answered by the next Reached."""
-        self._prepared: dict[int, Made] = {}
-        """id(job) -> its WRITE, made and not started, for the held direct jobs in ``_unready`` (an
-        entry leaves with its job, so an id is never a stale one)."""
-        self._gathering: dict[int, int | TransferError | None] = {}
-        """Staged chunks (by ``id`` of their ``_Staged``) whose gather runs: the WRITE made for each."""
+        self._prepared: dict[int, _Held] = {}
+        """id(job) -> its WRITE, made and not started by the loop, for the held direct jobs in
+        ``_unready`` (an entry leaves with its job, so an id is never a stale one)."""
+        self._gathering: dict[int, _Held | TransferError] = {}
+        """Staged chunks (by ``id`` of their ``_Staged``) whose gather runs: the WRITE made for each
+        (started by the completion waiter's thread once the gather completed), or why none was."""
         self._awaiting_kv: set[int] = set()
         """Parked staged chunks (``id`` of their ``_Staged``, kept alive by the waiter's callback)
         whose KV event the completion waiter watches."""
@@ -215,6 +254,11 @@ class TransferWorker(Actor["WorkerMail"]):
         until its closing group is made or the room is cancelled."""
         self.completions = CompletionWaiter(f"worker-{index}", threaded=completion_thread)
         """Wakes this worker when its gathers' stream or its jobs' ready events complete."""
+        self.early_start = early_start
+        """``EngineConfig.early_start``: the waiter's thread starts a held job's made WRITE itself."""
+        self.early_drive = early_drive
+        """``EngineConfig.early_drive``: and, for a layer group, looks at its state until it ended, this
+        long at most."""
         self._reached_posted = False
         """A :class:`Reached` is in the inbox (one at most)."""
 
@@ -255,13 +299,13 @@ class TransferWorker(Actor["WorkerMail"]):
         try:
             await super().run(task_status=task_status)
         finally:
-            self.completions.close()
-            for handle, _spec in self._prepared.values():  # jobs held when the worker ended
-                self.poller.discard(handle)
+            self.completions.close()  # its thread is joined: no claim changes after this
+            for held in self._prepared.values():  # jobs held when the worker ended
+                self._let_go(held)
             self._prepared.clear()
             for made in self._gathering.values():  # WRITEs made for gathers still running
-                if isinstance(made, int):
-                    self.poller.discard(made)
+                if isinstance(made, _Held):
+                    self._let_go(made)
             self._gathering.clear()
             for shared in self._chunk_lists.values():
                 self.poller.close_lists(shared.lists)
@@ -270,24 +314,86 @@ class TransferWorker(Actor["WorkerMail"]):
     def _on_reached(self, job: WriteJob) -> None:
         """On the loop, from the completion waiter: a wait of the held ``job`` completed.
 
-        A job whose WRITE was made ahead (:meth:`_prepare`) and whose waits have all completed is
-        started here and now, without a mail hop through the inbox; any other job is left to the
-        :class:`Reached` mail, as is a start that failed (its answer needs the worker's task)."""
+        A job whose WRITE the waiter's thread started (:meth:`_start_early`) is adopted here, or
+        answered if its start was refused. A job whose WRITE was made ahead (:meth:`_prepare`) and
+        whose waits have all completed is started here and now, without a mail hop through the
+        inbox; any other job is left to the :class:`Reached` mail, as is a start that failed (its
+        answer needs the worker's task)."""
         self.me.trace.mark(job.room, "reached")
         if self.inbox.closed:  # the worker ended, nobody waits
             return
-        if id(job) in self._prepared and held_ready(job):
-            held = next((i for i, j in enumerate(self._unready) if j is job), None)
-            if held is not None:
-                del self._unready[held]
-                self.me.trace.mark(job.room, "started")
-                try:
-                    self._start_made(job, self._prepared.pop(id(job)))
-                    return
-                except Exception as exc:  # a callback must not lose a job: the Reached mail answers it
-                    log.warning("worker %d: room %d: %s", self.index, job.room, exc)
-                    self._failed_starts.append((job, f"{type(exc).__name__}: {exc}"))
+        held = self._prepared.get(id(job))
+        if held is not None and held.state in (_Start.STARTED, _Start.REFUSED):
+            self._unhold(job)
+            if held.refusal is not None:
+                self.poller.refused(held.refusal)
+                log.warning("worker %d: room %d: %s", self.index, job.room, held.refusal)
+                self._failed_starts.append((job, str(held.refusal)))
+            else:
+                self._adopt(job, held.made)
+                return
+        elif held is not None and held_ready(job) and held.take():
+            self._unhold(job)
+            self.me.trace.mark(job.room, "started")
+            try:
+                self._start_made(job, held.made)
+                return
+            except Exception as exc:  # a callback must not lose a job: the Reached mail answers it
+                log.warning("worker %d: room %d: %s", self.index, job.room, exc)
+                self._failed_starts.append((job, f"{type(exc).__name__}: {exc}"))
         self._post_reached()
+
+    def _unhold(self, job: WriteJob) -> None:
+        """``job`` is held no more (its WRITE was claimed)."""
+        self._unready = [j for j in self._unready if j is not job]
+        del self._prepared[id(job)]
+
+    def _start_early(self, job: WriteJob, held: _Held) -> None:
+        """On the completion waiter's thread, as a wait of held ``job`` completes: if every wait has,
+        start its made WRITE now (:meth:`_claim_and_start`); the loop adopts it in :meth:`_on_reached`."""
+        if held_ready(job):
+            # a layer group is small: its bytes land within a fraction of a millisecond, and the
+            # decode hears of them sooner if this thread looks until they have (``early_drive``)
+            self._claim_and_start(job.room, held, self.early_drive if job.group is not None else 0.0)
+
+    def _claim_and_start(self, room: int, held: _Held, drive: float = 0.0) -> None:
+        """On the completion waiter's thread: claim ``held``'s WRITE and start it, without waiting for
+        the loop's turn, then look at it until it ended, for ``drive`` seconds at most
+        (:meth:`~transfer_engine.ports.WritePort.drive`). Touches nothing of the worker's but ``held``
+        and the poller's thread-safe calls (docs/DECISIONS.md, "A held WRITE is started by the
+        completion waiter's thread")."""
+        with held.lock:
+            if held.state is not _Start.HELD:
+                return
+            held.state = _Start.STARTING
+        self.me.trace.mark(room, "started")
+        try:
+            self.poller.start_early(held.made[0])
+        except TransferError as exc:
+            with held.lock:
+                held.refusal, held.state = exc, _Start.REFUSED
+            return
+        self.me.trace.mark(room, "posted")
+        with held.lock:
+            held.state = _Start.STARTED
+        if drive > 0 and self.poller.drive(held.made[0], drive):
+            self.me.trace.mark(room, "driven")
+
+    def _let_go(self, held: _Held) -> None:
+        """At the worker's end (its waiter thread joined): release ``held``'s WRITE, or, when the
+        thread started it and the loop never adopted it, hand it to the poller to end."""
+        if held.state is _Start.STARTED:  # its reply goes to this worker's closed inbox: dropped
+            self.poller.adopt(held.made[0], held.made[1], self.inbox, None)
+        elif held.state is not _Start.REFUSED:  # (a refused start's handle is gone already)
+            self.poller.discard(held.made[0])
+
+    def _adopt(self, job: WriteJob, made: Made) -> None:
+        """Hand a WRITE the waiter's thread started to the poller, replying to ``job``'s room."""
+        self.counters["early_starts"] += 1
+        room = self.rooms.get(job.room)
+        # A room with a job out never ends; only at shutdown is it gone, and then the poller's
+        # reply goes nowhere: the worker's own inbox, closed (the poller drops it).
+        self.poller.adopt(made[0], made[1], room if room is not None else self.inbox, job.key)
 
     def _post_reached(self) -> None:
         """Queue one :class:`Reached` (none if one is queued already)."""
@@ -442,12 +548,6 @@ class TransferWorker(Actor["WorkerMail"]):
         """Give up the shared lists of ``room``'s chunks (the room was cancelled)."""
         for key in [k for k in self._chunk_lists if k[1] == room]:
             self.poller.close_lists(self._chunk_lists.pop(key).lists)
-
-    def _discard(self, job: WriteJob) -> None:
-        """Drop a held ``job``'s made WRITE, if it has one (its room was cancelled)."""
-        made = self._prepared.pop(id(job), None)
-        if made is not None:
-            self.poller.discard(made[0])
 
     async def _execute(self, job: WriteJob, made: Made | None = None) -> None:
         """Make and start ``job``'s WRITE, or start ``made``, the one made for it while it was held."""
@@ -675,19 +775,28 @@ class TransferWorker(Actor["WorkerMail"]):
             leases.release(offset)
             await self._done(job, False, f"gather failed: {exc}", FailureReason.TRANSPORT)
             return
+        assert made is not None
+        held = made if isinstance(made, TransferError) else _Held((made, spec))
         if gathered is None:
-            self._start_gathered(staged, offset, spec, made)
+            self._start_gathered(staged, offset, held)
             return
         # The worker goes on with its next job while the gather runs (the next chunk's or layer
-        # group's gather queues behind it on the stream); the completion waiter starts this WRITE
-        # once the gather has completed (docs/DECISIONS.md, "A worker never waits for its gather").
-        self._gathering[id(staged)] = made
-        self.completions.notify(gathered, functools.partial(self._start_gathered, staged, offset, spec, made))
+        # group's gather queues behind it on the stream); the completion waiter's thread starts this
+        # WRITE once the gather has completed (docs/DECISIONS.md, "A worker never waits for its
+        # gather", "A held WRITE is started by the completion waiter's thread").
+        self._gathering[id(staged)] = held
+        first = (
+            functools.partial(self._claim_and_start, job.room, held)
+            if isinstance(held, _Held) and self.early_start
+            else None
+        )
+        self.completions.notify(
+            gathered, functools.partial(self._start_gathered, staged, offset, held), first
+        )
 
-    def _start_gathered(
-        self, staged: _Staged, offset: int, spec: WriteSpec, made: int | TransferError | None
-    ) -> None:
-        """The gather of ``staged`` into its lease at ``offset`` has completed: start its WRITE.
+    def _start_gathered(self, staged: _Staged, offset: int, held: _Held | TransferError) -> None:
+        """The gather of ``staged`` into its lease at ``offset`` has completed: start its WRITE, or
+        adopt it when the completion waiter's thread started it.
 
         On the loop: from the worker's task (CPU copies) or from the completion waiter. A WRITE that
         cannot start ends as if it had failed: ``WriteEnded`` to this worker, which frees the lease
@@ -695,19 +804,30 @@ class TransferWorker(Actor["WorkerMail"]):
         tracked = self._gathering.pop(id(staged), None) is not None
         job = staged.job
         self.me.trace.mark(job.room, "gathered")
-        if self.inbox.closed:  # the worker ended (and discarded the WRITEs it tracked): nobody will answer
-            if isinstance(made, int) and not tracked:
-                self.poller.discard(made)
+        if self.inbox.closed:  # the worker ended (and let go of the WRITEs it tracked): nobody will answer
+            if isinstance(held, _Held) and not tracked:
+                self._let_go(held)
             return
+        token = _Lease(staged, offset)
         try:
-            if isinstance(made, TransferError):
-                raise made
-            assert made is not None
-            self.poller.start_write(made, spec, self.inbox, _Lease(staged, offset))
-            self.me.trace.mark(job.room, "posted")
+            if isinstance(held, TransferError):
+                raise held
+            if held.state is _Start.REFUSED:
+                assert held.refusal is not None
+                self.poller.refused(held.refusal)
+                raise held.refusal
+            if held.state is _Start.STARTED:
+                self.counters["early_starts"] += 1
+                self.poller.adopt(*held.made, self.inbox, token)
+            else:
+                # the thread is done with it (its first step ran before this callback), or never ran
+                claimed = held.take()
+                assert claimed, held.state
+                self.poller.start_write(*held.made, self.inbox, token)
+                self.me.trace.mark(job.room, "posted")
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
-            self.inbox.post(WriteEnded(_Lease(staged, offset), False, str(exc)))
+            self.inbox.post(WriteEnded(token, False, str(exc)))
             return
         self.counters["staged_writes"] += 1
 
@@ -735,11 +855,15 @@ class TransferWorker(Actor["WorkerMail"]):
 
     async def _cancel(self, room: int) -> None:
         """End every chunk of ``room`` not posted yet: waiting for events or a grant, or parked."""
-        cancelled = [job for job in self._unready if job.room == room]
-        self._unready = [job for job in self._unready if job.room != room]
+        # A held job whose WRITE the waiter's thread claimed stays held: that WRITE is (being) started,
+        # and the callback on its way adopts it (its WriteEnded answers the job) or answers its refusal.
+        cancelled = [job for job in self._unready if job.room == room and self._take(job)]
+        self._unready = [job for job in self._unready if not any(job is c for c in cancelled)]
         self._close_lists(room)
         for job in cancelled:
-            self._discard(job)
+            held = self._prepared.pop(id(job), None)
+            if held is not None:
+                self.poller.discard(held.made[0])
             await self._done(job, False, "cancelled while its KV was not written", FailureReason.ABORTED)
         for key in [k for k in self._layer_regions if k[1] == room]:
             region = self._layer_regions.pop(key)
@@ -778,31 +902,42 @@ class TransferWorker(Actor["WorkerMail"]):
 
     async def _hold(self, job: WriteJob, pending: Sequence[Completion], made: Made | None = None) -> None:
         """Hold ``job`` until every wait in ``pending`` completed; a direct (or slice) job has its
-        WRITE made now (``made``, if it already was), which the completion waiter's callback
-        (:meth:`_on_reached`) starts. A job whose WRITE cannot be made was answered already."""
+        WRITE made now (``made``, if it already was), which the completion waiter's thread starts
+        (:meth:`_start_early`; or its callback, :meth:`_on_reached`, without ``early_start``). A job
+        whose WRITE cannot be made was answered already."""
+        first = None
         if not is_staged_job(job):
             if made is None:
                 made = await self._prepare(job)
                 if made is None:
                     return
-            self._prepared[id(job)] = made
+            held = self._prepared[id(job)] = _Held(made)
+            if self.early_start:
+                first = functools.partial(self._start_early, job, held)
         self._unready.append(job)
         # Every wait found pending gets its callback, even one that completed since (while the WRITE
         # was made, or just now on the GPU): notify() then calls back at once. Looking again here and
         # skipping those would hold the job with nothing left to wake it (a room that never ended).
         for wait in pending:
-            self.completions.notify(wait, functools.partial(self._on_reached, job))
+            self.completions.notify(wait, functools.partial(self._on_reached, job), first)
 
     async def _start_ready(self) -> None:
         """Start the layer-wise jobs whose events completed, in arrival order."""
-        done = [held_ready(job) for job in self._unready]
+        # (a job whose WRITE the waiter's thread claimed is left to its callback: _on_reached)
+        done = [held_ready(job) and self._take(job) for job in self._unready]
         ready = [job for job, ok in zip(self._unready, done, strict=True) if ok]
         if not ready:
             return
         self._unready = [job for job, ok in zip(self._unready, done, strict=True) if not ok]
         for job in ready:
             self.me.trace.mark(job.room, "started")
-            await self._start_layer(job, self._prepared.pop(id(job), None))
+            held = self._prepared.pop(id(job), None)
+            await self._start_layer(job, held.made if held is not None else None)
+
+    def _take(self, job: WriteJob) -> bool:
+        """Claim held ``job``'s made WRITE for the loop (True for a job with none made)."""
+        held = self._prepared.get(id(job))
+        return held is None or held.take()
 
     async def _start_layer(self, job: WriteJob, made: Made | None = None) -> None:
         """Start a job whose KV is written: a direct (or slice) one, layer group or held chunk, through

@@ -1,8 +1,12 @@
 """The narrow interface the engine uses to talk to NIXL, and its one implementation.
 
-Only the NixlPoller actor holds a :class:`Transport`; every NIXL call goes through it (the agent is
-not thread-safe, and one owner keeps the bookkeeping of handles in one place). NIXL's exceptions are
-translated here into :class:`~transfer_engine.errors.TransportError`.
+Only the NixlPoller actor holds a :class:`Transport`; every NIXL call goes through it (one owner
+keeps the bookkeeping of handles in one place). The agent runs in NIXL's thread-sync mode NONE (no
+locks of its own), so :class:`NixlTransport` serializes its calls with one lock of ours: every call
+is made on the event loop's thread except :meth:`~NixlTransport.start_write`, which the completion
+waiter's thread may also make (docs/DECISIONS.md, "A held WRITE is started by the completion
+waiter's thread"). NIXL's exceptions are translated here into
+:class:`~transfer_engine.errors.TransportError`.
 
 A WRITE is described by three uint64 arrays ``(src_addr, dst_addr, length)``; the transport turns
 them into NIXL descriptor lists without Python loops, prepares them for that one WRITE and posts
@@ -17,13 +21,15 @@ own. Remote ranges are checked against the regions the peer registered *before* 
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import logging
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 
@@ -31,6 +37,22 @@ from transfer_engine.errors import AddressRangeError, TransportError
 from transfer_engine.protocol.messages import MemRegion
 
 log = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _serialized(
+    method: Callable[Concatenate[NixlTransport, _P], _R],
+) -> Callable[Concatenate[NixlTransport, _P], _R]:
+    """Run ``method`` holding the transport's lock: one caller of the agent at a time."""
+
+    @functools.wraps(method)
+    def call(self: NixlTransport, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return call
 
 
 class XferState(enum.Enum):
@@ -240,7 +262,8 @@ def _descs(addr: np.ndarray, length: np.ndarray, devices: np.ndarray | int) -> n
 
 
 class NixlTransport:
-    """One NIXL agent with the UCX (or another) backend. Not thread-safe: one owner calls it."""
+    """One NIXL agent with the UCX (or another) backend. Its calls are serialized by one lock (the
+    module docstring): any thread may call it, one at a time."""
 
     def __init__(
         self,
@@ -255,6 +278,8 @@ class NixlTransport:
         except ImportError as exc:  # pragma: no cover - nixl is a hard dependency
             raise TransportError(f"nixl is not importable: {exc}") from exc
         self.name = name
+        self._lock = threading.RLock()
+        """Held by every call that touches the agent or the handle tables (:func:`_serialized`)."""
         try:
             config = nixl_agent_config(
                 enable_prog_thread=progress_thread, backends=[] if params else [backend], num_threads=0
@@ -281,9 +306,11 @@ class NixlTransport:
         self.post_ns: Counter[str] = Counter()
         """Nanoseconds spent in each step of :meth:`post_write`, summed, and ``writes`` posted."""
 
+    @_serialized
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
+    @_serialized
     def register(self, regions: Sequence[MemRegion], mem_type: str) -> int:
         """Register memory ranges; returns a registration id for :meth:`deregister`."""
         triples = [(r.addr, r.length, r.device, "") for r in regions]
@@ -297,9 +324,11 @@ class NixlTransport:
         self._regs[rid] = reg
         return rid
 
+    @_serialized
     def deregister(self, reg: int) -> None:
         self._agent.deregister_memory(self._regs.pop(reg))
 
+    @_serialized
     def add_peer(self, peer: RemotePeer, metadata: bytes) -> None:
         """Load a peer's agent metadata (replacing an older one of the same name)."""
         if peer.agent_name in self._peers:
@@ -314,6 +343,7 @@ class NixlTransport:
             raise TransportError(f"peer metadata names agent {name!r}, expected {peer.agent_name!r}")
         self._peers[peer.agent_name] = peer
 
+    @_serialized
     def remove_peer(self, agent_name: str) -> None:
         if self._peers.pop(agent_name, None) is not None:
             try:
@@ -324,6 +354,7 @@ class NixlTransport:
     def has_peer(self, agent_name: str) -> bool:
         return agent_name in self._peers
 
+    @_serialized
     def post_write(self, spec: WriteSpec) -> int:
         """Post one WRITE of ``len(spec.src)`` descriptors with ``spec.notif`` riding on it; returns a handle.
 
@@ -332,6 +363,7 @@ class NixlTransport:
         """
         return self.start_write(self.prepare_write(spec))
 
+    @_serialized
     def prepare_write(self, spec: WriteSpec) -> int:
         """Everything of :meth:`post_write` but starting it: the ranges checked, both sides' lists
         prepared and the transfer made. Returns a handle that :meth:`start_write` starts, or
@@ -375,6 +407,7 @@ class NixlTransport:
         spent["make"] += t4 - t3
         return hid
 
+    @_serialized
     def prepare_lists(self, spec: WriteSpec) -> int:
         """Check ``spec``'s ranges and prepare both sides' descriptor lists once, for several WRITEs
         that each move some of its descriptors (:meth:`prepare_indexed`): a layer-wise chunk's
@@ -406,6 +439,7 @@ class NixlTransport:
         self._lists[lid] = _SharedLists(peer, lists[0], lists[1], len(spec.src))
         return lid
 
+    @_serialized
     def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int:
         """Make a WRITE of the descriptors ``index`` of the shared ``lists`` (:meth:`prepare_lists`),
         with ``spec.notif``; ``spec`` is the WRITE those descriptors describe (its peer must be the
@@ -438,6 +472,7 @@ class NixlTransport:
         self.post_ns["make"] += time.perf_counter_ns() - t0
         return hid
 
+    @_serialized
     def close_lists(self, lists: int) -> None:
         """Make no more WRITEs from ``lists``; they are released with the last WRITE made from them."""
         shared = self._lists[lists]
@@ -449,6 +484,7 @@ class NixlTransport:
             del self._lists[lid]
             self._release_lists([shared.local, shared.remote])
 
+    @_serialized
     def start_write(self, handle: int) -> int:
         """Start a WRITE made by :meth:`prepare_write`; returns ``handle``. On TransportError the
         handle is released (nothing was posted)."""
@@ -467,6 +503,7 @@ class NixlTransport:
             raise TransportError(f"WRITE to {peer} failed to start ({count} descriptors)")
         return handle
 
+    @_serialized
     def state(self, handle: int) -> XferState:
         try:
             return XferState(self._agent.check_xfer_state(self._handles[handle][0]))
@@ -474,6 +511,7 @@ class NixlTransport:
             log.warning("check_xfer_state failed: %s", exc)
             return XferState.ERR
 
+    @_serialized
     def release(self, handle: int) -> None:
         """Drop a WRITE's handle: one that ended, or one prepared and never started."""
         self._peer_of.pop(handle, None)
@@ -496,14 +534,17 @@ class NixlTransport:
             except Exception as exc:
                 log.warning("release_dlist_handle failed: %s", exc)
 
+    @_serialized
     def drain_notifs(self) -> dict[str, list[bytes]]:
         notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
         return notifs
 
+    @_serialized
     def live_handles(self) -> int:
         """WRITEs made and not released, and shared lists not released (0 when idle: the leak check)."""
         return len(self._handles) + len(self._lists)
 
+    @_serialized
     def close(self) -> None:
         for hid in list(self._handles):
             self.release(hid)
