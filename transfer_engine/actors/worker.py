@@ -785,9 +785,11 @@ class TransferWorker(Actor["WorkerMail"]):
         # WRITE once the gather has completed (docs/DECISIONS.md, "A worker never waits for its
         # gather", "A held WRITE is started by the completion waiter's thread").
         self._gathering[id(staged)] = held
+        # (not from host staging memory: UCX copies a DRAM WRITE inside its start, up to a millisecond
+        # that would hold the waiter's thread and, through the transport's lock, the poller)
         first = (
             functools.partial(self._claim_and_start, job.room, held)
-            if isinstance(held, _Held) and self.early_start
+            if isinstance(held, _Held) and self.early_start and not staged.host
             else None
         )
         self.completions.notify(
