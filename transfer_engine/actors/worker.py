@@ -78,7 +78,8 @@ class _Start(enum.Enum):
     HELD = "held"
     """Not started: the first to claim it (the waiter's thread or the loop) starts or drops it."""
     STARTING = "starting"
-    """The completion waiter's thread claimed it and is starting it."""
+    """The completion waiter's thread claimed it and is starting it (and, for a layer group,
+    looking at it until it ended)."""
     STARTED = "started"
     """The thread started it: the loop adopts it when its callback comes."""
     REFUSED = "refused"
@@ -374,10 +375,11 @@ class TransferWorker(Actor["WorkerMail"]):
                 held.refusal, held.state = exc, _Start.REFUSED
             return
         self.me.trace.mark(room, "posted")
-        with held.lock:
-            held.state = _Start.STARTED
+        # still STARTING while it looks: the loop adopts it (and its poller may release it) only after
         if drive > 0 and self.poller.drive(held.made[0], drive):
             self.me.trace.mark(room, "driven")
+        with held.lock:
+            held.state = _Start.STARTED
 
     def _let_go(self, held: _Held) -> None:
         """At the worker's end (its waiter thread joined): release ``held``'s WRITE, or, when the
