@@ -41,8 +41,15 @@ host's monotonic clock:
 - ``last WRITE`` split, from ``posted``: ``seen``, the prefill got the last WRITE's end from its
   poller (its room's ``room:WriteEnded``; staged and host: the worker's ``write_ended``); ``notif``, the decode's poller drained the room's last
   notification (``notif``); ``applied`` = landed - that notification: the decode's actors;
-- ``forward``: forward start -> done; layer-wise sending must not slow it (compare with ``chunk``,
-  which sends nothing during it);
+- ``forward``: forward start -> done; layer-wise sending must not slow it. ``fwd/chunk`` is the median,
+  over reps, of a layer-wise room's forward over the chunk-level room's of the same rep (``chunk``
+  sends nothing during its forward). The modes are interleaved: each rep runs every mode once, in
+  turn, in reverse order on odd reps, so a drift of the machine (clocks, heat) falls on all alike;
+- ``peer copy`` (CUDA): the yardstick for ``fwd/chunk``: no engine, and after each layer's matmul its K
+  and V bytes of the room copied by torch to the decode's GPU on a stream of their own. Its
+  ``fwd/chunk`` is what moving those bytes during the forward costs it with nothing else around (the
+  copies share the GPU's power and memory with the matmuls); layer-wise sending adds to the forward
+  only what its ``fwd/chunk`` reads above this one;
 - ``group``: a raw NIXL WRITE of one layer group's bytes between the same two processes, laid out
   as the engine's (:class:`RawGroup`), from ``transfer()`` to the decode draining its notification
   (median of at least 5); ``over`` = tail - group. The issue's goal: ``over <= 0.3 ms``. (On CPU
@@ -290,9 +297,14 @@ def _until(handle: object, want: RoomStatus, limit_s: float = 120.0) -> None:
         time.sleep(0.0005)  # sleeping, not spinning: the engine's loop thread needs the GIL
 
 
-Row = tuple[int, str, int, float, float, float, float, float, float, float, float, float, float]
+Row = tuple[int, str, int, float, float, float, float, float, float, float, float, float, float, float]
 """(tokens, mode, layers_per_write, tail, react, last WRITE, forward, wake, started, seen, notif, applied,
-group), medians in ms; group: the raw WRITE of one layer group (:func:`_raw_group`), NaN for chunk."""
+group, fwd/chunk), medians in ms; group: the raw WRITE of one layer group (:func:`_raw_group`), NaN for
+chunk; fwd/chunk: the median over reps of this mode's forward over the chunk-level room's of the same rep
+(1.0 for chunk)."""
+
+Sample = tuple[float, ...]
+"""One room: (tail, react, last WRITE, forward, wake, started, seen, notif, applied), in s."""
 
 
 def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Connection) -> None:
@@ -303,6 +315,8 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
         torch.set_num_threads(args.torch_threads)
     pool = _pool(args, device)
     modes = [("chunk", 0)] + [("layers", n) for n in args.per_write]
+    if device.type == "cuda":
+        modes.append(("peer", 1))
     rows: list[Row] = []
     room = 1
     posts: list[str] = []
@@ -310,76 +324,113 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
     profiled = 0
     raw: RawGroup | None = None
     with BlockingEngine(_config(args, "prefill", port), pool) as engine:
+
+        def one_room(forward: Forward, tokens: int, mode: str, per_write: int, measured: bool) -> Sample:
+            nonlocal room, profiled
+            if mode == "peer":
+                return _peer_room(forward, pool, tokens)
+            pages = np.arange(-(-tokens // args.page_size))
+            sender = engine.sender(room, layers_per_write=max(per_write, 1))
+            pipe.send((room, tokens))
+            _until(sender, RoomStatus.WAITING_FOR_INPUT)
+            profiling = profile is not None and mode != "chunk" and measured
+            if mode == "chunk":
+                start, done = forward.run(lambda layer: None, lambda: sender.send(pages, last=True))
+            else:
+                if profiling:  # on the loop's thread: it profiles that thread
+                    engine._call(profile.enable)  # type: ignore[union-attr]
+                    profiled += 1
+                sender.begin_chunk(pages, last=True)
+                start, done = forward.run(lambda layer: sender.layers_ready(layer, layer + 1), lambda: None)
+            try:
+                sender.wait(args.room_timeout)
+            except TimeoutError:
+                print(f"room {room} did not end: {_stuck(engine)}", file=sys.stderr, flush=True)
+                raise
+            if profiling:
+                engine._call(profile.disable)  # type: ignore[union-attr]
+            landed, notified = pipe.recv()
+            marks = engine.take_trace()
+            posted = _mark(marks, room, "p.posted")
+            # the poller's reply goes to the room (direct, slice) or to the worker (staged, host)
+            ended = (
+                "p.write_ended"
+                if any(s == "p.write_ended" for _, r, s in marks if r == room)
+                else "p.room:WriteEnded"
+            )
+            seen = _mark(marks, room, ended)
+            # the last group's steps at the worker (layer-wise): its loop learnt that the layers completed
+            # (reached; absent when the job came after they had), the job was started: s after done,
+            # NaN when absent
+            steps = [
+                max((ns / 1e9 for ns, r, s in marks if r == room and s == f"p.{step}"), default=0.0)
+                for step in ("reached", "started")
+            ]
+            room += 1
+            after = [t - done if t > done else math.nan for t in steps]
+            split = (seen - posted, notified - posted, landed - notified)
+            return (landed - done, posted - done, landed - posted, done - start, *after, *split)
+
         for tokens in args.tokens:
             forward = Forward(args, device, tokens)
-            pages = np.arange(-(-tokens // args.page_size))
+            samples: dict[tuple[str, int], list[Sample]] = {m: [] for m in modes}
+            spent: dict[tuple[str, int], Counter[str]] = {m: Counter() for m in modes}
+            # Interleaved: each rep runs every mode once, in turn, reversed on odd reps, so a drift of
+            # the machine over the run (clocks, heat) falls on every mode alike. Rep 0 warms them up.
+            for rep in range(args.reps + 1):
+                for mode, per_write in modes if rep % 2 == 0 else modes[::-1]:
+                    before = _post_ns(engine)
+                    sample = one_room(forward, tokens, mode, per_write, rep > 0)
+                    spent[(mode, per_write)] += _post_ns(engine) - before
+                    if rep:
+                        samples[(mode, per_write)].append(sample)
+            chunk_fwd = [s[3] for s in samples[("chunk", 0)]]
             for mode, per_write in modes:
-                samples = []
-                spent_before = _post_ns(engine)
-                for rep in range(args.reps + 1):
-                    sender = engine.sender(room, layers_per_write=max(per_write, 1))
-                    pipe.send((room, tokens))
-                    _until(sender, RoomStatus.WAITING_FOR_INPUT)
-                    if mode == "chunk":
-                        start, done = forward.run(
-                            lambda layer: None, lambda s=sender, p=pages: s.send(p, last=True)
-                        )
-                    else:
-                        if profile is not None and rep:  # on the loop's thread: it profiles that thread
-                            engine._call(profile.enable)
-                            profiled += 1
-                        sender.begin_chunk(pages, last=True)
-                        start, done = forward.run(
-                            lambda layer, s=sender: s.layers_ready(layer, layer + 1), lambda: None
-                        )
-                    try:
-                        sender.wait(args.room_timeout)
-                    except TimeoutError:
-                        print(f"room {room} did not end: {_stuck(engine)}", file=sys.stderr, flush=True)
-                        raise
-                    if profile is not None and mode != "chunk" and rep:
-                        engine._call(profile.disable)
-                    landed, notified = pipe.recv()
-                    marks = engine.take_trace()
-                    posted = _mark(marks, room, "p.posted")
-                    # the poller's reply goes to the room (direct, slice) or to the worker (staged, host)
-                    ended = (
-                        "p.write_ended"
-                        if any(s == "p.write_ended" for _, r, s in marks if r == room)
-                        else "p.room:WriteEnded"
-                    )
-                    seen = _mark(marks, room, ended)
-                    # the last group's steps at the worker (layer-wise): its loop learnt that the layers
-                    # completed (reached; absent when the job came after they had), the job was started:
-                    # ms after done, NaN when absent
-                    steps = [
-                        max((ns / 1e9 for ns, r, s in marks if r == room and s == f"p.{step}"), default=0.0)
-                        for step in ("reached", "started")
-                    ]
-                    room += 1
-                    if rep:  # the first room of each mode warms it up
-                        after = [t - done if t > done else math.nan for t in steps]
-                        split = (seen - posted, notified - posted, landed - notified)
-                        samples.append(
-                            (landed - done, posted - done, landed - posted, done - start, *after, *split)
-                        )
-                medians = [statistics.median(s[i] for s in samples) * 1e3 for i in range(9)]
+                got = samples[(mode, per_write)]
+                medians = [statistics.median(s[i] for s in got) * 1e3 for i in range(9)]
+                fwd_ratio = statistics.median(s[3] / c for s, c in zip(got, chunk_fwd, strict=True))
                 group = math.nan
-                if mode != "chunk":
+                if mode == "layers":
                     raw = raw or RawGroup(args, device, "raw-prefill")
                     group = _raw_group(raw, pipe, tokens, per_write, max(args.reps, 5), args)
-                rows.append((tokens, mode, per_write, *medians, group))  # type: ignore[arg-type]
-                spent = _post_ns(engine) - spent_before
-                writes = max(spent.pop("writes", 0), 1)
+                rows.append((tokens, mode, per_write, *medians, group, fwd_ratio))
+                used = spent[(mode, per_write)]
+                writes = max(used.pop("writes", 0), 1)
+                if mode == "peer":  # no engine
+                    continue
                 posts.append(
                     f"{tokens} {mode} x{per_write}: {writes} WRITEs, us per WRITE "
-                    + ", ".join(f"{k} {v / writes / 1e3:.1f}" for k, v in sorted(spent.items()))
+                    + ", ".join(f"{k} {v / writes / 1e3:.1f}" for k, v in sorted(used.items()))
                 )
         pipe.send(None)
     print("prefill post_write, per mode (the transport's own clocks):", *posts, sep="\n  ", flush=True)
     if profile is not None and profiled:
         _print_profile(profile, profiled, args.profile)
     out.send(rows)
+
+
+def _peer_room(forward: Forward, pool: KVPool, tokens: int) -> Sample:
+    """The yardstick for the forward (CUDA): no engine, each layer's K and V bytes of the room copied
+    by torch to the decode's GPU (on one GPU: to another buffer on it) on a stream of their own, after
+    that layer's matmul: what moving those bytes during the forward costs it, with nothing else around.
+    Only ``forward`` is measured (the other fields are NaN)."""
+    assert forward.stream is not None
+    slots = -(-tokens // pool.layout.page_size) * pool.layout.page_size
+    layers = pool.layout.num_layers
+    target = torch.device("cuda", 1 % torch.cuda.device_count())
+    side = torch.cuda.Stream(pool.device)
+    dst = [torch.empty_like(pool.tensors[0][:slots], device=target) for _ in range(2)]
+
+    def on_layer(layer: int) -> None:
+        side.wait_stream(forward.stream)  # type: ignore[arg-type]
+        with torch.cuda.stream(side):
+            for i, tensor in enumerate((pool.tensors[layer], pool.tensors[layers + layer])):
+                dst[i].copy_(tensor[:slots], non_blocking=True)
+
+    start, done = forward.run(on_layer, lambda: None)
+    side.synchronize()
+    nan = math.nan
+    return (nan, nan, nan, done - start, nan, nan, nan, nan, nan)
 
 
 def _stuck(engine: BlockingEngine) -> str:
@@ -493,20 +544,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{'group':>7} {'over':>7} {'forward':>9} {'fwd/chunk':>9} {'wake':>7} {'started':>7} {'seen':>7} {'notif':>7} "
         f"{'applied':>7}"
     )
-    chunk: dict[int, float] = {}
     for row in rows:
         tokens, mode, per_write = row[:3]
-        tail, react, last_write, fwd, wake, started, seen, notif, applied, raw = row[3:]
+        tail, react, last_write, fwd, wake, started, seen, notif, applied, raw, fwd_ratio = row[3:]
         mb = tokens * per_token / 1e6
         if mode == "chunk":
-            chunk[tokens] = fwd
             group, label, ratio = "", "chunk", ""
+        elif mode == "peer":
+            group, label, ratio = "", "peer copy", f"{fwd_ratio:9.3f}"
         else:
             group = f"{raw:7.3f} {tail - raw:7.3f}"
-            label, ratio = f"layers x{per_write}", f"{fwd / chunk[tokens]:9.3f}"
+            label, ratio = f"layers x{per_write}", f"{fwd_ratio:9.3f}"
         print(
             f"{tokens:7d} {mb:8.1f} {label:>10} {tail:8.3f} {react:8.3f} {last_write:10.3f} {group:>15} "
-            f"{fwd:9.2f} {ratio:>9} {'' if mode == 'chunk' else f'{wake:7.3f} {started:7.3f}':>15} "
+            f"{fwd:9.2f} {ratio:>9} {'' if mode != 'layers' else f'{wake:7.3f} {started:7.3f}':>15} "
             f"{seen:7.3f} {notif:7.3f} {applied:7.3f}"
         )
     return 0 if prefill.exitcode == 0 and decode.exitcode == 0 else 1

@@ -87,6 +87,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     adds up to 0.5 ms to the room's tail. 0 (the default): off. Off by default because on the 2-core
     CPU box the polls slowed the forward by 25% (docs/PERF.md, "the decode poller kept quick between
     layer groups"); for A/B on a GPU machine (``TE_POLL_LAYER_WINDOW=0.05``)."""
+    poll_group_cadence: bool = True
+    """A decode rank's poller predicts when a layer-wise room's next group lands, from the spacing
+    of that sender's groups so far, and is at its quick cadence in a window around that moment
+    (a tenth of the spacing either side, at least 0.3 ms), backing off in between
+    (:mod:`transfer_engine.protocol.cadence`): the chunk's last group is drained within a quick poll
+    of its landing, while the polls cost a fraction of ``poll_layer_window``'s. False: off
+    (``TE_POLL_GROUP_CADENCE=0``, for A/B)."""
     completion_thread: bool = True
     """Workers and the scatter actor observe CUDA events (and layer-wise ``threading.Event``s) with one
     waiting thread each, which wakes the loop when one completes (:mod:`transfer_engine.completion`).

@@ -76,6 +76,7 @@ from transfer_engine.ports import (
 )
 from transfer_engine.protocol import descriptors, handshake, heads, leases
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.cadence import GroupCadence
 from transfer_engine.protocol.layers import LayerChunks, check_layers_per_write
 from transfer_engine.protocol.paths import auto_path, is_staged
 from transfer_engine.protocol.polling import polled
@@ -564,6 +565,7 @@ class TransferEngine:
             spin=cfg.poll_spin,
             trace=self.me.trace,
             layer_window=cfg.poll_layer_window,
+            cadence=GroupCadence() if cfg.poll_group_cadence and cfg.role == "decode" else None,
             num_layers=self.pool.layout.num_layers,
         )
         await tg.start(self.poller.run)

@@ -35,6 +35,7 @@ from transfer_engine.logbook import LogBook
 from transfer_engine.mail import Drained, Mailbox, WriteEnded
 from transfer_engine.ports import RoomBoard
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.cadence import GroupCadence
 from transfer_engine.protocol.messages import MemRegion
 from transfer_engine.steptrace import StepTrace
 from transfer_engine.ticker import fine_timers
@@ -73,6 +74,7 @@ class NixlPoller:
         trace: StepTrace | None = None,
         layer_window: float = 0.0,
         num_layers: int = 0,
+        cadence: GroupCadence | None = None,
     ) -> None:
         self.transport = transport
         self._trace = trace or StepTrace()
@@ -88,6 +90,8 @@ class NixlPoller:
         """``EngineConfig.poll_layer_window``: quick polling this long after a layer group with more to come."""
         self._num_layers = num_layers
         """The KV pool's layers: a layer group's notification ending below it has more to come."""
+        self._cadence = cadence
+        """``EngineConfig.poll_group_cadence``: quick windows around each sender's next layer group."""
         self._hot_until = 0.0
         self._quick_until = 0.0
         self._idle = 0
@@ -206,15 +210,18 @@ class NixlPoller:
         self._heat()
         self._wake.set()
 
-    def _expect_more(self, notif: m.ChunkLanded | m.AuxLanded) -> None:
-        """A layer group with more of its chunk to come: stay quick for ``layer_window``."""
-        if (
-            isinstance(notif, m.ChunkLanded)
-            and notif.layers is not None
-            and notif.layers[1] < self._num_layers
-        ):
-            self._quick_until = max(self._quick_until, time.monotonic() + self._layer_window)
+    def _expect_more(self, agent: str, notif: m.ChunkLanded | m.AuxLanded) -> None:
+        """A layer group: with more of its chunk to come, stay quick for ``layer_window``; tell the
+        cadence (it predicts that sender's next group)."""
+        if not (isinstance(notif, m.ChunkLanded) and notif.layers is not None):
+            return
+        more = notif.layers[1] < self._num_layers
+        now = time.monotonic()
+        if more and self._layer_window:
+            self._quick_until = max(self._quick_until, now + self._layer_window)
             self.counters["layer_windows"] += 1
+        if self._cadence is not None and self._cadence.landed((agent, notif.room), now, more):
+            self.counters["cadence_windows"] += 1
 
     def _heat(self) -> None:
         """Poll without sleeping for the next ``spin`` seconds, then quickly until QUICK_S is over
@@ -248,13 +255,16 @@ class NixlPoller:
                 self._idle = 0
                 await anyio.lowlevel.checkpoint()
                 continue
+            now = time.monotonic()
             if not (self._posted or self._busy()):  # nothing can come: idle back-off
                 delay = self._interval * 50
-            elif time.monotonic() < self._quick_until:
+            elif now < self._quick_until or (self._cadence is not None and self._cadence.quick(now)):
                 delay = self._interval / QUICK_DIVISOR
             else:  # 20 polls at poll_interval after the quick window, then 2.5x slower
                 self._idle += 1
                 delay = self._interval if self._idle <= 20 else self._interval * 2.5
+            if self._cadence is not None and (ahead := self._cadence.next_start(now)) is not None:
+                delay = min(delay, ahead - now)  # be quick from a predicted group's window on
             timers = fine_timers()
             if timers is not None:  # on time: epoll's own timeout would round up to 1 ms
                 timers.call_later(delay, self._wake.set)
@@ -299,8 +309,8 @@ class NixlPoller:
                     continue
                 self.counters["notifs"] += 1
                 self._trace.mark(notif.room, "notif")
-                if self._layer_window:
-                    self._expect_more(notif)
+                if self._layer_window or self._cadence is not None:
+                    self._expect_more(agent, notif)
                 if not (self._notifications and await self._rooms.deliver(notif.room, notif)):
                     self.counters["notifs_unrouted"] += 1
                     self.book.note(
