@@ -74,5 +74,5 @@ class GroupCadence:
 
     @property
     def keys(self) -> int:
-        """Senders' rooms remembered (for tests and the state dump)."""
+        """Senders' rooms remembered (the integration test checks that a finished room left none)."""
         return len(self._last)
