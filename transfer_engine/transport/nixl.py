@@ -484,24 +484,30 @@ class NixlTransport:
             del self._lists[lid]
             self._release_lists([shared.local, shared.remote])
 
-    @_serialized
     def start_write(self, handle: int) -> int:
         """Start a WRITE made by :meth:`prepare_write`; returns ``handle``. On TransportError the
-        handle is released (nothing was posted)."""
-        xfer = self._handles[handle][0]
-        peer, count = self._peer_of.pop(handle)
-        t0 = time.perf_counter_ns()
-        try:
-            state = self._agent.transfer(xfer)
-        except Exception as exc:
-            self.release(handle)
-            raise TransportError(f"WRITE to {peer} failed to start: {exc}") from exc
-        self.post_ns["transfer"] += time.perf_counter_ns() - t0
-        self.post_ns["writes"] += 1
-        if state == "ERR":
-            self.release(handle)
-            raise TransportError(f"WRITE to {peer} failed to start ({count} descriptors)")
-        return handle
+        handle is released (nothing was posted).
+
+        Serialized as every agent call; ``post_ns["start_wait"]`` sums the time from the call to
+        holding the lock (on another thread than the loop's: the wait for the loop's NIXL call and
+        for the GIL after it), ``post_ns["transfer"]`` NIXL's ``transfer()``."""
+        entered = time.perf_counter_ns()
+        with self._lock:
+            t0 = time.perf_counter_ns()
+            self.post_ns["start_wait"] += t0 - entered
+            xfer = self._handles[handle][0]
+            peer, count = self._peer_of.pop(handle)
+            try:
+                state = self._agent.transfer(xfer)
+            except Exception as exc:
+                self.release(handle)
+                raise TransportError(f"WRITE to {peer} failed to start: {exc}") from exc
+            self.post_ns["transfer"] += time.perf_counter_ns() - t0
+            self.post_ns["writes"] += 1
+            if state == "ERR":
+                self.release(handle)
+                raise TransportError(f"WRITE to {peer} failed to start ({count} descriptors)")
+            return handle
 
     @_serialized
     def state(self, handle: int) -> XferState:
