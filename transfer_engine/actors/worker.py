@@ -60,6 +60,7 @@ from .write_plan import (
     chunk_descriptors,
     chunk_notification,
     group_index,
+    group_rows,
     is_staged_job,
     plan_write,
     shares_lists,
@@ -532,8 +533,8 @@ class TransferWorker(Actor["WorkerMail"]):
                 )
                 shared = _ChunkLists(self.poller.prepare_lists(whole), whole, len(src) // len(self._bases))
                 self._chunk_lists[key] = shared
-            layout = self.pool.layout
-            rows = group_tensors(layout.num_layers, layout.mla, job.group.start, job.group.end)
+            rows = group_rows(job, self.pool)
+            assert rows is not None
             index = group_index(rows, shared.per_tensor)
             whole = shared.whole
             spec = WriteSpec(
@@ -862,7 +863,8 @@ class TransferWorker(Actor["WorkerMail"]):
         # A held job whose WRITE the waiter's thread claimed stays held: that WRITE is (being) started,
         # and the callback on its way adopts it (its WriteEnded answers the job) or answers its refusal.
         cancelled = [job for job in self._unready if job.room == room and self._take(job)]
-        self._unready = [job for job in self._unready if not any(job is c for c in cancelled)]
+        gone = {id(job) for job in cancelled}
+        self._unready = [job for job in self._unready if id(job) not in gone]
         self._close_lists(room)
         for job in cancelled:
             held = self._prepared.pop(id(job), None)

@@ -23,14 +23,22 @@ def is_staged_job(job: WriteJob) -> bool:
     return job.chunk is not None and is_staged(job.request.path)
 
 
+def chunk_slots(job: WriteJob, pool: KVPool, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The token slots a chunk job moves on each side: the prefill's, from its own pages, and the
+    decode's, from ``dst_pages`` (every page of the request), clipped to the request's capacity."""
+    peer, chunk = job.peer, job.chunk
+    assert chunk is not None
+    src_ps, dst_ps = pool.layout.page_size, peer.layout.page_size
+    start = chunk.page_start * src_ps
+    tokens = descriptors.chunk_tokens(start, chunk.num_pages, src_ps, len(dst_pages) * dst_ps)
+    return descriptors.slots_of(job.src_pages, src_ps, 0, tokens), descriptors.slots_of(
+        dst_pages, dst_ps, start, tokens
+    )
+
+
 def staged_slots(job: WriteJob, pool: KVPool) -> np.ndarray:
     """The prefill token slots a staged chunk gathers (clipped to the decode rank's capacity)."""
-    req, peer, chunk = job.request, job.peer, job.chunk
-    assert chunk is not None
-    src_ps = pool.layout.page_size
-    capacity = len(req.dst_pages) * peer.layout.page_size
-    tokens = descriptors.chunk_tokens(chunk.page_start * src_ps, chunk.num_pages, src_ps, capacity)
-    return descriptors.slots_of(job.src_pages, src_ps, 0, tokens)
+    return chunk_slots(job, pool, np.asarray(job.request.dst_pages, dtype=np.int64))[0]
 
 
 def chunk_notification(job: WriteJob, region: int) -> bytes:
@@ -129,11 +137,7 @@ def chunk_descriptors(
                 f"{req.decode_rank} gave only {len(dst_pages_all)} pages"
             )
         return descriptors.direct_descriptors(bases, peer_bases, pool.page_bytes, job.src_pages, dst_pages)
-    src_ps, dst_ps = pool.layout.page_size, peer.layout.page_size
-    start = chunk.page_start * src_ps
-    tokens = descriptors.chunk_tokens(start, chunk.num_pages, src_ps, len(dst_pages_all) * dst_ps)
-    src_slots = descriptors.slots_of(job.src_pages, src_ps, 0, tokens)
-    dst_slots = descriptors.slots_of(dst_pages_all, dst_ps, start, tokens)
+    src_slots, dst_slots = chunk_slots(job, pool, dst_pages_all)
     return descriptors.slice_descriptors(
         bases,
         peer_bases,
@@ -159,11 +163,8 @@ def _strided_write(
     """Direct or slice WRITE where either side is not contiguous ``[slots, H, D]``: byte runs from both
     sides' strides, merged where both are contiguous (``descriptors.strided_descriptors``). ``rows``:
     the tensors of one layer group (their strides rows on both sides), or None for every tensor."""
-    peer, chunk = job.peer, job.chunk
-    assert chunk is not None
-    src_ps, dst_ps = pool.layout.page_size, peer.layout.page_size
-    start = chunk.page_start * src_ps
-    tokens = descriptors.chunk_tokens(start, chunk.num_pages, src_ps, len(dst_pages) * dst_ps)
+    peer = job.peer
+    src_slots, dst_slots = chunk_slots(job, pool, dst_pages)
     src_rows = pool.stride_rows
     dst_rows = stride_rows_of(peer.layout, peer.heads_local)
     if rows is not None:
@@ -176,10 +177,10 @@ def _strided_write(
         np.array([r.length for r in peer.regions], dtype=np.uint64),
         dst_rows,
         pool.head_bytes,
-        descriptors.slots_of(job.src_pages, src_ps, 0, tokens),
-        descriptors.slots_of(dst_pages, dst_ps, start, tokens),
-        src_ps,
-        dst_ps,
+        src_slots,
+        dst_slots,
+        pool.layout.page_size,
+        peer.layout.page_size,
         spec.src_head_start,
         spec.dst_head_start,
         spec.num_heads,

@@ -372,14 +372,40 @@ class NixlTransport:
         local_devices, local_mem, notif = spec.local_devices, spec.local_mem, spec.notif
         if local_mem == "DRAM" and self._host_pieces:  # copied by the posting threads, not in transfer()
             src, dst, length, local_devices = spread(src, dst, length, local_devices, self._host_pieces)
+        # Both sides' ranges as lists prepared for this one WRITE, then a prepared transfer over all
+        # of them: on H200s a one-shot initialize_xfer pays 2-6 us per descriptor inside transfer(),
+        # a prepared one about nothing, and preparing two lists costs ~15 us (docs/PERF.md).
+        lists = self._prepare_pair(peer, src, dst, length, local_devices, local_mem)
+        t0 = time.perf_counter_ns()
+        try:
+            every = np.arange(len(src))
+            handle = self._agent.make_prepped_xfer("WRITE", lists[0], every, lists[1], every, notif)
+        except Exception as exc:
+            self._release_lists(lists)
+            raise TransportError(f"cannot create WRITE to {peer} ({len(src)} descriptors): {exc}") from exc
+        hid = next(self._ids)
+        self._handles[hid] = (handle, lists)
+        self._peer_of[hid] = (peer, len(src))
+        self.post_ns["make"] += time.perf_counter_ns() - t0
+        return hid
+
+    def _prepare_pair(
+        self,
+        peer: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        length: np.ndarray,
+        local_devices: np.ndarray | int,
+        local_mem: str,
+    ) -> list[Any]:
+        """Check ``dst`` against ``peer``'s registered ranges and prepare both sides' descriptor lists
+        (local, then remote). Raises AddressRangeError / TransportError; nothing is left prepared
+        then. Times the steps into ``post_ns`` (``check``, ``prep_local``, ``prep_remote``)."""
         remote = self._peers.get(peer)
         if remote is None:
             raise TransportError(f"no NIXL peer named {peer!r}")
         t0 = time.perf_counter_ns()
         remote_devices, remote_mem = remote.check(dst, length)
-        # Both sides' ranges as lists prepared for this one WRITE, then a prepared transfer over all
-        # of them: on H200s a one-shot initialize_xfer pays 2-6 us per descriptor inside transfer(),
-        # a prepared one about nothing, and preparing two lists costs ~15 us (docs/PERF.md).
         lists: list[Any] = []
         try:
             t1 = time.perf_counter_ns()
@@ -391,21 +417,14 @@ class NixlTransport:
                 peer, self._agent.get_xfer_descs(_descs(dst, length, remote_devices), remote_mem)
             ))  # fmt: skip
             t3 = time.perf_counter_ns()
-            every = np.arange(len(src))
-            handle = self._agent.make_prepped_xfer("WRITE", lists[0], every, lists[1], every, notif)
-            t4 = time.perf_counter_ns()
         except Exception as exc:
             self._release_lists(lists)
-            raise TransportError(f"cannot create WRITE to {peer} ({len(src)} descriptors): {exc}") from exc
-        hid = next(self._ids)
-        self._handles[hid] = (handle, lists)
-        self._peer_of[hid] = (peer, len(src))
+            raise TransportError(f"cannot prepare lists for {peer} ({len(src)} descriptors): {exc}") from exc
         spent = self.post_ns
         spent["check"] += t1 - t0
         spent["prep_local"] += t2 - t1
         spent["prep_remote"] += t3 - t2
-        spent["make"] += t4 - t3
-        return hid
+        return lists
 
     @_serialized
     def prepare_lists(self, spec: WriteSpec) -> int:
@@ -417,26 +436,11 @@ class NixlTransport:
         A DRAM WRITE is not spread over the posting threads here (:func:`spread` cuts a WRITE's own
         descriptors; an index into the chunk's list must name the same ones).
         """
-        peer = spec.peer
-        remote = self._peers.get(peer)
-        if remote is None:
-            raise TransportError(f"no NIXL peer named {peer!r}")
-        remote_devices, remote_mem = remote.check(spec.dst, spec.length)
-        lists: list[Any] = []
-        try:
-            lists.append(self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._agent.get_xfer_descs(
-                _descs(spec.src, spec.length, spec.local_devices), spec.local_mem
-            )))  # fmt: skip
-            lists.append(self._agent.prep_xfer_dlist(peer, self._agent.get_xfer_descs(
-                _descs(spec.dst, spec.length, remote_devices), remote_mem
-            )))  # fmt: skip
-        except Exception as exc:
-            self._release_lists(lists)
-            raise TransportError(
-                f"cannot prepare lists for {peer} ({len(spec.src)} descriptors): {exc}"
-            ) from exc
+        lists = self._prepare_pair(
+            spec.peer, spec.src, spec.dst, spec.length, spec.local_devices, spec.local_mem
+        )
         lid = next(self._ids)
-        self._lists[lid] = _SharedLists(peer, lists[0], lists[1], len(spec.src))
+        self._lists[lid] = _SharedLists(spec.peer, lists[0], lists[1], len(spec.src))
         return lid
 
     @_serialized
