@@ -55,6 +55,11 @@ host's monotonic clock:
   (median of at least 5); ``over`` = tail - group. The issue's goal: ``over <= 0.3 ms``. (On CPU
   UCX copies inside ``transfer()``, so there ``react`` holds most of a WRITE.)
 
+``--steps`` also prints each step of every layer-wise room's last group, in ms after its layers
+completed: the prefill's (``reached``, ``started``, ``locked`` and ``transferred`` — when the waiter's
+thread held the transport's lock and when ``transfer()`` had returned —, ``posted``, ``driven``,
+``room:WriteEnded``) and the decode's (``d.notif``, ``d.SUCCESS``).
+
 The heartbeat interval is 5 s here (lease 10 s): a stalled loop shows as a long tail, not as a dead
 peer. KV contents are not checked (the tests check every byte: tests/integration/test_matrix.py).
 The serving example's TTFT with and without ``--layerwise`` is ``tools/serving_bench.py`` (see
@@ -72,7 +77,7 @@ import statistics
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -323,6 +328,7 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
     profile = cProfile.Profile() if args.profile else None
     profiled = 0
     raw: RawGroup | None = None
+    last_steps: dict[tuple[int, int], list[dict[str, float]]] = defaultdict(list)
     with BlockingEngine(_config(args, "prefill", port), pool) as engine:
 
         def one_room(forward: Forward, tokens: int, mode: str, per_write: int, measured: bool) -> Sample:
@@ -366,6 +372,8 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                 max((ns / 1e9 for ns, r, s in marks if r == room and s == f"p.{step}"), default=0.0)
                 for step in ("reached", "started")
             ]
+            if args.steps and mode == "layers" and measured:
+                last_steps[(tokens, per_write)].append(_last_group_steps(marks, room, done, notified, landed))
             room += 1
             after = [t - done if t > done else math.nan for t in steps]
             split = (seen - posted, notified - posted, landed - notified)
@@ -404,9 +412,44 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                 )
         pipe.send(None)
     print("prefill post_write, per mode (the transport's own clocks):", *posts, sep="\n  ", flush=True)
+    if last_steps:
+        _print_last_steps(last_steps)
     if profile is not None and profiled:
         _print_profile(profile, profiled, args.profile)
     out.send(rows)
+
+
+LAST_STEPS = ("reached", "started", "locked", "transferred", "posted", "driven", "room:WriteEnded")
+"""The prefill's step marks of a layer-wise room's last group, in the order they come (``--steps``)."""
+
+
+def _last_group_steps(
+    marks: list[tuple[int, int, str]], room: int, done: float, notified: float, landed: float
+) -> dict[str, float]:
+    """The last layer group's steps of ``room``, in s after ``done``: each prefill step's latest mark
+    (absent steps left out), then the decode's notification and SUCCESS."""
+    out: dict[str, float] = {}
+    for step in LAST_STEPS:
+        latest = max((ns for ns, r, s in marks if r == room and s == f"p.{step}"), default=None)
+        if latest is not None:
+            out[step] = latest / 1e9 - done
+    out["d.notif"], out["d.SUCCESS"] = notified - done, landed - done
+    return out
+
+
+def _print_last_steps(last_steps: dict[tuple[int, int], list[dict[str, float]]]) -> None:
+    """``--steps``: per size and ``layers_per_write``, each step's median and range over the rooms,
+    in ms after the last layer completed."""
+    print("the last layer group's steps, ms after its layers completed: median [min, max] (rooms)")
+    for (tokens, per_write), rooms in sorted(last_steps.items()):
+        cells = []
+        for step in (*LAST_STEPS, "d.notif", "d.SUCCESS"):
+            got = [r[step] * 1e3 for r in rooms if step in r]
+            if got:
+                cells.append(
+                    f"{step} {statistics.median(got):.3f} [{min(got):.3f}, {max(got):.3f}] ({len(got)})"
+                )
+        print(f"  {tokens} x{per_write}: " + "; ".join(cells), flush=True)
 
 
 def _peer_room(forward: Forward, pool: KVPool, tokens: int) -> Sample:
@@ -506,6 +549,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="TOP",
         help="cProfile the prefill's loop thread over the layer-wise rooms; print the TOP functions",
+    )
+    parser.add_argument(
+        "--steps",
+        action="store_true",
+        help="print the step marks of each layer-wise room's last group, ms after its layers completed",
     )
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny sizes (checks that the script runs)")
     args = parser.parse_args(argv)

@@ -799,8 +799,7 @@ class TransferEngine:
             raise ConfigError("receiver() is for decode engines; this one is prefill")
         self.me.trace.mark(room, "receiver")
         _check_room(room)
-        if pages is not None:
-            _check_request(self.pool, pages, aux_slot, decode_prefix_len)
+        checked = None if pages is None else _check_request(self.pool, pages, aux_slot, decode_prefix_len)
         if room in self.rooms:
             raise RoomInUseError(room)
         instance = await self._instance(bootstrap)
@@ -818,9 +817,11 @@ class TransferEngine:
         actor.everyone = list(instance.ranks)
         self._start_room(actor)  # before any request leaves: a prefill must never write for no room
         actor.core.bootstrapped([w.prefill_rank for w in writers], None, time.monotonic())
-        log.info("decode room %d: connected to %s (%d writers, path %s)", room, bootstrap, len(writers), path)
-        if pages is not None:
-            self._request(actor, pages, aux_slot, decode_prefix_len)
+        log.debug(
+            "decode room %d: connected to %s (%d writers, path %s)", room, bootstrap, len(writers), path
+        )
+        if checked is not None:
+            self._request(actor, checked, aux_slot, decode_prefix_len, checked=True)
         return Receiver(actor, self)
 
     def _request(
@@ -829,9 +830,14 @@ class TransferEngine:
         pages: Sequence[int] | np.ndarray | Any,
         aux_slot: int | None,
         decode_prefix_len: int,
+        *,
+        checked: bool = False,
     ) -> None:
-        """Send ``actor``'s TransferRequests for ``pages`` (see :meth:`Receiver.request`)."""
-        arr = _check_request(self.pool, pages, aux_slot, decode_prefix_len)
+        """Send ``actor``'s TransferRequests for ``pages`` (see :meth:`Receiver.request`);
+        ``checked``: ``pages`` is what :func:`_check_request` returned for these arguments."""
+        arr: np.ndarray = (
+            np.asarray(pages) if checked else _check_request(self.pool, pages, aux_slot, decode_prefix_len)
+        )
         if actor.requested:
             raise LocalProtocolError(f"room {actor.room} already requested its pages")
         if actor.done.is_set() or actor.status is not RoomStatus.WAITING_FOR_INPUT:

@@ -36,6 +36,13 @@ class StepTrace:
         if events is not None:
             events.append((time.monotonic_ns(), room, f"{self._side}.{step}"))
 
+    def mark_at(self, room: int, step: str, monotonic_ns: int) -> None:
+        """Record that ``room`` reached ``step`` at ``monotonic_ns`` (a time taken earlier, on any
+        thread, by code that has no trace of its own: the transport's start)."""
+        events = self._events
+        if events is not None:
+            events.append((monotonic_ns, room, f"{self._side}.{step}"))
+
     def mark_mail(self, where: str, mail: object, room: int | None = None) -> None:
         """Mark ``<where>:<mail's type>`` for ``room`` (default: the mail's ``room`` field, if any).
 

@@ -71,7 +71,8 @@ async def test_held_group_is_started_by_the_waiter_thread(early: bool) -> None:
         assert patterns.mismatches(c.decode[0].pool, 80, pages, 16) == 0
         assert len(starts) == 1, starts
         early_starts = sum(w.counters["early_starts"] for w in prefill.workers)
-        steps = [step for _, room, step in prefill.me.trace.take() if room == 80]
+        marks = prefill.me.trace.take()
+        steps = [step for _, room, step in marks if room == 80]
         if early:
             assert starts[0].startswith("te-completion-worker-"), starts
             assert early_starts == 1
@@ -79,9 +80,13 @@ async def test_held_group_is_started_by_the_waiter_thread(early: bool) -> None:
             # NIXL sent its notification from there (within the limit or not: timing, not checked)
             assert [(name, limit) for name, limit, _ in drives] == [(starts[0], prefill.config.early_drive)]
             assert steps.count("p.driven") == sum(ended for _, _, ended in drives), steps
+            # the thread's start, split by the transport's own times: the lock held, transfer() back
+            at = {step: ns for ns, room, step in marks if room == 80}
+            assert at["p.started"] <= at["p.locked"] <= at["p.transferred"] <= at["p.posted"], at
         else:
             assert starts[0] == threading.current_thread().name, starts  # the loop's
             assert early_starts == 0 and drives == [] and "p.driven" not in steps
+            assert "p.locked" not in steps and "p.transferred" not in steps  # marked by the thread only
         c.assert_no_leaks()
 
 

@@ -41,3 +41,17 @@ def test_marks_are_named_by_side_and_bounded() -> None:
 def test_negative_capacity_is_refused() -> None:
     with pytest.raises(ValueError, match="-1"):
         StepTrace(-1)
+
+
+def test_mark_at_keeps_the_time_it_is_given() -> None:
+    """A step timed earlier (on another thread, by the transport) is kept at that time, named as
+    every other mark; off, nothing is kept."""
+    trace = StepTrace(4, "prefill")
+    trace.mark_at(5, "locked", 123)
+    trace.mark(5, "posted")
+    marks = trace.take()
+    assert marks[0] == (123, 5, "p.locked")
+    assert marks[1][1:] == (5, "p.posted") and marks[1][0] > 123
+    off = StepTrace()
+    off.mark_at(5, "locked", 123)
+    assert off.take() == []

@@ -145,7 +145,7 @@ class _RoomActor:
         :class:`Drained` reply and keeps reading mail; the deadline is judged when the reply comes,
         after every notification that had arrived was applied.
         """
-        log.info("%s room %d: %s", self.side, self.room, self.core.status.name)
+        log.debug("%s room %d: %s", self.side, self.room, self.core.status.name)
         loop = asyncio.get_running_loop()
         timer: asyncio.TimerHandle | None = None
         armed: float | None = None
@@ -193,7 +193,7 @@ class _RoomActor:
                 self.ports.rooms.close(self.room, self.inbox)
                 self.done.set()
                 self.status_changed.set()
-            log.info("%s room %d ended %s", self.side, self.room, self.core.status.name)
+            log.debug("%s room %d ended %s", self.side, self.room, self.core.status.name)
 
     async def _apply(self, mail: RoomMail) -> None:
         before = self.core.status
@@ -210,7 +210,7 @@ class _RoomActor:
             self._fail(FailureReason.PROTOCOL, str(exc))
         if self.core.status is not before:
             self.ports.me.trace.mark(self.room, self.core.status.name)
-            log.info("%s room %d: %s -> %s", self.side, self.room, before.name, self.core.status.name)
+            log.debug("%s room %d: %s -> %s", self.side, self.room, before.name, self.core.status.name)
             changed, self.status_changed = self.status_changed, anyio.Event()
             changed.set()
             await self.on_status_change(before)

@@ -370,11 +370,14 @@ class TransferWorker(Actor["WorkerMail"]):
             held.state = _Start.STARTING
         self.me.trace.mark(room, "started")
         try:
-            self.poller.start_early(held.made[0])
+            at = self.poller.start_early(held.made[0])
         except TransferError as exc:
             with held.lock:
                 held.refusal, held.state = exc, _Start.REFUSED
             return
+        if at is not None and self.me.trace.enabled:
+            self.me.trace.mark_at(room, "locked", at[0])
+            self.me.trace.mark_at(room, "transferred", at[1])
         self.me.trace.mark(room, "posted")
         # still STARTING while it looks: the loop adopts it (and its poller may release it) only after
         if drive > 0 and self.poller.drive(held.made[0], drive):

@@ -303,6 +303,8 @@ class NixlTransport:
         self._ids = itertools.count(1)
         self._host_pieces = host_pieces(params or {})
         """Pieces a DRAM WRITE is spread over for the posting threads (0: none; :func:`host_pieces`)."""
+        self._started = threading.local()
+        """This thread's latest :meth:`start_write`, for step traces (:attr:`last_start`)."""
         self.post_ns: Counter[str] = Counter()
         """Nanoseconds spent in each step of :meth:`post_write`, summed, and ``writes`` posted."""
 
@@ -498,6 +500,7 @@ class NixlTransport:
         entered = time.perf_counter_ns()
         with self._lock:
             t0 = time.perf_counter_ns()
+            locked = time.monotonic_ns()
             self.post_ns["start_wait"] += t0 - entered
             xfer = self._handles[handle][0]
             peer, count = self._peer_of.pop(handle)
@@ -508,10 +511,18 @@ class NixlTransport:
                 raise TransportError(f"WRITE to {peer} failed to start: {exc}") from exc
             self.post_ns["transfer"] += time.perf_counter_ns() - t0
             self.post_ns["writes"] += 1
+            self._started.at = (locked, time.monotonic_ns())
             if state == "ERR":
                 self.release(handle)
                 raise TransportError(f"WRITE to {peer} failed to start ({count} descriptors)")
             return handle
+
+    @property
+    def last_start(self) -> tuple[int, int] | None:
+        """When the calling thread's latest :meth:`start_write` held the lock and when its
+        ``transfer()`` had returned (with the GIL back), in monotonic ns; None before its first."""
+        at: tuple[int, int] | None = getattr(self._started, "at", None)
+        return at
 
     @_serialized
     def state(self, handle: int) -> XferState:
