@@ -57,8 +57,9 @@ host's monotonic clock:
 
 ``--steps`` also prints each step of every layer-wise room's last group, in ms after its layers
 completed: the prefill's (``reached``, ``started``, ``locked`` and ``transferred`` — when the waiter's
-thread held the transport's lock and when ``transfer()`` had returned —, ``posted``, ``driven``,
-``room:WriteEnded``) and the decode's (``d.notif``, ``d.SUCCESS``).
+thread held the transport's lock and when ``transfer()`` had returned —, ``transfer_cpu`` — ``locked``
+plus the CPU time the thread spent inside ``transfer()``: the rest of the call it waited —, ``posted``,
+``driven``, ``room:WriteEnded``) and the decode's (``d.notif``, ``d.SUCCESS``).
 
 The heartbeat interval is 5 s here (lease 10 s): a stalled loop shows as a long tail, not as a dead
 peer. KV contents are not checked (the tests check every byte: tests/integration/test_matrix.py).
@@ -419,7 +420,16 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
     out.send(rows)
 
 
-LAST_STEPS = ("reached", "started", "locked", "transferred", "posted", "driven", "room:WriteEnded")
+LAST_STEPS = (
+    "reached",
+    "started",
+    "locked",
+    "transfer_cpu",
+    "transferred",
+    "posted",
+    "driven",
+    "room:WriteEnded",
+)
 """The prefill's step marks of a layer-wise room's last group, in the order they come (``--steps``)."""
 
 

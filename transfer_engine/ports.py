@@ -104,10 +104,11 @@ class WritePort(Protocol):
         TransportError: not started, the handle is gone, and no reply comes."""
         ...
 
-    def start_early(self, handle: int) -> tuple[int, int] | None:
+    def start_early(self, handle: int) -> tuple[int, int, int] | None:
         """Start a prepared WRITE from any thread (a completion waiter's); untracked until
-        :meth:`adopt`. TransportError: not started, and the handle is gone. Returns the monotonic ns
-        at which the start held the transport's lock and ``transfer()`` had returned, if known."""
+        :meth:`adopt`. TransportError: not started, and the handle is gone. Returns, if known, the
+        monotonic ns at which the start held the transport's lock and ``transfer()`` had returned,
+        and the thread's CPU ns inside ``transfer()``."""
         ...
 
     def drive(self, handle: int, limit_s: float) -> bool:

@@ -151,13 +151,13 @@ class NixlPoller:
         goes to ``reply_to``. TransportError: not started, the handle is gone, and no reply comes."""
         self._track(self._counted(lambda: self.transport.start_write(handle)), spec, reply_to, token)
 
-    def start_early(self, handle: int) -> tuple[int, int] | None:
+    def start_early(self, handle: int) -> tuple[int, int, int] | None:
         """Start the made WRITE ``handle`` from any thread (the completion waiter's); nothing is
         tracked or counted until :meth:`adopt`, on the loop. TransportError: not started, and the
-        handle is gone (count it with :meth:`refused`). Returns when the start held the transport's
-        lock and when ``transfer()`` had returned (monotonic ns), if the transport says."""
+        handle is gone (count it with :meth:`refused`). Returns the transport's
+        :attr:`~transfer_engine.transport.nixl.NixlTransport.last_start`, if it has one."""
         self.transport.start_write(handle)
-        at: tuple[int, int] | None = getattr(self.transport, "last_start", None)
+        at: tuple[int, int, int] | None = getattr(self.transport, "last_start", None)
         return at
 
     def drive(self, handle: int, limit_s: float) -> bool:

@@ -377,6 +377,7 @@ class TransferWorker(Actor["WorkerMail"]):
             return
         if at is not None and self.me.trace.enabled:
             self.me.trace.mark_at(room, "locked", at[0])
+            self.me.trace.mark_at(room, "transfer_cpu", at[0] + at[2])  # the lock + the call's CPU time
             self.me.trace.mark_at(room, "transferred", at[1])
         self.me.trace.mark(room, "posted")
         # still STARTING while it looks: the loop adopts it (and its poller may release it) only after

@@ -496,7 +496,8 @@ class NixlTransport:
 
         Serialized as every agent call; ``post_ns["start_wait"]`` sums the time from the call to
         holding the lock (on another thread than the loop's: the wait for the loop's NIXL call and
-        for the GIL after it), ``post_ns["transfer"]`` NIXL's ``transfer()``."""
+        for the GIL after it), ``post_ns["transfer"]`` NIXL's ``transfer()``, and
+        ``post_ns["transfer_cpu"]`` the CPU time the calling thread spent inside it."""
         entered = time.perf_counter_ns()
         with self._lock:
             t0 = time.perf_counter_ns()
@@ -504,24 +505,29 @@ class NixlTransport:
             self.post_ns["start_wait"] += t0 - entered
             xfer = self._handles[handle][0]
             peer, count = self._peer_of.pop(handle)
+            cpu0 = time.thread_time_ns()
             try:
                 state = self._agent.transfer(xfer)
             except Exception as exc:
                 self.release(handle)
                 raise TransportError(f"WRITE to {peer} failed to start: {exc}") from exc
+            cpu = time.thread_time_ns() - cpu0
+            returned = time.monotonic_ns()
             self.post_ns["transfer"] += time.perf_counter_ns() - t0
+            self.post_ns["transfer_cpu"] += cpu
             self.post_ns["writes"] += 1
-            self._started.at = (locked, time.monotonic_ns())
+            self._started.at = (locked, returned, cpu)
             if state == "ERR":
                 self.release(handle)
                 raise TransportError(f"WRITE to {peer} failed to start ({count} descriptors)")
             return handle
 
     @property
-    def last_start(self) -> tuple[int, int] | None:
-        """When the calling thread's latest :meth:`start_write` held the lock and when its
-        ``transfer()`` had returned (with the GIL back), in monotonic ns; None before its first."""
-        at: tuple[int, int] | None = getattr(self._started, "at", None)
+    def last_start(self) -> tuple[int, int, int] | None:
+        """The calling thread's latest :meth:`start_write`: when it held the lock and when its
+        ``transfer()`` had returned (with the GIL back), in monotonic ns, and the CPU time the thread
+        spent inside ``transfer()`` (ns; the rest of that call it waited); None before its first."""
+        at: tuple[int, int, int] | None = getattr(self._started, "at", None)
         return at
 
     @_serialized
