@@ -68,6 +68,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     decode's scatter of the one before that overlap instead of running one after the other
     (docs/PERF.md, "A whole chunk sent as layer groups"). 0: whole."""
     pipeline_min_bytes: int = 64 << 20
+    host_pipeline_layers: int = 4
+    """Prefill: a whole chunk (``send()``, not cut by ``pipeline_layers``) whose KV on this rank is at
+    least ``pipeline_min_bytes`` is written to a decode rank that asked for the host path as groups of
+    this many layers, so that the gather of one group, the slow host WRITE of the one before and the
+    decode's scatter overlap (1.1-1.3x at one room in flight on one H100: docs/PERF.md, "Session 13").
+    0: whole. Other paths are not cut (a loss there: same section)."""
     bootstrap_timeout: float = 30.0
     waiting_timeout: float | None = None
     transfer_timeout: float = 60.0
@@ -175,6 +181,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 sizes it automatically)")
         if not isinstance(self.pipeline_layers, int) or self.pipeline_layers < 0:
             raise ConfigError(f"pipeline_layers={self.pipeline_layers!r} must be an integer >= 0 (0: off)")
+        if not isinstance(self.host_pipeline_layers, int) or self.host_pipeline_layers < 0:
+            raise ConfigError(
+                f"host_pipeline_layers={self.host_pipeline_layers!r} must be an integer >= 0 (0: off)"
+            )
         if self.pipeline_min_bytes < 0:
             raise ConfigError(f"pipeline_min_bytes={self.pipeline_min_bytes} must be >= 0")
         if not isinstance(self.layers_per_write, int) or self.layers_per_write < 1:

@@ -77,7 +77,7 @@ from transfer_engine.ports import (
 from transfer_engine.protocol import descriptors, handshake, heads, leases
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.cadence import GroupCadence
-from transfer_engine.protocol.layers import LayerChunks, check_layers_per_write
+from transfer_engine.protocol.layers import ChunkCut, LayerChunks, check_layers_per_write
 from transfer_engine.protocol.paths import auto_path, is_staged
 from transfer_engine.protocol.polling import polled
 from transfer_engine.protocol.retransmit import Ended, Late, Tombstones, answer_late_request
@@ -615,6 +615,7 @@ class TransferEngine:
             ring=None if self.ring is None else self.ring.inbox,
             ring_port=self.ring,
             scatter=None if self.scatter is None else self.scatter.inbox,
+            chunk_cut=ChunkCut(cfg.host_pipeline_layers, cfg.pipeline_min_bytes),
         )  # fmt: skip
         tg.start_soon(self._heartbeat_loop)
         log.info(

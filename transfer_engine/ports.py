@@ -31,6 +31,7 @@ from transfer_engine.layout import KVPool
 from transfer_engine.mail import Mailbox, RegionGranted, RingMail, RoomMail, RoomOpened, ScatterJob
 from transfer_engine.peers import Peer
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.layers import ChunkCut
 from transfer_engine.protocol.messages import MemRegion
 from transfer_engine.steptrace import StepTrace
 from transfer_engine.transport.nixl import WriteSpec
@@ -241,3 +242,5 @@ class RoomPorts:
     ring: Mailbox[RingMail] | None = None
     ring_port: RingPort | None = None
     scatter: Mailbox[ScatterJob] | None = None
+    chunk_cut: ChunkCut = field(default_factory=ChunkCut)
+    """Prefill: the whole chunks a room writes as layer groups once it knows the path."""

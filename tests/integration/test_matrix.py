@@ -98,6 +98,34 @@ async def test_pipelined_chunk_goes_out_as_one_write_per_group(path: str) -> Non
         c.assert_no_leaks()
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["direct", "staged", "host"])
+async def test_host_path_writes_a_whole_chunk_as_layer_groups(path: str) -> None:
+    """``host_pipeline_layers``: a whole chunk sent to a decode rank on the host path goes out as one
+    WRITE per group of layers (3 layers in groups of 2: two), the other paths whole; a chunk under
+    ``pipeline_min_bytes`` goes whole on the host path too. Every byte checked (``run_room``)."""
+    layout = small_layout()
+    three_pages = 3 * layout.page_size * layout.heads_local(1) * layout.head_dim * 2 * layout.num_kv_tensors
+    async with cluster(layout, 1, 1, path=path, host_pipeline_layers=2, pipeline_min_bytes=three_pages) as c:
+        await run_room(c, 5, np.arange(3), np.arange(10, 13), [3], aux_slot=1)
+        posted = c.prefill[0].poller.counters["writes_posted"]
+        assert posted == (2 if path == "host" else 1) + 1
+        await run_room(c, 6, np.arange(2), np.arange(20, 22), [2], aux_slot=2)  # 2 pages: under the bar
+        assert c.prefill[0].poller.counters["writes_posted"] - posted == 1 + 1
+        c.assert_no_leaks()
+
+
+HOST_CUT = [p for p in PIPELINED if p.values[-1] == "host"]
+"""Host-path cases of the matrix, for chunks the prefill room cuts itself (``host_pipeline_layers``)."""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("heads", "mla", "P", "D", "path"), HOST_CUT)
+async def test_matrix_host_chunks_cut_by_the_room(heads: int, mla: bool, P: int, D: int, path: str) -> None:
+    """Every whole chunk of every room goes to each host-path decode rank as groups of one layer."""
+    await _matrix(heads, mla, P, D, path, host_pipeline_layers=1, pipeline_min_bytes=0)
+
+
 async def _matrix(
     heads: int,
     mla: bool,

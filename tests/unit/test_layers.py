@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from transfer_engine.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from transfer_engine.protocol.layers import (
+    ChunkCut,
     LayerChunks,
     LayerGroup,
     LayerTally,
@@ -248,3 +249,44 @@ def test_ready_in_groups_refuses_a_bad_size_or_no_open_chunk_and_changes_nothing
     assert [(g.start, g.end) for g in chunks.ready_in_groups(3)] == [(0, 3), (3, 4)]
     with pytest.raises(LocalProtocolError, match="no layer-wise chunk is open"):
         chunks.ready_in_groups(2)
+
+
+@pytest.mark.parametrize(
+    ("cut", "num_layers", "nbytes", "path", "expected"),
+    [
+        (ChunkCut(4, 100), 10, 100, "host", [(0, 4, False), (4, 8, False), (8, 10, True)]),
+        (ChunkCut(5, 0), 10, 0, "host", [(0, 5, False), (5, 10, True)]),
+        (ChunkCut(4, 100), 10, 99, "host", None),  # under min_bytes: whole
+        (ChunkCut(4, 0), 10, 100, "staged", None),  # not a path it cuts
+        (ChunkCut(4, 0), 10, 100, "direct", None),
+        (ChunkCut(0, 0), 10, 100, "host", None),  # off
+        (ChunkCut(10, 0), 10, 100, "host", None),  # one group would be the whole chunk
+        (ChunkCut(1, 0, frozenset({"staged"})), 2, 1, "staged", [(0, 1, False), (1, 2, True)]),
+    ],
+)
+def test_chunk_cut_by_path_and_size(cut, num_layers, nbytes, path, expected):
+    groups = cut.groups(7, num_layers, nbytes, path)
+    if expected is None:
+        assert groups is None
+    else:
+        assert groups is not None and all(g.chunk_id == 7 for g in groups)
+        assert [(g.start, g.end, g.closes) for g in groups] == expected
+
+
+@given(st.integers(1, 100), st.integers(1, 100))
+def test_chunk_cut_tiles_every_layer_once(num_layers, per_group):
+    groups = ChunkCut(per_group).groups(0, num_layers, 0, "host")
+    if per_group >= num_layers:
+        assert groups is None
+        return
+    assert groups is not None
+    assert [layer for g in groups for layer in range(g.start, g.end)] == list(range(num_layers))
+    assert [g.closes for g in groups] == [False] * (len(groups) - 1) + [True]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"), [({"per_group": -1}, "per_group=-1"), ({"min_bytes": -5}, "min_bytes=-5")]
+)
+def test_chunk_cut_refuses_bad_settings_by_name(kwargs, names):
+    with pytest.raises(ConfigError, match=names):
+        ChunkCut(**kwargs)

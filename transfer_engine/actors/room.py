@@ -421,6 +421,14 @@ class SenderRoomActor(_RoomActor):
             for group, waits in self.groups[chunk_id]:
                 self._schedule_group(group, waits, decode_rank)
             return
+        pool = self.ports.pool
+        nbytes = len(self.pages[chunk_id]) * pool.page_bytes * pool.layout.num_kv_tensors
+        cut = self.ports.chunk_cut.groups(chunk_id, pool.layout.num_layers, nbytes, req.path)
+        if cut is not None:  # written as layer groups, each once the chunk's KV is (its one event)
+            ready = self.ready[chunk_id]
+            for group in cut:
+                self._schedule_group(group, () if ready is None else (ready,), decode_rank)
+            return
         self._dispatch(
             WriteJob(
                 self.room,

@@ -28,6 +28,7 @@ import numpy.typing as npt
 from transfer_engine.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
+    "ChunkCut",
     "LayerChunks",
     "LayerGroup",
     "LayerTally",
@@ -64,6 +65,35 @@ class LayerGroup:
     @property
     def layers(self) -> tuple[int, int]:
         return (self.start, self.end)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCut:
+    """When a prefill room writes a whole chunk to one decode rank as layer groups on its own: on the
+    paths in ``paths``, a chunk of at least ``min_bytes`` on this rank, in groups of ``per_group``
+    layers (the last one shorter). The room decides once the decode's request names the path, which
+    ``send()`` cannot know (``EngineConfig.host_pipeline_layers``; docs/DECISIONS.md). Pure."""
+
+    per_group: int = 0
+    min_bytes: int = 0
+    paths: frozenset[str] = frozenset({"host"})
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.per_group) or self.per_group < 0:
+            raise ConfigError(f"per_group={self.per_group!r} must be an integer >= 0 (0: never)")
+        if not _is_int(self.min_bytes) or self.min_bytes < 0:
+            raise ConfigError(f"min_bytes={self.min_bytes!r} must be an integer >= 0")
+
+    def groups(self, chunk_id: int, num_layers: int, nbytes: int, path: str) -> list[LayerGroup] | None:
+        """The groups chunk ``chunk_id`` (``nbytes`` on this rank) is written as on ``path``, or None:
+        whole (another path, too small, or groups that would be the whole chunk)."""
+        per = self.per_group
+        if not per or per >= num_layers or path not in self.paths or nbytes < self.min_bytes:
+            return None
+        return [
+            LayerGroup(chunk_id, start, min(start + per, num_layers), start + per >= num_layers)
+            for start in range(0, num_layers, per)
+        ]
 
 
 @dataclass
