@@ -65,11 +65,15 @@ class GroupCadence:
 
     def quick(self, now: float) -> bool:
         """Whether ``now`` is inside a window; windows that ended are dropped."""
+        if not self._windows:  # the poller asks every cycle; rooms that are not layer-wise open none
+            return False
         self._windows = [w for w in self._windows if w[1] > now]
         return any(start <= now for start, _ in self._windows)
 
     def next_start(self, now: float) -> float | None:
         """The earliest start of a window still ahead of ``now`` (a back-off sleep ends there), or None."""
+        if not self._windows:
+            return None
         return min((start for start, _ in self._windows if start > now), default=None)
 
     @property
