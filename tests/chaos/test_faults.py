@@ -100,20 +100,39 @@ async def outcome(handle: Sender | Receiver) -> str:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("layerwise", [False, True], ids=["chunks", "layers"])
+@pytest.mark.parametrize("layerwise", [False, True, "host-cut"], ids=["chunks", "layers", "host-cut"])
 @pytest.mark.parametrize(("P", "D"), [(1, 1), (2, 1)], ids=["direct", "staged"])
 @pytest.mark.parametrize(
     ("fault", "detail"), [(Fault.ERROR, "ended in error"), (Fault.FAIL_POST, "injected fault")]
 )
 async def test_one_failed_write_fails_the_room_on_both_sides(
-    fault: Fault, detail: str, P: int, D: int, layerwise: bool
+    fault: Fault, detail: str, P: int, D: int, layerwise: bool | str
 ) -> None:
     """The prefill rank whose WRITE failed: TRANSPORT; the decode: REMOTE; the other writers stop.
-    ``layers``: the room goes layer-wise (one WRITE per layer), and the failed one is a layer's."""
+    ``layers``: the room goes layer-wise (one WRITE per layer), and the failed one is a layer's.
+    ``host-cut``: whole chunks on the host path, which the prefill room cuts into one-layer groups
+    itself (``host_pipeline_layers``): the failed WRITE is one group's."""
     wrapped: list[FaultyTransport] = []
-    rule = Rule(fault, match=matching(m.ChunkLanded, room=51), skip=1)  # one WRITE of the second chunk
+    landed = matching(m.ChunkLanded, room=51)
+    groups: list[tuple[int, int] | None] = []  # the layers of every WRITE of the room the rule saw
+
+    def match(payload: bytes) -> bool:
+        if not landed(payload):
+            return False
+        notif = m.decode(payload)
+        assert isinstance(notif, m.ChunkLanded)
+        groups.append(notif.layers)
+        return True
+
+    rule = Rule(fault, match=match, skip=1)  # the room's second WRITE
     transport = faulty_factory(wrapped, writes=[rule])
-    async with engines(P, D, prefill_transport=transport, layers_per_write=1) as c:
+    cut = (
+        {"path": "host", "host_pipeline_layers": 1, "pipeline_min_bytes": 0}
+        if layerwise == "host-cut"
+        else {}
+    )
+    layerwise = layerwise is True
+    async with engines(P, D, prefill_transport=transport, layers_per_write=1, **cut) as c:
         senders, receiver = await open_room(c, 51, [2, 2, 2], seed=51, layerwise=layerwise)
         received = await failure_of(receiver)
         outcomes = [await outcome(sender) for sender in senders]
@@ -124,6 +143,8 @@ async def test_one_failed_write_fails_the_room_on_both_sides(
         assert rule.fired == 1 and sum((t.fired for t in wrapped), Counter()) == {fault.value: 1}
         assert sum(e.counters["failed_transport"] for e in c.prefill) == 1
         assert c.decode[0].counters["failed_remote"] == 1
+        # layer-wise, or cut by the room: every WRITE was one layer's; else each a whole chunk's
+        assert groups and all((g is not None) == (layerwise or bool(cut)) for g in groups), groups
         await run_rooms(c, [52], [3, 3], seed=52)
         c.assert_no_leaks()
 
