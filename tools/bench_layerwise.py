@@ -56,7 +56,9 @@ host's monotonic clock:
   UCX copies inside ``transfer()``, so there ``react`` holds most of a WRITE.)
 
 ``--steps`` also prints each step of every layer-wise room's last group, in ms after its layers
-completed: the prefill's (``reached``, ``started``, ``locked`` and ``transferred`` — when the waiter's
+completed: the group before's ``driven`` (when the waiter's thread stopped looking at that WRITE),
+then the prefill's (``reached``, ``woken`` — the waiter's thread back from the group's event —,
+``started``, ``locked`` and ``transferred`` — when the waiter's
 thread held the transport's lock and when ``transfer()`` had returned —, ``transfer_cpu`` — ``locked``
 plus the CPU time the thread spent inside ``transfer()``: the rest of the call it waited —, ``posted``,
 ``driven``, ``room:WriteEnded``) and the decode's (``d.notif``, ``d.SUCCESS``).
@@ -422,6 +424,7 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
 
 LAST_STEPS = (
     "reached",
+    "woken",
     "started",
     "locked",
     "transfer_cpu",
@@ -443,6 +446,9 @@ def _last_group_steps(
         latest = max((ns for ns, r, s in marks if r == room and s == f"p.{step}"), default=None)
         if latest is not None:
             out[step] = latest / 1e9 - done
+    driven = sorted(ns for ns, r, s in marks if r == room and s == "p.driven")
+    if len(driven) > 1:  # the group before the last: when the waiter's thread stopped looking at it
+        out["driven before"] = driven[-2] / 1e9 - done
     out["d.notif"], out["d.SUCCESS"] = notified - done, landed - done
     return out
 
@@ -453,7 +459,7 @@ def _print_last_steps(last_steps: dict[tuple[int, int], list[dict[str, float]]])
     print("the last layer group's steps, ms after its layers completed: median [min, max] (rooms)")
     for (tokens, per_write), rooms in sorted(last_steps.items()):
         cells = []
-        for step in (*LAST_STEPS, "d.notif", "d.SUCCESS"):
+        for step in ("driven before", *LAST_STEPS, "d.notif", "d.SUCCESS"):
             got = [r[step] * 1e3 for r in rooms if step in r]
             if got:
                 cells.append(

@@ -83,7 +83,8 @@ async def test_held_group_is_started_by_the_waiter_thread(early: bool) -> None:
             # the thread's start, split by the transport's own times: the lock held, transfer() back
             at = {step: ns for ns, room, step in marks if room == 80}
             # and the thread's CPU time inside transfer(), which is part of that call's wall time
-            assert at["p.started"] <= at["p.locked"] <= at["p.transfer_cpu"] <= at["p.transferred"], at
+            assert at["p.woken"] <= at["p.started"] <= at["p.locked"] <= at["p.transfer_cpu"], at
+            assert at["p.transfer_cpu"] <= at["p.transferred"], at
             assert at["p.transferred"] <= at["p.posted"], at
         else:
             assert starts[0] == threading.current_thread().name, starts  # the loop's

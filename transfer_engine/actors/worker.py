@@ -353,6 +353,7 @@ class TransferWorker(Actor["WorkerMail"]):
     def _start_early(self, job: WriteJob, held: _Held) -> None:
         """On the completion waiter's thread, as a wait of held ``job`` completes: if every wait has,
         start its made WRITE now (:meth:`_claim_and_start`); the loop adopts it in :meth:`_on_reached`."""
+        self.me.trace.mark(job.room, "woken")  # back from the wait, the GIL held again
         if held_ready(job):
             # a layer group is small: its bytes land within a fraction of a millisecond, and the
             # decode hears of them sooner if this thread looks until they have (``early_drive``)
