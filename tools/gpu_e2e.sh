@@ -7,6 +7,7 @@
 #   tools/gpu_e2e.sh percall        # issue 17 on one GPU: direct/staged c1/c8 with --trace (< 8 min)
 #   tools/gpu_e2e.sh host-threads   # issue 17: the host path with and without NIXL's posting threads (< 8 min)
 #   tools/gpu_e2e.sh layer-window   # issue 16: the decode poller kept quick between layer groups, on / off (< 5 min)
+#   tools/gpu_e2e.sh goals          # issues 16 and 17 on TWO GPUs: the last group's steps, then the c1/c8 table (< 8 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -89,6 +90,19 @@ if [ "$phase" = layerwise-serving ]; then  # issue 16: TTFT with and without --l
         2>&1 | grep -v "NIXL INFO" | grep -iE "ttft|prompt|tail|error|failed|Traceback" | head -12
     done
   done
+  exit 0
+fi
+if [ "$phase" = goals ]; then  # issues 16 and 17, for a machine with two GPUs (prefill on 0, decode on 1)
+  # 16: the tail's `over` and every step of the last layer group (--steps), at 1K, 4K and 16K tokens
+  timeout 200 python3 tools/bench_layerwise.py --device cuda --path direct --tokens 1024,4096,16384 --per-write 1,4 \
+    --reps 6 --room-timeout 20 --steps 2>&1 | grep -v "NIXL INFO" | grep -v "peer copy" | tee "$OUT/goals-16.txt" | tail -24
+  # 17: the issue's table (direct and staged, 1 and 8 rooms in flight, Qwen3-32B-shaped 1.07 GB rooms)
+  for path in direct staged; do for conc in 1 8; do
+    TE_RING_BYTES=4294967296 timeout 100 python3 tools/bench_transfer.py --layers 64 --heads 8 --head-dim 128 \
+      --page-size 16 --tokens 4096 --chunks 1 --device cuda --path $path --concurrency $conc \
+      --rooms $([ $conc = 1 ] && echo 6 || echo 16) --rounds 3 --lat-rooms $([ $conc = 1 ] && echo 30 || echo 16) 2>&1 \
+      | grep -v "NIXL INFO" | grep "^path=" | tee -a "$OUT/goals-17.txt"
+  done; done
   exit 0
 fi
 if [ "$phase" = trace ]; then  # issue 17: where a room's time goes (bench_transfer.py --trace)
