@@ -41,7 +41,10 @@ host's monotonic clock:
 - ``last WRITE`` split, from ``posted``: ``seen``, the prefill got the last WRITE's end from its
   poller (its room's ``room:WriteEnded``; staged and host: the worker's ``write_ended``); ``notif``, the decode's poller drained the room's last
   notification (``notif``); ``applied`` = landed - that notification: the decode's actors;
-- ``forward``: forward start -> done; layer-wise sending must not slow it. ``fwd/chunk`` is the median,
+- ``forward``: forward start -> done; layer-wise sending must not slow it. With ``--launch-us`` the
+  forward's thread also runs that much Python before each layer, as a model's kernel launches do,
+  and the engine's threads then compete with it for the GIL (a GPU-bound forward hides that).
+  ``fwd/chunk`` is the median,
   over reps, of a layer-wise room's forward over the chunk-level room's of the same rep (``chunk``
   sends nothing during its forward). The modes are interleaved: each rep runs every mode once, in
   turn, in reverse order on odd reps, so a drift of the machine (clocks, heat) falls on all alike;
@@ -239,12 +242,23 @@ def _anchor(stream: torch.cuda.Stream) -> tuple[torch.cuda.Event, float]:
     raise RuntimeError(f"no event on an idle stream completed within {ANCHOR_WITHIN_S * 1e6:.0f} us")
 
 
+def _python_for(seconds: float) -> None:
+    """Run Python for ``seconds`` holding the GIL, as a model's per-layer kernel launches do (``--launch-us``)."""
+    if seconds <= 0:
+        return
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
 class Forward:
-    """The simulated forward: one matmul per layer on its own thread (and CUDA stream)."""
+    """The simulated forward: one matmul per layer on its own thread (and CUDA stream), each after
+    ``--launch-us`` of Python (a real model's launch work; 0 by default)."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device, tokens: int) -> None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.layers = args.layers
+        self.launch_s = args.launch_us / 1e6
         self.weight = torch.randn(args.hidden, args.ffn, device=device, dtype=dtype)
         self.x = torch.randn(tokens, args.hidden, device=device, dtype=dtype)
         self.out = torch.empty(tokens, args.ffn, device=device, dtype=dtype)
@@ -278,6 +292,7 @@ class Forward:
         with torch.cuda.stream(self.stream):
             anchor, start = _anchor(self.stream)
             for layer in range(self.layers):
+                _python_for(self.launch_s)
                 torch.matmul(self.x, self.weight, out=self.out)
                 on_layer(layer)
             end = torch.cuda.Event(enable_timing=True)
@@ -289,6 +304,7 @@ class Forward:
     def _cpu(self, on_layer: Callable[[int], None], after: Callable[[], None]) -> tuple[float, float]:
         start = done = time.monotonic()
         for layer in range(self.layers):
+            _python_for(self.launch_s)
             torch.matmul(self.x, self.weight, out=self.out)
             if layer == self.layers - 1:
                 done = time.monotonic()
@@ -565,6 +581,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="TOP",
         help="cProfile the prefill's loop thread over the layer-wise rooms; print the TOP functions",
+    )
+    parser.add_argument(
+        "--launch-us",
+        type=float,
+        default=0.0,
+        help="Python run by the forward's thread before each layer's matmul, in us (a model's launch "
+        "work, holding the GIL): with more of it than the layer's GPU time the forward is CPU-bound",
     )
     parser.add_argument(
         "--steps",

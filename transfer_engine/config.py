@@ -111,11 +111,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     WRITE is started by the completion waiter's thread"). False: the loop starts it (for A/B,
     ``TE_EARLY_START=0``)."""
     early_drive: float = 0.002
-    """With ``early_start``: after starting a layer group's WRITE, the waiter's thread asks NIXL for
-    its state until it has ended, for this many seconds at most. NIXL sends a WRITE's notification
-    from that call, so the decode hears of it without waiting for the poller's look on the loop
-    (docs/PERF.md, "Session 11"). Whole chunks are not driven: their copy takes milliseconds, and the
-    thread would only spin. 0: off (``TE_EARLY_DRIVE=0``)."""
+    """With ``early_start``: after starting the WRITE of the layer group that closes its chunk, the
+    waiter's thread asks NIXL for its state until it has ended, for this many seconds at most. NIXL
+    sends a WRITE's notification from that call, so the decode hears of the room's last group without
+    waiting for the poller's look on the loop (docs/PERF.md, "Session 11"). Earlier groups and whole
+    chunks are not driven: a thread looking at one woke late for the next group (docs/PERF.md,
+    "Session 13"), and a chunk's copy takes milliseconds. 0: off (``TE_EARLY_DRIVE=0``)."""
     gil_switch_interval: float = 0.0005
     """The blocking facade (:class:`~transfer_engine.facade.BlockingEngine`) lowers the process's
     ``sys.setswitchinterval`` to this (never raises it) when it starts; 0 leaves it alone. The engine's

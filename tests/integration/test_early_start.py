@@ -94,6 +94,49 @@ async def test_held_group_is_started_by_the_waiter_thread(early: bool) -> None:
 
 
 @pytest.mark.anyio
+async def test_only_the_group_that_closes_the_chunk_is_driven() -> None:
+    """Two held groups, [0, 1) and [1, 3): the waiter's thread starts both, and looks at the WRITE of
+    the closing one only (``early_drive``); every byte lands."""
+    async with cluster(small_layout(), 1, 1, path="direct", layers_per_write=1) as c:
+        pages = np.arange(4)
+        prefill = c.prefill[0]
+        assert prefill.poller is not None
+        starts: list[str] = []
+        _record_starts(prefill.poller, starts)
+        drives: list[str] = []
+        real_drive = prefill.poller.drive
+
+        def drive(handle: int, limit_s: float) -> bool:
+            drives.append(threading.current_thread().name)
+            return real_drive(handle, limit_s)
+
+        prefill.poller.drive = drive  # type: ignore[method-assign]
+        receiver = await c.decode[0].receiver(81, c.bootstrap, pages)
+        sender = prefill.sender(81)
+        first, rest = threading.Event(), threading.Event()
+        await sender.begin_chunk(pages, last=True)
+        await sender.layers_ready(0, 1, ready=first)
+        await sender.layers_ready(1, 3, ready=rest)
+        with anyio.fail_after(10):  # both held, their WRITEs made
+            while prefill.leaks()["nixl_handles"] < 2:  # noqa: ASYNC110 - engine state, no event
+                await anyio.sleep(0.005)
+        patterns.fill(prefill.pool, 81, pages, layers=(0, 1))
+        first.set()
+        with anyio.fail_after(10):  # the first group's WRITE started on the thread, and not driven
+            while not starts:  # noqa: ASYNC110 - engine state, no event
+                await anyio.sleep(0.005)
+        patterns.fill(prefill.pool, 81, pages)
+        rest.set()
+        with anyio.fail_after(10):
+            await sender.wait()
+            await receiver.wait()
+        assert patterns.mismatches(c.decode[0].pool, 81, pages, 16) == 0
+        assert len(starts) == 2 and all(name.startswith("te-completion-worker-") for name in starts), starts
+        assert drives == [starts[1]], (drives, starts)  # the closing group's only
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
 async def test_held_chunk_is_started_by_the_waiter_thread() -> None:
     """Direct, a whole chunk sent before its ready event completed: the waiter's thread starts it."""
     async with cluster(small_layout(), 1, 1, path="direct") as c:

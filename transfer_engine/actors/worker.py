@@ -355,9 +355,12 @@ class TransferWorker(Actor["WorkerMail"]):
         start its made WRITE now (:meth:`_claim_and_start`); the loop adopts it in :meth:`_on_reached`."""
         self.me.trace.mark(job.room, "woken")  # back from the wait, the GIL held again
         if held_ready(job):
-            # a layer group is small: its bytes land within a fraction of a millisecond, and the
-            # decode hears of them sooner if this thread looks until they have (``early_drive``)
-            self._claim_and_start(job.room, held, self.early_drive if job.group is not None else 0.0)
+            # the group that closes its chunk is small: its bytes land within a fraction of a
+            # millisecond, and the decode hears of them sooner if this thread looks until they have
+            # (``early_drive``). Earlier groups are left to the poller: their notifications are not
+            # the room's last, and a thread still looking at one wakes late for the next.
+            closes = job.group is not None and job.group.closes
+            self._claim_and_start(job.room, held, self.early_drive if closes else 0.0)
 
     def _claim_and_start(self, room: int, held: _Held, drive: float = 0.0) -> None:
         """On the completion waiter's thread: claim ``held``'s WRITE and start it, without waiting for
