@@ -306,10 +306,9 @@ class Sender(_Handle):
     def _pipelines(self, pages: int) -> bool:
         """Whether send() of ``pages`` pages goes out as layer groups (``EngineConfig.pipeline_layers``)."""
         per = self._pipeline_layers
-        layout = self._pool.layout
-        if not per or per >= layout.num_layers:
+        if not per or per >= self._pool.layout.num_layers:
             return False
-        return pages * self._pool.page_bytes * layout.num_kv_tensors >= self._pipeline_min_bytes
+        return chunk_region_bytes(self._pool, pages) >= self._pipeline_min_bytes
 
     def _groups_of(self, chunk: QueueChunk) -> list[LayersReady]:
         """The layer groups of a chunk that send() cuts (every layer ready once ``chunk.ready`` is)."""
@@ -460,7 +459,8 @@ class Receiver(_Handle):
         WaitingForInput. Bad arguments raise ConfigError/LayoutError naming the value, a second
         call or a final room LocalProtocolError; nothing is sent then.
         """
-        self._engine._request(self._room_actor, pages, aux_slot, decode_prefix_len)
+        arr = _check_request(self._engine.pool, pages, aux_slot, decode_prefix_len)
+        self._engine._request(self._room_actor, arr, aux_slot, decode_prefix_len)
 
 
 class TransferEngine:
@@ -822,23 +822,18 @@ class TransferEngine:
             "decode room %d: connected to %s (%d writers, path %s)", room, bootstrap, len(writers), path
         )
         if checked is not None:
-            self._request(actor, checked, aux_slot, decode_prefix_len, checked=True)
+            self._request(actor, checked, aux_slot, decode_prefix_len)
         return Receiver(actor, self)
 
     def _request(
         self,
         actor: ReceiverRoomActor,
-        pages: Sequence[int] | np.ndarray | Any,
+        arr: np.ndarray,
         aux_slot: int | None,
         decode_prefix_len: int,
-        *,
-        checked: bool = False,
     ) -> None:
-        """Send ``actor``'s TransferRequests for ``pages`` (see :meth:`Receiver.request`);
-        ``checked``: ``pages`` is what :func:`_check_request` returned for these arguments."""
-        arr: np.ndarray = (
-            np.asarray(pages) if checked else _check_request(self.pool, pages, aux_slot, decode_prefix_len)
-        )
+        """Send ``actor``'s TransferRequests for ``arr``, pages that :func:`_check_request` returned
+        for these arguments (see :meth:`Receiver.request`)."""
         if actor.requested:
             raise LocalProtocolError(f"room {actor.room} already requested its pages")
         if actor.done.is_set() or actor.status is not RoomStatus.WAITING_FOR_INPUT:

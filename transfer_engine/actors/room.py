@@ -54,6 +54,7 @@ from transfer_engine.mail import (
     WriteEnded,
     WriteJob,
 )
+from transfer_engine.memory import chunk_region_bytes
 from transfer_engine.peers import Peer
 from transfer_engine.ports import JOBS_PER_ROOM, ROOM_MAILBOX, ROOM_RESERVE, SCATTERS_PER_ROOM, RoomPorts
 from transfer_engine.protocol import descriptors, heads
@@ -422,7 +423,7 @@ class SenderRoomActor(_RoomActor):
                 self._schedule_group(group, waits, decode_rank)
             return
         pool = self.ports.pool
-        nbytes = len(self.pages[chunk_id]) * pool.page_bytes * pool.layout.num_kv_tensors
+        nbytes = chunk_region_bytes(pool, len(self.pages[chunk_id]))
         cut = self.ports.chunk_cut.groups(chunk_id, pool.layout.num_layers, nbytes, req.path)
         if cut is not None:  # written as layer groups, each once the chunk's KV is (its one event)
             ready = self.ready[chunk_id]

@@ -32,6 +32,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import numpy as np
@@ -41,7 +42,16 @@ from transfer_engine.completion import Completion, CompletionWaiter, recorded
 from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import KVTable, as_kv_table, gather_heads
 from transfer_engine.layout import KVPool
-from transfer_engine.mail import CancelRoom, Reached, Ready, RepeatStaging, WriteDone, WriteEnded, WriteJob
+from transfer_engine.mail import (
+    CancelRoom,
+    Mailbox,
+    Reached,
+    Ready,
+    RepeatStaging,
+    WriteDone,
+    WriteEnded,
+    WriteJob,
+)
 from transfer_engine.memory import StagingMemory, allocate_staging, run_cpu_copy
 from transfer_engine.ports import Outbox, RankIdentity, RoomBoard, WritePort
 from transfer_engine.protocol import messages as m
@@ -99,13 +109,18 @@ class _Held:
     refusal: TransferError | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self) -> bool:
-        """Claim it for the loop; False when the thread has it (its callback answers for it)."""
+    def claim(self, to: _Start) -> bool:
+        """Move it from HELD to ``to`` (STARTING: the waiter's thread; TAKEN: the loop); False when
+        the other one has it already."""
         with self.lock:
             if self.state is not _Start.HELD:
                 return False
-            self.state = _Start.TAKEN
+            self.state = to
             return True
+
+    def take(self) -> bool:
+        """Claim it for the loop; False when the thread has it (its callback answers for it)."""
+        return self.claim(_Start.TAKEN)
 
 
 def is_ready(ready: Ready) -> bool:
@@ -327,13 +342,14 @@ class TransferWorker(Actor["WorkerMail"]):
         held = self._prepared.get(id(job))
         if held is not None and held.state in (_Start.STARTED, _Start.REFUSED):
             self._unhold(job)
-            if held.refusal is not None:
-                self.poller.refused(held.refusal)
-                log.warning("worker %d: room %d: %s", self.index, job.room, held.refusal)
-                self._failed_starts.append((job, str(held.refusal)))
-            else:
-                self._adopt(job, held.made)
+            # A room with a job out never ends; only at shutdown is it gone, and then the poller's
+            # reply goes nowhere: the worker's own inbox, closed (the poller drops it).
+            room = self.rooms.get(job.room)
+            refusal = self._settle(held, room if room is not None else self.inbox, job.key)
+            if refusal is None:
                 return
+            log.warning("worker %d: room %d: %s", self.index, job.room, refusal)
+            self._failed_starts.append((job, str(refusal)))
         elif held is not None and held_ready(job) and held.take():
             self._unhold(job)
             self.me.trace.mark(job.room, "started")
@@ -368,10 +384,8 @@ class TransferWorker(Actor["WorkerMail"]):
         (:meth:`~transfer_engine.ports.WritePort.drive`). Touches nothing of the worker's but ``held``
         and the poller's thread-safe calls (docs/DECISIONS.md, "A held WRITE is started by the
         completion waiter's thread")."""
-        with held.lock:
-            if held.state is not _Start.HELD:
-                return
-            held.state = _Start.STARTING
+        if not held.claim(_Start.STARTING):
+            return
         self.me.trace.mark(room, "started")
         try:
             at = self.poller.start_early(held.made[0])
@@ -398,13 +412,16 @@ class TransferWorker(Actor["WorkerMail"]):
         elif held.state is not _Start.REFUSED:  # (a refused start's handle is gone already)
             self.poller.discard(held.made[0])
 
-    def _adopt(self, job: WriteJob, made: Made) -> None:
-        """Hand a WRITE the waiter's thread started to the poller, replying to ``job``'s room."""
+    def _settle(self, held: _Held, reply_to: Mailbox[Any], token: object) -> TransferError | None:
+        """On the loop, for a WRITE the waiter's thread has finished with (STARTED or REFUSED): hand
+        it to the poller, which sends ``WriteEnded(token, ...)`` to ``reply_to`` once it ends, or
+        count its refusal and return it for the caller to answer."""
+        if held.refusal is not None:
+            self.poller.refused(held.refusal)
+            return held.refusal
         self.counters["early_starts"] += 1
-        room = self.rooms.get(job.room)
-        # A room with a job out never ends; only at shutdown is it gone, and then the poller's
-        # reply goes nowhere: the worker's own inbox, closed (the poller drops it).
-        self.poller.adopt(made[0], made[1], room if room is not None else self.inbox, job.key)
+        self.poller.adopt(*held.made, reply_to, token)
+        return None
 
     def _post_reached(self) -> None:
         """Queue one :class:`Reached` (none if one is queued already)."""
@@ -825,13 +842,10 @@ class TransferWorker(Actor["WorkerMail"]):
         try:
             if isinstance(held, TransferError):
                 raise held
-            if held.state is _Start.REFUSED:
-                assert held.refusal is not None
-                self.poller.refused(held.refusal)
-                raise held.refusal
-            if held.state is _Start.STARTED:
-                self.counters["early_starts"] += 1
-                self.poller.adopt(*held.made, self.inbox, token)
+            if held.state in (_Start.STARTED, _Start.REFUSED):
+                refusal = self._settle(held, self.inbox, token)
+                if refusal is not None:
+                    raise refusal
             else:
                 # the thread is done with it (its first step ran before this callback), or never ran
                 claimed = held.take()

@@ -498,11 +498,10 @@ class NixlTransport:
         holding the lock (on another thread than the loop's: the wait for the loop's NIXL call and
         for the GIL after it), ``post_ns["transfer"]`` NIXL's ``transfer()``, and
         ``post_ns["transfer_cpu"]`` the CPU time the calling thread spent inside it."""
-        entered = time.perf_counter_ns()
+        entered = time.monotonic_ns()
         with self._lock:
-            t0 = time.perf_counter_ns()
             locked = time.monotonic_ns()
-            self.post_ns["start_wait"] += t0 - entered
+            self.post_ns["start_wait"] += locked - entered
             xfer = self._handles[handle][0]
             peer, count = self._peer_of.pop(handle)
             cpu0 = time.thread_time_ns()
@@ -513,7 +512,7 @@ class NixlTransport:
                 raise TransportError(f"WRITE to {peer} failed to start: {exc}") from exc
             cpu = time.thread_time_ns() - cpu0
             returned = time.monotonic_ns()
-            self.post_ns["transfer"] += time.perf_counter_ns() - t0
+            self.post_ns["transfer"] += returned - locked
             self.post_ns["transfer_cpu"] += cpu
             self.post_ns["writes"] += 1
             self._started.at = (locked, returned, cpu)
