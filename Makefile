@@ -5,6 +5,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
+# No wheel cache: a fresh machine may have little disk, and a cached copy of every wheel (vLLM's
+# stack is several GB) doubles what the install needs at its peak.
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: setup test lint typecheck pytest demo bench clean
 

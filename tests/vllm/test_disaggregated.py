@@ -126,7 +126,15 @@ def serve(
         "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
         "--block-size", "32", "--max-num-seqs", "8", "--served-model-name", "m", *args,
     ]  # fmt: skip
-    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONWARNINGS="ignore", **(env or {}))
+    rpc = tmp / "rpc"  # vLLM's ZMQ ipc sockets, which it would otherwise leave in /tmp
+    rpc.mkdir(exist_ok=True)
+    full_env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_RPC_BASE_PATH=str(rpc),
+        PYTHONWARNINGS="ignore",
+        **(env or {}),
+    )
     with log.open("wb") as out:
         popen = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
