@@ -263,6 +263,9 @@ class Forward:
         self.x = torch.randn(tokens, args.hidden, device=device, dtype=dtype)
         self.out = torch.empty(tokens, args.ffn, device=device, dtype=dtype)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.torch_threads = args.torch_threads
+        self.thread_cpu = 0.0
+        """The CPU time of the forward's thread in its latest :meth:`run`, s."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -273,12 +276,16 @@ class Forward:
         failed: list[BaseException] = []
 
         def body() -> None:
+            if self.stream is None:  # a thread's own setting: a new one would use every core, and
+                torch.set_num_threads(self.torch_threads)  # OpenMP's idle workers spin on them
+            cpu = time.thread_time()
             try:
                 result.append(
                     self._cuda(on_layer, after) if self.stream is not None else self._cpu(on_layer, after)
                 )
             except BaseException as exc:
                 failed.append(exc)
+            self.thread_cpu = time.thread_time() - cpu
 
         thread = threading.Thread(target=body, name="forward")
         thread.start()
@@ -348,6 +355,7 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
     profiled = 0
     raw: RawGroup | None = None
     last_steps: dict[tuple[int, int], list[dict[str, float]]] = defaultdict(list)
+    engine_cpu: dict[tuple[int, str, int], list[tuple[float, int]]] = defaultdict(list)
     with BlockingEngine(_config(args, "prefill", port), pool) as engine:
 
         def one_room(forward: Forward, tokens: int, mode: str, per_write: int, measured: bool) -> Sample:
@@ -359,6 +367,8 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
             pipe.send((room, tokens))
             _until(sender, RoomStatus.WAITING_FOR_INPUT)
             profiling = profile is not None and mode != "chunk" and measured
+            polls = _polls(engine)
+            cpu = time.process_time()
             if mode == "chunk":
                 start, done = forward.run(lambda layer: None, lambda: sender.send(pages, last=True))
             else:
@@ -372,6 +382,9 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
             except TimeoutError:
                 print(f"room {room} did not end: {_stuck(engine)}", file=sys.stderr, flush=True)
                 raise
+            if measured:  # the process's CPU time over the room, but the forward's own thread
+                cpu = time.process_time() - cpu - forward.thread_cpu
+                engine_cpu[(tokens, mode, per_write)].append((cpu, _polls(engine) - polls))
             if profiling:
                 engine._call(profile.disable)  # type: ignore[union-attr]
             landed, notified = pipe.recv()
@@ -431,6 +444,7 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                 )
         pipe.send(None)
     print("prefill post_write, per mode (the transport's own clocks):", *posts, sep="\n  ", flush=True)
+    _print_engine_cpu(engine_cpu, args.layers)
     if last_steps:
         _print_last_steps(last_steps)
     if profile is not None and profiled:
@@ -467,6 +481,25 @@ def _last_group_steps(
         out["driven before"] = driven[-2] / 1e9 - done
     out["d.notif"], out["d.SUCCESS"] = notified - done, landed - done
     return out
+
+
+def _print_engine_cpu(engine_cpu: dict[tuple[int, str, int], list[tuple[float, int]]], layers: int) -> None:
+    """Per room, medians over the rooms: the prefill's CPU time in all its threads but the forward's
+    (the engine's, and what else the process runs while a room is out: nothing, in this benchmark),
+    and its poller's looks, from the forward's start to the room's end."""
+    print(
+        "prefill per room, from the forward's start: CPU time of threads other than the forward's; poller looks"
+    )
+    for (tokens, mode, per_write), got in sorted(engine_cpu.items()):
+        if mode == "peer":
+            continue
+        cpu = statistics.median(c for c, _ in got)
+        polls = statistics.median(p for _, p in got)
+        groups = -(-layers // per_write) if mode == "layers" else 1
+        print(
+            f"  {tokens} {mode} x{per_write}: CPU {cpu * 1e3:.2f} ms ({cpu / groups * 1e6:.0f} us per group); "
+            f"looks {polls:.0f} ({polls / groups:.1f} per group)"
+        )
 
 
 def _print_last_steps(last_steps: dict[tuple[int, int], list[dict[str, float]]]) -> None:
@@ -525,6 +558,13 @@ def _stuck(engine: BlockingEngine) -> str:
         )
 
     return str(engine._call(look))
+
+
+def _polls(engine: BlockingEngine) -> int:
+    """The prefill poller's looks so far."""
+    poller = engine._engine.poller
+    assert poller is not None
+    return int(engine._call(lambda: poller.counters["polls"]))
 
 
 def _post_ns(engine: BlockingEngine) -> Counter[str]:

@@ -93,6 +93,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     adds up to 0.5 ms to the room's tail. 0 (the default): off. Off by default because on the 2-core
     CPU box the polls slowed the forward by 25% (docs/PERF.md, "the decode poller kept quick between
     layer groups"); for A/B on a GPU machine (``TE_POLL_LAYER_WINDOW=0.05``)."""
+    poll_relaxed: float = 0.001
+    """A prefill rank's poller looks at the WRITEs of layer groups before their chunk's closing group
+    (relaxed WRITEs: nobody waits for their ends yet) every this many seconds, and their posts and ends
+    do not put it in its quick window (``poll_interval / 4`` for 2 ms). Each look takes the GIL,
+    from a forward that holds it too. The closing group's coming to its worker makes the chunk's WRITEs
+    urgent again (docs/DECISIONS.md, "Relaxed looks at the layer groups before the last"). 0: every
+    WRITE is urgent, as before session 14 (``TE_POLL_RELAXED=0``, for A/B)."""
     poll_group_cadence: bool = True
     """A decode rank's poller predicts when a layer-wise room's next group lands, from the spacing
     of that sender's groups so far, and is at its quick cadence in a window around that moment
@@ -167,6 +174,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"trace_steps={self.trace_steps} must be >= 0")
         if self.poll_spin < 0:
             raise ConfigError(f"poll_spin={self.poll_spin} must be >= 0")
+        if self.poll_relaxed < 0:
+            raise ConfigError(f"poll_relaxed={self.poll_relaxed} must be >= 0")
         if self.poll_layer_window < 0:
             raise ConfigError(f"poll_layer_window={self.poll_layer_window} must be >= 0")
         if self.early_drive < 0:

@@ -100,9 +100,12 @@ class WritePort(Protocol):
         """No more WRITEs from ``lists`` (released with the last WRITE made from them)."""
         ...
 
-    def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+    def start_write(
+        self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object, *, relaxed: bool = False
+    ) -> None:
         """Start a prepared WRITE; ``WriteEnded(token, ...)`` goes to ``reply_to`` when it ends.
-        TransportError: not started, the handle is gone, and no reply comes."""
+        TransportError: not started, the handle is gone, and no reply comes. ``relaxed``: nobody
+        waits for its end until :meth:`hurry` (it is looked at less often)."""
         ...
 
     def start_early(self, handle: int) -> tuple[int, int, int] | None:
@@ -117,9 +120,15 @@ class WritePort(Protocol):
         ended (True), for ``limit_s`` at most (NIXL sends its notification from a look)."""
         ...
 
-    def adopt(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+    def adopt(
+        self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object, *, relaxed: bool = False
+    ) -> None:
         """On the loop: track a WRITE :meth:`start_early` started; ``WriteEnded(token, ...)`` goes
-        to ``reply_to`` when it ends."""
+        to ``reply_to`` when it ends (``relaxed`` as for :meth:`start_write`)."""
+        ...
+
+    def hurry(self, reply_to: Mailbox[Any]) -> None:
+        """On the loop: ``reply_to``'s relaxed WRITEs are waited for now."""
         ...
 
     def refused(self, exc: TransferError) -> None:

@@ -30,9 +30,9 @@ def _record_starts(poller: object, starts: list[str]) -> None:
     for name in ("start_early", "start_write"):
         real: Callable[..., object] = getattr(poller, name)
 
-        def recorded(*args: object, _real: Callable[..., object] = real) -> object:
+        def recorded(*args: object, _real: Callable[..., object] = real, **kwargs: object) -> object:
             starts.append(threading.current_thread().name)
-            return _real(*args)
+            return _real(*args, **kwargs)
 
         setattr(poller, name, recorded)
 

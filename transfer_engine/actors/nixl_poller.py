@@ -48,6 +48,32 @@ QUICK_S = 0.002
 only ``poll_interval / QUICK_DIVISOR`` for this long: the answer to a WRITE or a request usually comes
 within a millisecond or two, and each poll it is late by is added to the room's latency."""
 QUICK_DIVISOR = 4
+IDLE_FACTOR = 50
+"""With nothing that can come (no WRITE out, no room waiting for a notification), the poller looks
+every ``poll_interval * IDLE_FACTOR``."""
+BACKOFF_POLLS = 20
+"""Polls at ``poll_interval`` after the quick window, before the poller slows to 2.5x that."""
+
+
+def poll_delay(
+    interval: float, *, posted: int, urgent: int, busy: bool, quick: bool, idle: int, relaxed: float
+) -> tuple[float, bool]:
+    """How long the poller sleeps before its next look, and whether that sleep counts as a back-off
+    step (the caller counts ``idle`` up by one then). Pure.
+
+    ``posted``: WRITEs out; ``urgent``: those of them whose end someone waits for now (the rest are
+    relaxed: layer groups that do not close their chunk, docs/DECISIONS.md, "Relaxed looks at the
+    layer groups before the last"); ``busy``: rooms wait for notifications (decode); ``quick``: in a
+    quick window (activity, or a predicted layer group); ``idle``: back-off steps since the last
+    activity; ``relaxed``: ``EngineConfig.poll_relaxed`` (0: every WRITE is urgent).
+    """
+    if not (posted or busy):  # nothing can come
+        return interval * IDLE_FACTOR, False
+    if quick:
+        return interval / QUICK_DIVISOR, False
+    if relaxed > 0 and urgent == 0 and not busy:  # only relaxed WRITEs out
+        return max(relaxed, interval), False
+    return (interval if idle < BACKOFF_POLLS else interval * 2.5), True
 
 
 @dataclass(slots=True)
@@ -57,6 +83,8 @@ class _Posted:
     nbytes: int
     reply_to: Mailbox[Any]
     token: object
+    relaxed: bool = False
+    """Nobody waits for its end right now: it does not quicken the poller (:func:`poll_delay`)."""
 
 
 class NixlPoller:
@@ -75,6 +103,7 @@ class NixlPoller:
         layer_window: float = 0.0,
         num_layers: int = 0,
         cadence: GroupCadence | None = None,
+        relaxed: float = 0.0,
     ) -> None:
         self.transport = transport
         self._trace = trace or StepTrace()
@@ -92,10 +121,16 @@ class NixlPoller:
         """The KV pool's layers: a layer group's notification ending below it has more to come."""
         self._cadence = cadence
         """``EngineConfig.poll_group_cadence``: quick windows around each sender's next layer group."""
+        self._relaxed = relaxed
+        """``EngineConfig.poll_relaxed``: the look's period while only relaxed WRITEs are out (0: none is)."""
         self._hot_until = 0.0
         self._quick_until = 0.0
         self._idle = 0
+        self._sleep_until = float("inf")
+        """When the poller's current sleep ends (inf: it is not asleep, or sleeps until woken)."""
         self._posted: list[_Posted] = []
+        self._urgent = 0
+        """WRITEs in ``_posted`` that are not relaxed."""
         self._wake = anyio.Event()
         self.counters: Counter[str] = Counter()
         self.book = LogBook(log, transport.name)
@@ -146,10 +181,15 @@ class NixlPoller:
         except KeyError:  # the transport was closed first (engine shutdown): it released them
             log.debug("shared lists %d were already released", lists)
 
-    def start_write(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+    def start_write(
+        self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object, *, relaxed: bool = False
+    ) -> None:
         """Start the WRITE ``handle`` made of ``spec``; once it ends, ``WriteEnded(token, ok, detail)``
-        goes to ``reply_to``. TransportError: not started, the handle is gone, and no reply comes."""
-        self._track(self._counted(lambda: self.transport.start_write(handle)), spec, reply_to, token)
+        goes to ``reply_to``. TransportError: not started, the handle is gone, and no reply comes.
+        ``relaxed``: nobody waits for its end until :meth:`hurry` (a layer group before its chunk's
+        last): it is looked at every ``poll_relaxed``, not at the quick cadence."""
+        started = self._counted(lambda: self.transport.start_write(handle))
+        self._track(started, spec, reply_to, token, relaxed)
 
     def start_early(self, handle: int) -> tuple[int, int, int] | None:
         """Start the made WRITE ``handle`` from any thread (the completion waiter's); nothing is
@@ -172,9 +212,25 @@ class NixlPoller:
                 return False
         return True
 
-    def adopt(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
+    def adopt(
+        self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object, *, relaxed: bool = False
+    ) -> None:
         """Track a WRITE that :meth:`start_early` started, as :meth:`start_write` tracks its own."""
-        self._track(handle, spec, reply_to, token)
+        self._track(handle, spec, reply_to, token, relaxed)
+
+    def hurry(self, reply_to: Mailbox[Any]) -> None:
+        """Someone waits for the ends of ``reply_to``'s relaxed WRITEs now (the closing group of their
+        chunk came): they are urgent from here on, and the poller is quick."""
+        hurried = 0
+        for posted in self._posted:
+            if posted.relaxed and posted.reply_to is reply_to:
+                posted.relaxed = False
+                hurried += 1
+        if hurried:
+            self._urgent += hurried
+            self.counters["writes_hurried"] += hurried
+            self._heat()
+            self._wake.set()
 
     def refused(self, exc: TransferError) -> None:
         """Count a refusal that :meth:`start_early` raised (on the loop: the counters are its)."""
@@ -189,10 +245,20 @@ class NixlPoller:
             self.refused(exc)
             raise
 
-    def _track(self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object) -> None:
-        self._posted.append(_Posted(handle, spec.peer, spec.nbytes, reply_to, token))
+    def _track(
+        self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object, relaxed: bool = False
+    ) -> None:
+        relaxed = relaxed and self._relaxed > 0
+        self._posted.append(_Posted(handle, spec.peer, spec.nbytes, reply_to, token, relaxed))
         self.counters["writes_posted"] += 1
         self.counters["descriptors_posted"] += len(spec.src)
+        if relaxed:
+            self.counters["writes_relaxed"] += 1
+            # no quick window: the poller's sleep is cut short only when it would outlast a relaxed look
+            if self._sleep_until > time.monotonic() + self._relaxed:
+                self._wake.set()
+            return
+        self._urgent += 1
         self._heat()
         self._wake.set()
 
@@ -248,8 +314,10 @@ class NixlPoller:
         task_status.started()
         while True:
             self._wake = anyio.Event()
+            self._sleep_until = float("inf")
             asked, self._drain_next = self._drain_next, []
             worked = await self._poll_once()
+            self.counters["polls"] += 1
             for room in asked:
                 await self._rooms.deliver(room, Drained())
             if worked:
@@ -259,15 +327,19 @@ class NixlPoller:
                 await anyio.lowlevel.checkpoint()
                 continue
             now = time.monotonic()
-            if not (self._posted or self._busy()):  # nothing can come: idle back-off
-                delay = self._interval * 50
-            elif now < self._quick_until or (self._cadence is not None and self._cadence.quick(now)):
-                delay = self._interval / QUICK_DIVISOR
-            else:  # 20 polls at poll_interval after the quick window, then 2.5x slower
-                self._idle += 1
-                delay = self._interval if self._idle <= 20 else self._interval * 2.5
+            delay, backoff = poll_delay(
+                self._interval,
+                posted=len(self._posted),
+                urgent=self._urgent,
+                busy=self._busy(),
+                quick=now < self._quick_until or (self._cadence is not None and self._cadence.quick(now)),
+                idle=self._idle,
+                relaxed=self._relaxed,
+            )
+            self._idle += backoff
             if self._cadence is not None and (ahead := self._cadence.next_start(now)) is not None:
                 delay = min(delay, ahead - now)  # be quick from a predicted group's window on
+            self._sleep_until = now + delay
             timers = fine_timers()
             if timers is not None:  # on time: epoll's own timeout would round up to 1 ms
                 timers.call_later(delay, self._wake.set)
@@ -286,6 +358,7 @@ class NixlPoller:
                 if state is XferState.PROC:
                     still.append(posted)
                     continue
+                self._urgent -= not posted.relaxed
                 self.transport.release(posted.handle)
                 ok = state is XferState.DONE
                 self.counters["writes_done" if ok else "writes_failed"] += 1
@@ -294,7 +367,7 @@ class NixlPoller:
                 finished.append((posted, ok, "" if ok else f"WRITE to {posted.peer} ended in error"))
             self._posted = still
             for posted, ok, detail in finished:
-                worked = True
+                worked = worked or not posted.relaxed  # a relaxed end is no activity to be quick for
                 await _reply(posted, ok, detail)
         try:
             notifs = self.transport.drain_notifs()
@@ -333,6 +406,7 @@ class NixlPoller:
         if not gone:
             return
         self._posted = [p for p in self._posted if p.peer != peer]
+        self._urgent -= sum(not p.relaxed for p in gone)
         for posted in gone:
             self.transport.release(posted.handle)
             self.counters["writes_abandoned"] += 1

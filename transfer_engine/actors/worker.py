@@ -345,7 +345,8 @@ class TransferWorker(Actor["WorkerMail"]):
             # A room with a job out never ends; only at shutdown is it gone, and then the poller's
             # reply goes nowhere: the worker's own inbox, closed (the poller drops it).
             room = self.rooms.get(job.room)
-            refusal = self._settle(held, room if room is not None else self.inbox, job.key)
+            reply_to = room if room is not None else self.inbox
+            refusal = self._settle(held, reply_to, job.key, self._relaxed(job))
             if refusal is None:
                 return
             log.warning("worker %d: room %d: %s", self.index, job.room, refusal)
@@ -412,7 +413,9 @@ class TransferWorker(Actor["WorkerMail"]):
         elif held.state is not _Start.REFUSED:  # (a refused start's handle is gone already)
             self.poller.discard(held.made[0])
 
-    def _settle(self, held: _Held, reply_to: Mailbox[Any], token: object) -> TransferError | None:
+    def _settle(
+        self, held: _Held, reply_to: Mailbox[Any], token: object, relaxed: bool = False
+    ) -> TransferError | None:
         """On the loop, for a WRITE the waiter's thread has finished with (STARTED or REFUSED): hand
         it to the poller, which sends ``WriteEnded(token, ...)`` to ``reply_to`` once it ends, or
         count its refusal and return it for the caller to answer."""
@@ -420,8 +423,19 @@ class TransferWorker(Actor["WorkerMail"]):
             self.poller.refused(held.refusal)
             return held.refusal
         self.counters["early_starts"] += 1
-        self.poller.adopt(*held.made, reply_to, token)
+        self.poller.adopt(*held.made, reply_to, token, relaxed=relaxed)
         return None
+
+    def _relaxed(self, job: WriteJob) -> bool:
+        """Whether nobody waits for the end of ``job``'s WRITE yet: a layer group of a direct or slice
+        chunk whose closing group has not come to this worker (its shared lists are still open). Its
+        end matters only once the room's last WRITE has ended, and the closing group's coming hurries
+        it (:meth:`_make_direct`); until then the poller looks at it less often, and takes the GIL from
+        a forward less often (docs/DECISIONS.md, "Relaxed looks at the layer groups before the last")."""
+        group, chunk = job.group, job.chunk
+        if group is None or chunk is None or group.closes:
+            return False
+        return (job.peer.agent_name, job.room, chunk.chunk_id) in self._chunk_lists
 
     def _post_reached(self) -> None:
         """Queue one :class:`Reached` (none if one is queued already)."""
@@ -436,7 +450,7 @@ class TransferWorker(Actor["WorkerMail"]):
         if room is None:  # ended (only at shutdown: a room with jobs out is never quiescent)
             self.poller.discard(handle)
             return
-        self.poller.start_write(handle, spec, room, job.key)
+        self.poller.start_write(handle, spec, room, job.key, relaxed=self._relaxed(job))
         self.me.trace.mark(job.room, "posted")
 
     async def handle(self, mail: WorkerMail) -> None:
@@ -571,6 +585,9 @@ class TransferWorker(Actor["WorkerMail"]):
         finally:
             if job.group.closes and key in self._chunk_lists:  # the chunk's last group: no more WRITEs
                 self.poller.close_lists(self._chunk_lists.pop(key).lists)
+                room = self.rooms.get(job.room)
+                if room is not None:  # the room's last WRITE is near: its earlier groups' ends matter now
+                    self.poller.hurry(room)
 
     def _close_lists(self, room: int) -> None:
         """Give up the shared lists of ``room``'s chunks (the room was cancelled)."""

@@ -1,0 +1,67 @@
+"""A prefill's poller looks at the WRITEs of layer groups before their chunk's closing group only every
+``poll_relaxed`` (relaxed WRITEs), and their ends still reach both sides: the decode counts the groups
+before the closing one has even been reported ready. ``poll_relaxed=0`` relaxes none."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from transfer_engine import patterns
+
+from .harness import Cluster, cluster, small_layout
+
+
+async def _layers_landed(c: Cluster, room: int, n: int) -> None:
+    """Until the decode room counted ``n`` layers of chunk 0 from writer 0."""
+    core = c.decode[0].rooms[room].core
+    with anyio.fail_after(10):
+        while core.layer_tally is None or core.layer_tally.layers((0, 0)) < n:  # noqa: ASYNC110 - engine state, no event
+            await anyio.sleep(0.002)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("relaxed", [0.001, 0.0])
+async def test_groups_before_the_closing_one_are_relaxed_and_still_land(relaxed: float) -> None:
+    async with cluster(small_layout(), 1, 1, path="direct", layers_per_write=1, poll_relaxed=relaxed) as c:
+        prefill, decode = c.prefill[0], c.decode[0]
+        pages = np.arange(4)
+        patterns.fill(prefill.pool, 60, pages)
+        receiver = await decode.receiver(60, c.bootstrap, pages)
+        sender = prefill.sender(60)
+        await sender.begin_chunk(pages, last=True)
+        await sender.layers_ready(0, 1)
+        await sender.layers_ready(1, 2)
+        await _layers_landed(c, 60, 2)  # no closing group yet: nothing hurried them
+        counters = prefill.poller.counters
+        assert counters["writes_relaxed"] == (2 if relaxed else 0)
+        assert counters["writes_hurried"] == 0
+        await sender.layers_ready(2, 3)  # the closing group
+        with anyio.fail_after(10):
+            await sender.wait()
+            await receiver.wait()
+        assert counters["writes_posted"] == 3 and counters["writes_done"] == 3
+        assert counters["writes_relaxed"] == (2 if relaxed else 0)  # the closing group's is urgent
+        assert decode.poller.counters["writes_relaxed"] == 0
+        tokens = patterns.received_tokens(len(pages), 4, len(pages), 4)
+        assert patterns.mismatches(decode.pool, 60, pages, tokens) == 0
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_a_chunk_level_room_is_never_relaxed() -> None:
+    async with cluster(small_layout(), 1, 1, path="direct") as c:
+        prefill, decode = c.prefill[0], c.decode[0]
+        pages = np.arange(6)
+        patterns.fill(prefill.pool, 61, pages)
+        receiver = await decode.receiver(61, c.bootstrap, pages)
+        sender = prefill.sender(61)
+        await sender.send(pages[:3])
+        await sender.send(pages[3:], last=True)
+        with anyio.fail_after(10):
+            await sender.wait()
+            await receiver.wait()
+        assert prefill.poller.counters["writes_posted"] == 2
+        assert prefill.poller.counters["writes_relaxed"] == 0
+        c.assert_no_leaks()
