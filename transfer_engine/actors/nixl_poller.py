@@ -306,8 +306,11 @@ class NixlPoller:
         While WRITEs are in flight or (``busy``) rooms wait for notifications, it polls every
         ``poll_interval / QUICK_DIVISOR`` for QUICK_S after activity (a WRITE posted, a room
         started, a notification or a completion), then every ``poll_interval`` for 20 polls, then
-        2.5x slower; with nothing that can come, every 50 ``poll_interval``. Sleeps are on the
-        loop's fine timers (:mod:`transfer_engine.ticker`): epoll's own would last a millisecond.
+        2.5x slower; with nothing that can come, every 50 ``poll_interval``
+        (:func:`poll_delay`). A relaxed WRITE's post and end are no activity, and while only relaxed
+        WRITEs are out it looks every ``relaxed`` (``EngineConfig.poll_relaxed``) until
+        :meth:`hurry`. Sleeps are on the loop's fine timers (:mod:`transfer_engine.ticker`):
+        epoll's own would last a millisecond.
         With ``spin`` > 0 it first spins that long after activity, yielding to other tasks but
         never sleeping (for machines with cores to spare).
         """
