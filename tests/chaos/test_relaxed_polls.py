@@ -11,6 +11,7 @@ import anyio
 import numpy as np
 import pytest
 
+from tests.integration.harness import layers_landed, open_layerwise
 from transfer_engine import patterns
 from transfer_engine.protocol import messages as m
 from transfer_engine.transport.faults import Fault, FaultyTransport, Rule
@@ -32,22 +33,14 @@ async def test_the_closing_group_hurries_the_relaxed_writes_of_its_chunk() -> No
     ) as c:
         prefill, decode = c.prefill[0], c.decode[0]
         pages = np.arange(4)
-        patterns.fill(prefill.pool, 70, pages)
-        receiver = await decode.receiver(70, c.bootstrap, pages)
-        sender = prefill.sender(70)
-        await sender.begin_chunk(pages, last=True)
-        await sender.layers_ready(0, 1)
-        await sender.layers_ready(1, 2)
+        sender, receiver = await open_layerwise(c, 70, pages, 2)
         counters = prefill.poller.counters
         with anyio.fail_after(5):
             while counters["writes_relaxed"] < 2:  # noqa: ASYNC110 - engine state, no event
                 await anyio.sleep(0.002)
         written = threading.Event()
         await sender.layers_ready(2, 3, ready=written)  # held: its layers are "not written yet"
-        core = decode.rooms[70].core
-        with anyio.fail_after(3):  # far less than poll_relaxed
-            while core.layer_tally is None or core.layer_tally.layers((0, 0)) < 2:  # noqa: ASYNC110
-                await anyio.sleep(0.002)
+        await layers_landed(c, 70, 2, limit_s=3.0)  # far less than poll_relaxed
         assert counters["writes_hurried"] == 2 and counters["writes_posted"] == 2
         assert rule.fired == 2
         written.set()

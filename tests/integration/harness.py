@@ -18,7 +18,7 @@ import torch
 
 from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
-from transfer_engine.engine import TransferEngine
+from transfer_engine.engine import Receiver, Sender, TransferEngine
 from transfer_engine.layout import KVLayout, KVPool, views_flash_hnd, views_flash_nhd, views_vllm_cpu
 from transfer_engine.testing import Cluster, free_port, open_cluster
 
@@ -131,6 +131,26 @@ async def run_room(
         assert patterns.mismatches(engine.pool, room, decode_pages, tokens) == 0
         if aux_slot is not None:
             assert patterns.aux_ok(engine.pool, room, aux_slot)
+
+
+async def open_layerwise(c: Cluster, room: int, pages: np.ndarray, ready: int) -> tuple[Sender, Receiver]:
+    """P=D=1: fill ``room``'s KV, open it on both sides as one layer-wise chunk of ``pages`` (the
+    last), and report its first ``ready`` layers written, one at a time."""
+    patterns.fill(c.prefill[0].pool, room, pages)
+    receiver = await c.decode[0].receiver(room, c.bootstrap, pages)
+    sender = c.prefill[0].sender(room)
+    await sender.begin_chunk(pages, last=True)
+    for layer in range(ready):
+        await sender.layers_ready(layer, layer + 1)
+    return sender, receiver
+
+
+async def layers_landed(c: Cluster, room: int, n: int, limit_s: float = 10.0) -> None:
+    """Until decode rank 0's ``room`` counted ``n`` layers of its chunk 0 from writer 0."""
+    core = c.decode[0].rooms[room].core
+    with anyio.fail_after(limit_s):
+        while core.layer_tally is None or core.layer_tally.layers((0, 0)) < n:  # noqa: ASYNC110 - engine state, no event
+            await anyio.sleep(0.002)
 
 
 def shuffled_pages(rng: random.Random, num_pages: int, n: int) -> np.ndarray:

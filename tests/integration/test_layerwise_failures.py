@@ -18,7 +18,7 @@ from transfer_engine import patterns
 from transfer_engine.errors import ConfigError, FailureReason, LocalProtocolError, TransferFailed
 from transfer_engine.protocol.rooms import RoomStatus
 
-from .harness import Cluster, cluster, run_room, small_layout
+from .harness import Cluster, cluster, layers_landed, run_room, small_layout
 
 PATHS = ["direct", "staged"]
 
@@ -34,10 +34,7 @@ async def _first_layer_landed(c: Cluster, room: int, pages: np.ndarray) -> tuple
     await senders[0].begin_chunk(pages, last=True)
     await senders[0].layers_ready(0, 1)
     await senders[0].layers_ready(1, 3, ready=later)  # never set before the room ends
-    core = c.decode[0].rooms[room].core
-    with anyio.fail_after(10):  # the decode room counted layer 0 (staged: it is in the ring region)
-        while core.layer_tally is None or core.layer_tally.layers((0, 0)) < 1:  # noqa: ASYNC110 - engine state, no event
-            await anyio.sleep(0.005)
+    await layers_landed(c, room, 1)  # the decode room counted layer 0 (staged: it is in the ring region)
     return senders, receivers, later
 
 

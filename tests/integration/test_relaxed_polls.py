@@ -10,15 +10,7 @@ import pytest
 
 from transfer_engine import patterns
 
-from .harness import Cluster, cluster, small_layout
-
-
-async def _layers_landed(c: Cluster, room: int, n: int) -> None:
-    """Until the decode room counted ``n`` layers of chunk 0 from writer 0."""
-    core = c.decode[0].rooms[room].core
-    with anyio.fail_after(10):
-        while core.layer_tally is None or core.layer_tally.layers((0, 0)) < n:  # noqa: ASYNC110 - engine state, no event
-            await anyio.sleep(0.002)
+from .harness import cluster, layers_landed, open_layerwise, run_room, small_layout
 
 
 @pytest.mark.anyio
@@ -27,13 +19,8 @@ async def test_groups_before_the_closing_one_are_relaxed_and_still_land(relaxed:
     async with cluster(small_layout(), 1, 1, path="direct", layers_per_write=1, poll_relaxed=relaxed) as c:
         prefill, decode = c.prefill[0], c.decode[0]
         pages = np.arange(4)
-        patterns.fill(prefill.pool, 60, pages)
-        receiver = await decode.receiver(60, c.bootstrap, pages)
-        sender = prefill.sender(60)
-        await sender.begin_chunk(pages, last=True)
-        await sender.layers_ready(0, 1)
-        await sender.layers_ready(1, 2)
-        await _layers_landed(c, 60, 2)  # no closing group yet: nothing hurried them
+        sender, receiver = await open_layerwise(c, 60, pages, 2)
+        await layers_landed(c, 60, 2)  # no closing group yet: nothing hurried them
         counters = prefill.poller.counters
         assert counters["writes_relaxed"] == (2 if relaxed else 0)
         assert counters["writes_hurried"] == 0
@@ -52,16 +39,8 @@ async def test_groups_before_the_closing_one_are_relaxed_and_still_land(relaxed:
 @pytest.mark.anyio
 async def test_a_chunk_level_room_is_never_relaxed() -> None:
     async with cluster(small_layout(), 1, 1, path="direct") as c:
-        prefill, decode = c.prefill[0], c.decode[0]
         pages = np.arange(6)
-        patterns.fill(prefill.pool, 61, pages)
-        receiver = await decode.receiver(61, c.bootstrap, pages)
-        sender = prefill.sender(61)
-        await sender.send(pages[:3])
-        await sender.send(pages[3:], last=True)
-        with anyio.fail_after(10):
-            await sender.wait()
-            await receiver.wait()
-        assert prefill.poller.counters["writes_posted"] == 2
-        assert prefill.poller.counters["writes_relaxed"] == 0
+        await run_room(c, 61, pages, pages, [3, 3])  # every byte checked
+        assert c.prefill[0].poller.counters["writes_posted"] == 2
+        assert c.prefill[0].poller.counters["writes_relaxed"] == 0
         c.assert_no_leaks()
