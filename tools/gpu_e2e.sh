@@ -95,7 +95,7 @@ fi
 if [ "$phase" = goals ]; then  # issues 16 and 17, for a machine with two GPUs (prefill on 0, decode on 1)
   # 16: the tail's `over` and every step of the last layer group (--steps), at 1K, 4K and 16K tokens
   timeout 200 python3 tools/bench_layerwise.py --device cuda --path direct --tokens 1024,4096,16384 --per-write 1,4 \
-    --reps 6 --room-timeout 20 --steps 2>&1 | grep -v "NIXL INFO" | grep -v "peer copy" | tee "$OUT/goals-16.txt" | tail -24
+    --reps 6 --room-timeout 20 --steps 2>&1 | grep -v "NIXL INFO" | grep -v "peer copy" | tee "$OUT/goals-16.txt" | tail -40
   # 17: the issue's table (direct and staged, 1 and 8 rooms in flight, Qwen3-32B-shaped 1.07 GB rooms)
   for path in direct staged; do for conc in 1 8; do
     TE_RING_BYTES=4294967296 timeout 100 python3 tools/bench_transfer.py --layers 64 --heads 8 --head-dim 128 \
