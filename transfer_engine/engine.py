@@ -567,7 +567,7 @@ class TransferEngine:
             layer_window=cfg.poll_layer_window,
             cadence=GroupCadence() if cfg.poll_group_cadence and cfg.role == "decode" else None,
             num_layers=self.pool.layout.num_layers,
-            relaxed=cfg.poll_relaxed if cfg.role == "prefill" else 0.0,
+            relaxed=cfg.poll_relaxed,  # (a decode rank posts no WRITEs: nothing of it is relaxed)
         )
         await tg.start(self.poller.run)
         if cfg.path in ("auto", "staged", "host"):  # before any peer can wait on this loop

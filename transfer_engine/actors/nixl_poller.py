@@ -129,8 +129,6 @@ class NixlPoller:
         self._sleep_until = float("inf")
         """When the poller's current sleep ends (inf: it is not asleep, or sleeps until woken)."""
         self._posted: list[_Posted] = []
-        self._urgent = 0
-        """WRITEs in ``_posted`` that are not relaxed."""
         self._wake = anyio.Event()
         self.counters: Counter[str] = Counter()
         self.book = LogBook(log, transport.name)
@@ -227,7 +225,6 @@ class NixlPoller:
                 posted.relaxed = False
                 hurried += 1
         if hurried:
-            self._urgent += hurried
             self.counters["writes_hurried"] += hurried
             self._heat()
             self._wake.set()
@@ -258,7 +255,6 @@ class NixlPoller:
             if self._sleep_until > time.monotonic() + self._relaxed:
                 self._wake.set()
             return
-        self._urgent += 1
         self._heat()
         self._wake.set()
 
@@ -333,7 +329,7 @@ class NixlPoller:
             delay, backoff = poll_delay(
                 self._interval,
                 posted=len(self._posted),
-                urgent=self._urgent,
+                urgent=sum(not p.relaxed for p in self._posted),
                 busy=self._busy(),
                 quick=now < self._quick_until or (self._cadence is not None and self._cadence.quick(now)),
                 idle=self._idle,
@@ -361,7 +357,6 @@ class NixlPoller:
                 if state is XferState.PROC:
                     still.append(posted)
                     continue
-                self._urgent -= not posted.relaxed
                 self.transport.release(posted.handle)
                 ok = state is XferState.DONE
                 self.counters["writes_done" if ok else "writes_failed"] += 1
@@ -409,7 +404,6 @@ class NixlPoller:
         if not gone:
             return
         self._posted = [p for p in self._posted if p.peer != peer]
-        self._urgent -= sum(not p.relaxed for p in gone)
         for posted in gone:
             self.transport.release(posted.handle)
             self.counters["writes_abandoned"] += 1
