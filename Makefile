@@ -17,7 +17,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[test,serving,vllm,sglang]"
 	# SGLang's interface only: its own requirements pin a CUDA torch; the sglang extra lists what

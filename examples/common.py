@@ -44,7 +44,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     import numpy as np
 
-    from transfer_engine.layout import KVLayout
+    from transfer_engine.memory.layout import KVLayout
 
 GiB = 1 << 30
 T = TypeVar("T")
@@ -207,7 +207,7 @@ def layout_text(args: argparse.Namespace) -> str:
 
 
 def make_layout(args: argparse.Namespace) -> KVLayout:
-    from transfer_engine.layout import KVLayout, dtype_of
+    from transfer_engine.memory.layout import KVLayout, dtype_of
 
     return KVLayout(args.layers, args.kv_heads, args.head_dim, dtype_of(args.dtype), args.page_size)
 
@@ -285,7 +285,7 @@ class ExampleTrace:
     """
 
     def __init__(self, side: str, rank: int) -> None:
-        from transfer_engine.steptrace import StepTrace
+        from transfer_engine.runtime.steptrace import StepTrace
 
         self.folder = os.environ.get("TE_TRACE_OUT") or None
         self.side, self.rank = side, rank

@@ -40,7 +40,7 @@ from typing import IO, Any
 
 import common
 
-from transfer_engine.testing import free_port
+from transfer_engine.testing.cluster import free_port
 
 HERE = Path(__file__).resolve().parent
 

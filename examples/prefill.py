@@ -80,11 +80,11 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     import numpy as np
     import torch
 
-    from transfer_engine import patterns
     from transfer_engine.config import EngineConfig
     from transfer_engine.engine import Sender, TransferEngine
     from transfer_engine.errors import TransferError
-    from transfer_engine.layout import KVPool
+    from transfer_engine.memory.layout import KVPool
+    from transfer_engine.testing import patterns
 
     P = args.tp
     name = f"prefill rank {rank}/{P}"

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from transfer_engine import EngineConfig, KVLayout, KVPool, RoomStatus, patterns, room_id
+from transfer_engine import EngineConfig, KVLayout, KVPool, RoomStatus, room_id
 from transfer_engine.facade import BlockingEngine
-from transfer_engine.testing import free_port
+from transfer_engine.testing import patterns
+from transfer_engine.testing.cluster import free_port
 
 POLL_S = 0.0002
 ROOM_TIMEOUT_S = 30.0

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from transfer_engine.layout import views_flash_hnd, views_flash_nhd, views_vllm_cpu
+from transfer_engine.memory.layout import views_flash_hnd, views_flash_nhd, views_vllm_cpu
 
 LAYERS, HEADS_P, HEADS_D, DIM, SLOTS, PAGE = 64, 2, 4, 128, 2048, 16
 

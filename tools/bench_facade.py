@@ -39,7 +39,7 @@ import torch
 
 from transfer_engine import EngineConfig, KVLayout, KVPool, RoomStatus, patterns
 from transfer_engine.facade import BlockingEngine
-from transfer_engine.testing import free_port
+from transfer_engine.testing.cluster import free_port
 
 MODES = ("asyncio", "facade-poll", "facade-wait")
 ROOM_BASE = 1000

@@ -62,7 +62,7 @@ from transfer_engine.kernels import (
 )
 from transfer_engine.kernels import gather as gather_mod
 from transfer_engine.kernels import scatter as scatter_mod
-from transfer_engine.layout import views_flash_hnd, views_flash_nhd, views_vllm_cpu
+from transfer_engine.memory.layout import views_flash_hnd, views_flash_nhd, views_vllm_cpu
 
 MODELS = {"qwen3-32b": (64, 8, 128), "llama3-70b": (80, 8, 128), "mla-61x576": (61, 1, 576)}
 SPLITS = ["4:2", "2:4", "8:1"]

@@ -63,7 +63,7 @@ def _summary(calls_ns: list[int], forwards_s: list[float], args: argparse.Namesp
 def _layout(args: argparse.Namespace) -> Any:
     import torch
 
-    from transfer_engine.layout import KVLayout
+    from transfer_engine.memory.layout import KVLayout
 
     return KVLayout(args.layers, 2, 64, torch.bfloat16, 16)
 
@@ -84,9 +84,9 @@ def child_facade(args: argparse.Namespace, per_write: int) -> dict[str, float]:
 
     from transfer_engine.config import EngineConfig
     from transfer_engine.facade import BlockingEngine
-    from transfer_engine.layout import KVPool
+    from transfer_engine.memory.layout import KVPool
     from transfer_engine.protocol.rooms import RoomStatus
-    from transfer_engine.testing import free_port
+    from transfer_engine.testing.cluster import free_port
 
     device = torch.device(args.device)
     port = free_port()
@@ -160,8 +160,8 @@ def child_async(args: argparse.Namespace, per_write: int) -> dict[str, float]:
 
     from transfer_engine.config import EngineConfig
     from transfer_engine.engine import TransferEngine
-    from transfer_engine.layout import KVPool
-    from transfer_engine.testing import open_cluster
+    from transfer_engine.memory.layout import KVPool
+    from transfer_engine.testing.cluster import open_cluster
 
     device = torch.device(args.device)
 

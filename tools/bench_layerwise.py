@@ -92,9 +92,9 @@ import torch
 
 from transfer_engine.config import EngineConfig
 from transfer_engine.facade import BlockingEngine
-from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.protocol.rooms import RoomStatus
-from transfer_engine.testing import free_port
+from transfer_engine.testing.cluster import free_port
 
 # tools/ is the script's folder, first on sys.path (also in the spawned children)
 from bench_transfer import RawPair, raw_wait_notifs  # isort: skip

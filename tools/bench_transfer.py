@@ -44,12 +44,12 @@ import anyio
 import numpy as np
 import torch
 
-from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import PeerUnreachableError
-from transfer_engine.layout import KVLayout, KVPool
-from transfer_engine.testing import free_port
+from transfer_engine.memory.layout import KVLayout, KVPool
+from transfer_engine.testing import patterns
+from transfer_engine.testing.cluster import free_port
 
 
 def _layout(args: argparse.Namespace) -> KVLayout:

@@ -34,8 +34,8 @@ import torch
 
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
-from transfer_engine.layout import KVLayout, KVPool
-from transfer_engine.testing import open_cluster
+from transfer_engine.memory.layout import KVLayout, KVPool
+from transfer_engine.testing.cluster import open_cluster
 
 
 def main() -> int:

@@ -84,7 +84,7 @@ from transfer_engine.errors import (
     RemoteProtocolError,
     TransferFailed,
 )
-from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.staging import region_layout

@@ -5,8 +5,10 @@ The public API::
     from transfer_engine import EngineConfig, KVLayout, KVPool, TransferEngine
 
 Everything a caller needs is importable from here; submodules are implementation detail unless a
-docstring says otherwise (``transfer_engine.introspect.Snapshot`` is the published dump format).
+docstring says otherwise (``transfer_engine.observe.Snapshot`` is the published dump format).
 """
+
+__version__ = "0.1.0"
 
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine
@@ -24,11 +26,12 @@ from transfer_engine.errors import (
     TransferFailed,
     TransferTimeout,
 )
-from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine.memory.layout import KVLayout, KVPool
+from transfer_engine.protocol.room_ids import room_id
 from transfer_engine.protocol.rooms import RoomStatus
-from transfer_engine.room_ids import room_id
 
 __all__ = [
+    "__version__",
     "ConfigError",
     "EngineConfig",
     "FailureReason",

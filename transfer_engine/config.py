@@ -109,7 +109,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     (``TE_POLL_GROUP_CADENCE=0``, for A/B)."""
     completion_thread: bool = True
     """Workers and the scatter actor observe CUDA events (and layer-wise ``threading.Event``s) with one
-    waiting thread each, which wakes the loop when one completes (:mod:`transfer_engine.completion`).
+    waiting thread each, which wakes the loop when one completes (:mod:`transfer_engine.runtime.completion`).
     False polls them on the loop every 100 us instead (the behaviour before issue 17, for A/B)."""
     early_start: bool = True
     """A WRITE made while the KV it reads is being computed (a layer group, a chunk whose ready event
@@ -134,7 +134,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     "The loop's GIL hand-overs"). A thread is only made to drop the GIL when another waits for it, so
     an idle engine costs the scheduler nothing."""
     trace_steps: int = 0
-    """Keep the last this many step marks of rooms (:mod:`transfer_engine.steptrace`), for
+    """Keep the last this many step marks of rooms (:mod:`transfer_engine.runtime.steptrace`), for
     benchmarks; 0 (the default) records nothing."""
     nixl_backend: str = "UCX"
     nixl_params: dict[str, str] = msgspec.field(default_factory=dict)
@@ -146,7 +146,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     agent_name: str = ""
     """NIXL agent name; empty derives a unique one from role, rank and process id."""
     curve_secret_key_file: str = ""
-    """Control-plane CURVE (see ``transfer_engine.security``): the deployment's shared certificate,
+    """Control-plane CURVE (see ``transfer_engine.transport.security``): the deployment's shared certificate,
     the ``NAME.key_secret`` file ``zmq.auth.create_certificates`` wrote. Empty: no CURVE, plain TCP."""
     curve_public_keys_dir: str = ""
     """Directory of the ``*.key`` certificates whose holders the control and bootstrap sockets

@@ -47,10 +47,20 @@ from transfer_engine.errors import (
     RoomLimitError,
     TransferError,
 )
-from transfer_engine.introspect import ENDED_ROOMS_KEPT, RoomSnapshot
-from transfer_engine.introspect.build import build_snapshot, record_ended
-from transfer_engine.layout import KVPool, stride_rows_of
-from transfer_engine.mail import (
+from transfer_engine.memory.layout import KVPool, stride_rows_of
+from transfer_engine.memory.staging import allocate_staging, chunk_region_bytes, warm_staging_kernels
+from transfer_engine.observe import ENDED_ROOMS_KEPT, RoomSnapshot
+from transfer_engine.observe.build import build_snapshot, record_ended
+from transfer_engine.protocol import descriptors, handshake, heads, leases
+from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.cadence import GroupCadence
+from transfer_engine.protocol.layers import ChunkCut, LayerChunks, check_layers_per_write
+from transfer_engine.protocol.paths import auto_path, is_staged
+from transfer_engine.protocol.polling import polled
+from transfer_engine.protocol.retransmit import Ended, Late, Tombstones, answer_late_request
+from transfer_engine.protocol.rooms import Deadlines, RoomStatus
+from transfer_engine.protocol.stash import EarlyRequests
+from transfer_engine.runtime.mail import (
     LayersReady,
     LocalAbort,
     PeerDead,
@@ -61,9 +71,8 @@ from transfer_engine.mail import (
     Shutdown,
     Subscribe,
 )
-from transfer_engine.memory import allocate_staging, chunk_region_bytes, warm_staging_kernels
-from transfer_engine.peers import Peer, PrefillInstance
-from transfer_engine.ports import (
+from transfer_engine.runtime.peers import Peer, PrefillInstance
+from transfer_engine.runtime.ports import (
     ACTOR_MAILBOX,
     JOBS_PER_ROOM,
     RING_POSTS_PER_ROOM,
@@ -74,18 +83,9 @@ from transfer_engine.ports import (
     RoomPorts,
     WorkerShards,
 )
-from transfer_engine.protocol import descriptors, handshake, heads, leases
-from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.cadence import GroupCadence
-from transfer_engine.protocol.layers import ChunkCut, LayerChunks, check_layers_per_write
-from transfer_engine.protocol.paths import auto_path, is_staged
-from transfer_engine.protocol.polling import polled
-from transfer_engine.protocol.retransmit import Ended, Late, Tombstones, answer_late_request
-from transfer_engine.protocol.rooms import Deadlines, RoomStatus
-from transfer_engine.protocol.stash import EarlyRequests
-from transfer_engine.security import Curve
-from transfer_engine.steptrace import StepTrace
+from transfer_engine.runtime.steptrace import StepTrace
 from transfer_engine.transport.nixl import NixlTransport, RemotePeer, Transport, default_params
+from transfer_engine.transport.security import Curve
 
 log = logging.getLogger(__name__)
 

@@ -52,10 +52,10 @@ from transfer_engine.errors import (
     TransportError,
     failure_error,
 )
-from transfer_engine.layout import KVPool
-from transfer_engine.mail import LocalAbort, Ready, RoomMail
+from transfer_engine.memory.layout import KVPool
+from transfer_engine.protocol.room_ids import room_id
 from transfer_engine.protocol.rooms import RoomStatus
-from transfer_engine.room_ids import room_id
+from transfer_engine.runtime.mail import LocalAbort, Ready, RoomMail
 from transfer_engine.transport.nixl import Transport
 
 __all__ = ["BlockingEngine", "BlockingReceiver", "BlockingSender"]
@@ -66,7 +66,7 @@ Pages = Sequence[int] | np.ndarray | Any
 
 
 def _room(room: int | str) -> int:
-    """A room id from an int or a string request id (:func:`transfer_engine.room_ids.room_id`)."""
+    """A room id from an int or a string request id (:func:`transfer_engine.protocol.room_ids.room_id`)."""
     rid = room_id(room) if isinstance(room, str) else room
     _check_room(rid)
     return rid
@@ -509,7 +509,7 @@ class BlockingEngine:
 
     def take_trace(self) -> list[tuple[int, int, str]]:
         """The step marks recorded since the last call (``EngineConfig.trace_steps``; none when
-        off): ``(monotonic_ns, room, step)``, oldest first (``transfer_engine.steptrace``). One
+        off): ``(monotonic_ns, room, step)``, oldest first (``transfer_engine.runtime.steptrace``). One
         synchronous loop step."""
         return list(self._call(self._engine.me.trace.take))
 

@@ -39,7 +39,7 @@ from examples.serving.model import ModelConfig
 from examples.serving.reference import RefResult, RefSpec, reference
 from examples.serving.server import ServerSpec, pages_for, rank_main
 from transfer_engine import ConfigError
-from transfer_engine.testing import free_port
+from transfer_engine.testing.cluster import free_port
 
 
 @dataclass(frozen=True)

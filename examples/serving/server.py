@@ -59,7 +59,7 @@ from transfer_engine import (
     TransferError,
     TransferFailed,
 )
-from transfer_engine.ticker import sleep as fine_sleep
+from transfer_engine.runtime.ticker import sleep as fine_sleep
 
 log = logging.getLogger("serving")
 AUX_BYTES = 8

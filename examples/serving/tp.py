@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from transfer_engine import ConfigError
-from transfer_engine.ticker import sleep as fine_sleep
+from transfer_engine.runtime.ticker import sleep as fine_sleep
 
 
 class TPGroup:

@@ -18,8 +18,8 @@ import zmq.auth
 from tests.integration.harness import Cluster, small_layout
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
-from transfer_engine.layout import KVLayout, KVPool
-from transfer_engine.testing import open_cluster
+from transfer_engine.memory.layout import KVLayout, KVPool
+from transfer_engine.testing.cluster import open_cluster
 from transfer_engine.transport.nixl import NixlTransport, Transport
 
 TransportFactory = Callable[[str], Transport]

@@ -37,12 +37,12 @@ import anyio.to_thread
 import numpy as np
 
 from tests.integration.harness import small_layout
-from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine
 from transfer_engine.errors import TransferError, TransferFailed
-from transfer_engine.layout import KVPool
+from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.testing import patterns
 
 NUM_PAGES = 64
 

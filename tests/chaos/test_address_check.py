@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from tests.integration.harness import run_room, shuffled_pages
-from transfer_engine import patterns
 from transfer_engine.errors import AddressRangeError, FailureReason, TransferFailed
 from transfer_engine.protocol import messages as m
+from transfer_engine.testing import patterns
 from transfer_engine.transport.faults import Fault, FaultyTransport, Rule, matching
 from transfer_engine.transport.nixl import WriteSpec, XferState
 

@@ -17,7 +17,7 @@ from tests.integration.harness import run_room, shuffled_pages
 from transfer_engine.config import EngineConfig
 from transfer_engine.errors import ConfigError, PeerUnreachableError
 from transfer_engine.protocol import messages as m
-from transfer_engine.security import Curve
+from transfer_engine.transport.security import Curve
 
 from .helpers import certificate, engines, make_engine
 

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from tests.integration.harness import Cluster, run_room, shuffled_pages
-from transfer_engine import patterns
 from transfer_engine.engine import Receiver, Sender
 from transfer_engine.errors import FailureReason, LocalProtocolError, TransferAborted, TransferFailed
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.testing import patterns
 from transfer_engine.transport.faults import (
     ControlFaults,
     DeliveryQueue,

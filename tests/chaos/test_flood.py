@@ -6,7 +6,7 @@ control and both introspection endpoints, while TCP connections are opened, fed 
 dropped, bad HTTP requests hit both metrics endpoints and a NIXL agent of its own sends junk
 notifications to the decode engine. Every message is counted (the sums must be exactly what was
 sent), the drop log stays within its bound — ``2 * K * (T / interval + 1)`` lines for the ``K``
-(book, kind) pairs noted over ``T`` seconds (:mod:`transfer_engine.logbook`) — and afterwards rooms
+(book, kind) pairs noted over ``T`` seconds (:mod:`transfer_engine.runtime.logbook`) — and afterwards rooms
 transfer with every byte verified and nothing leaked.
 
 About 15-40 s on the 2-core machine (load from other work included).
@@ -29,7 +29,7 @@ import anyio.to_thread
 import pytest
 
 from tests.integration.harness import cluster, run_room, shuffled_pages, small_layout
-from transfer_engine.logbook import DEFAULT_INTERVAL_S, LogBook
+from transfer_engine.runtime.logbook import DEFAULT_INTERVAL_S, LogBook
 from transfer_engine.transport.nixl import RemotePeer
 
 pytestmark = pytest.mark.timeout(120)

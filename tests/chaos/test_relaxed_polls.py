@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.integration.harness import layers_landed, open_layerwise
-from transfer_engine import patterns
 from transfer_engine.protocol import messages as m
+from transfer_engine.testing import patterns
 from transfer_engine.transport.faults import Fault, FaultyTransport, Rule
 
 from .helpers import engines, faulty_factory

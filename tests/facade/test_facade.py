@@ -28,7 +28,7 @@ from transfer_engine import (
 )
 from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.facade import BlockingEngine
-from transfer_engine.testing import free_port
+from transfer_engine.testing.cluster import free_port
 from transfer_engine.transport.nixl import NixlTransport
 
 pytestmark = pytest.mark.timeout(90)
@@ -171,7 +171,7 @@ def test_close_during_a_handshake_fails_the_room_and_returns_promptly() -> None:
 def test_layerwise_from_a_forward_thread() -> None:
     """A prefill forward on its own thread reports each layer as it writes it (threading.Event per
     layer, set after the layer's KV is written); the decode polls to Success and holds every byte."""
-    from transfer_engine import patterns
+    from transfer_engine.testing import patterns
 
     port = free_port()
     with engine("prefill", port, layers_per_write=1) as prefill, engine("decode", port) as decode:

@@ -1,6 +1,6 @@
 """Shared set-up for integration tests: P prefill and D decode engines in one process, real NIXL and ZMQ.
 
-The cluster itself comes from :mod:`transfer_engine.testing` (shared with tools/ and examples/);
+The cluster itself comes from :mod:`transfer_engine.testing.cluster` (shared with tools/ and examples/);
 this module adds the tests' pools, room runner and layouts.
 """
 
@@ -16,11 +16,11 @@ import anyio
 import numpy as np
 import torch
 
-from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine
-from transfer_engine.layout import KVLayout, KVPool, views_flash_hnd, views_flash_nhd, views_vllm_cpu
-from transfer_engine.testing import Cluster, free_port, open_cluster
+from transfer_engine.memory.layout import KVLayout, KVPool, views_flash_hnd, views_flash_nhd, views_vllm_cpu
+from transfer_engine.testing import patterns
+from transfer_engine.testing.cluster import Cluster, free_port, open_cluster
 
 __all__ = ["Cluster", "cluster", "free_port", "make_pool", "run_room", "shuffled_pages", "small_layout"]
 

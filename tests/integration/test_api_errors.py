@@ -15,7 +15,7 @@ from transfer_engine.errors import (
     PeerUnreachableError,
     RoomInUseError,
 )
-from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine.memory.layout import KVLayout, KVPool
 
 from .harness import cluster, free_port, run_room, small_layout
 

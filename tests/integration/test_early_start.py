@@ -17,9 +17,9 @@ import anyio
 import numpy as np
 import pytest
 
-from transfer_engine import patterns
 from transfer_engine.errors import FailureReason, TransferFailed, TransportError
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.testing import patterns
 
 from .harness import cluster, run_room, small_layout
 from .test_layerwise_failures import _first_layer_landed

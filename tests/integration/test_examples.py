@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from transfer_engine.testing import free_port
+from transfer_engine.testing.cluster import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -27,14 +27,14 @@ import zmq.asyncio
 import zmq.auth
 from prometheus_client.parser import text_string_to_metric_families
 
-from transfer_engine import cli, patterns
 from transfer_engine.actors.introspect import Introspect
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
-from transfer_engine.introspect import Counters, NixlSnapshot, Snapshot, decode_snapshot
-from transfer_engine.layout import KVPool
+from transfer_engine.memory.layout import KVPool
+from transfer_engine.observe import Counters, NixlSnapshot, Snapshot, cli, decode_snapshot
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.testing import patterns
 from transfer_engine.transport.nixl import NixlTransport, XferState
 
 from .harness import Cluster, cluster, free_port, run_room, shuffled_pages, small_layout
@@ -327,7 +327,16 @@ async def test_dump_over_curve(tmp_path: Path) -> None:
 def test_console_script_reports_an_unreachable_endpoint() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     done = subprocess.run(
-        [sys.executable, "-m", "transfer_engine.cli", "dump", "--endpoint", endpoint, "--timeout", "0.3"],
+        [
+            sys.executable,
+            "-m",
+            "transfer_engine.observe.cli",
+            "dump",
+            "--endpoint",
+            endpoint,
+            "--timeout",
+            "0.3",
+        ],
         capture_output=True,
         text=True,
         timeout=30,

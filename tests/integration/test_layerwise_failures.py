@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from transfer_engine import patterns
 from transfer_engine.errors import ConfigError, FailureReason, LocalProtocolError, TransferFailed
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.testing import patterns
 
 from .harness import Cluster, cluster, layers_landed, run_room, small_layout
 

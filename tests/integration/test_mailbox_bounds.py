@@ -19,8 +19,8 @@ import pytest
 from transfer_engine import engine as engine_module
 from transfer_engine.actors import room as room_module
 from transfer_engine.errors import FailureReason, TransferTimeout
-from transfer_engine.mail import Mailbox
-from transfer_engine.ports import ROOM_RESERVE
+from transfer_engine.runtime.mail import Mailbox
+from transfer_engine.runtime.ports import ROOM_RESERVE
 
 from .harness import cluster, run_room, small_layout
 

@@ -166,7 +166,7 @@ async def test_layerwise_without_ready_waits_for_the_callers_streams(path: str) 
     caller's stream (one event per group and stream). On CUDA each layer is written after a ~20 ms
     delay kernel, the layers of a group alternating between two streams, so a WRITE that waited for
     fewer than both streams reads stale bytes; on CPU the KV is written before the call."""
-    from transfer_engine import patterns
+    from transfer_engine.testing import patterns
 
     layout = small_layout()
     async with cluster(layout, 1, 1, path=path, layers_per_write=2) as c:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from transfer_engine import patterns
+from transfer_engine.testing import patterns
 
 from .harness import Cluster, cluster, run_room, shuffled_pages, small_layout
 

@@ -8,7 +8,7 @@ import anyio
 import numpy as np
 import pytest
 
-from transfer_engine import patterns
+from transfer_engine.testing import patterns
 
 from .harness import cluster, layers_landed, open_layerwise, run_room, small_layout
 

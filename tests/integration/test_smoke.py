@@ -4,9 +4,9 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from transfer_engine import patterns
 from transfer_engine.errors import FailureReason, TransferFailed
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.testing import patterns
 
 from .harness import cluster, run_room, shuffled_pages, small_layout
 

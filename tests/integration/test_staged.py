@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from transfer_engine import patterns
 from transfer_engine.errors import FailureReason, TransferFailed
-from transfer_engine.layout import KVLayout
+from transfer_engine.memory.layout import KVLayout
 from transfer_engine.protocol import messages as m
+from transfer_engine.testing import patterns
 
 from .harness import DEVICE, cluster, run_room, shuffled_pages, small_layout
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from transfer_engine import EngineConfig, KVLayout, KVPool, TransferEngine
-from transfer_engine.layout import views_contiguous, views_flash_hnd, views_vllm_cpu
+from transfer_engine.memory.layout import views_contiguous, views_flash_hnd, views_vllm_cpu
 
 from .harness import free_port
 

@@ -15,7 +15,7 @@ import torch
 from transfer_engine.kernels import as_kv_table, gather_heads, scatter_heads
 from transfer_engine.kernels import gather as gather_module
 from transfer_engine.kernels import scatter as scatter_module
-from transfer_engine.memory import head_counts, warm_staging_kernels
+from transfer_engine.memory.staging import head_counts, warm_staging_kernels
 
 from .harness import DEVICE, make_pool, small_layout
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transfer_engine.layout import views_contiguous, views_flash_hnd, views_flash_nhd, views_vllm_cpu
+from transfer_engine.memory.layout import views_contiguous, views_flash_hnd, views_flash_nhd, views_vllm_cpu
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 

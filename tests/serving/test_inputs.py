@@ -10,7 +10,7 @@ from examples.serving.frontdoor import FrontDoor
 from examples.serving.model import ModelConfig, Seq, TPModel
 from examples.serving.run import ClusterSpec
 from transfer_engine import ConfigError, KVPool
-from transfer_engine.testing import free_port
+from transfer_engine.testing.cluster import free_port
 
 pytestmark = pytest.mark.anyio
 

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
 
-from transfer_engine import patterns
 from transfer_engine.config import EngineConfig
 from transfer_engine.errors import TransferFailed
 from transfer_engine.integrations.sglang import KVManager, KVReceiver, KVSender
-from transfer_engine.layout import KVLayout
+from transfer_engine.memory.layout import KVLayout
+from transfer_engine.testing import patterns
 
 SMALL = KVLayout(num_layers=3, num_heads=4, head_dim=16, dtype=torch.bfloat16, page_size=4)
 """The model every test here uses: 3 layers, 4 KV heads of 16 bf16 elements, pages of 4 tokens."""

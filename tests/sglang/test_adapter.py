@@ -35,7 +35,7 @@ from transfer_engine.integrations.sglang import (
 )
 from transfer_engine.integrations.sglang.conn import layout_from_kv_args
 from transfer_engine.integrations.sglang.plugin import extend_backends, get_kv_class_hook
-from transfer_engine.testing import free_port
+from transfer_engine.testing.cluster import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -26,8 +26,8 @@ from tests.sglang.scheduler import (
     run_prefill_rank,
 )
 from transfer_engine.integrations.sglang import KVBootstrapServer, KVManager
-from transfer_engine.layout import KVLayout
-from transfer_engine.testing import free_port
+from transfer_engine.memory.layout import KVLayout
+from transfer_engine.testing.cluster import free_port
 
 pytestmark = pytest.mark.timeout(90)
 

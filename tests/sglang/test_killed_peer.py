@@ -22,7 +22,7 @@ from tests.sglang.scheduler import SMALL, Memory, manager
 from transfer_engine import FailureReason, RoomStatus, patterns
 from transfer_engine.errors import TransferFailed
 from transfer_engine.integrations.sglang import KVBootstrapServer, KVReceiver, KVSender
-from transfer_engine.testing import free_port
+from transfer_engine.testing.cluster import free_port
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
 

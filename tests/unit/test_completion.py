@@ -9,7 +9,7 @@ import anyio
 import pytest
 import torch
 
-from transfer_engine.completion import STOP_CHECK_S, CompletionWaiter, reached, recorded
+from transfer_engine.runtime.completion import STOP_CHECK_S, CompletionWaiter, reached, recorded
 
 pytestmark = pytest.mark.anyio
 

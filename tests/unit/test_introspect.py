@@ -15,10 +15,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from transfer_engine import cli
 from transfer_engine.config import EngineConfig
 from transfer_engine.errors import ConfigError, RemoteProtocolError
-from transfer_engine.introspect import (
+from transfer_engine.observe import (
     AllocationSnapshot,
     Counters,
     HistoryEntry,
@@ -29,6 +28,7 @@ from transfer_engine.introspect import (
     RoomSnapshot,
     Snapshot,
     WorkerSnapshot,
+    cli,
     decode_snapshot,
     encode_snapshot,
     has_room,
@@ -236,10 +236,10 @@ def test_metrics_without_prometheus_client_is_a_config_error(monkeypatch: pytest
     import torch
 
     from transfer_engine.engine import TransferEngine
-    from transfer_engine.layout import KVLayout, KVPool
+    from transfer_engine.memory.layout import KVLayout, KVPool
 
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails as if not installed
-    monkeypatch.delitem(sys.modules, "transfer_engine.metrics", raising=False)
+    monkeypatch.delitem(sys.modules, "transfer_engine.observe.metrics", raising=False)
     layout = KVLayout(num_layers=1, num_heads=2, head_dim=8, dtype=torch.bfloat16, page_size=4)
     pool = KVPool.allocate(layout, 1, 0, 4, aux_slots=0)
     with pytest.raises(ConfigError, match=r"metrics_port=0 needs the package prometheus-client"):

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from transfer_engine.errors import FailureReason, LocalProtocolError
-from transfer_engine.layout import KVLayout, KVPool
-from transfer_engine.mail import Mailbox, MailboxOverflow
+from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.protocol import handshake, leases
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import LayerTally
@@ -22,6 +21,7 @@ from transfer_engine.protocol.rooms import (
     remote_failure_reason,
 )
 from transfer_engine.protocol.stash import EarlyRequests
+from transfer_engine.runtime.mail import Mailbox, MailboxOverflow
 
 pytestmark = pytest.mark.timeout(10)
 

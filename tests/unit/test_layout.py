@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from transfer_engine.errors import ConfigError, HeadSplitError, LayoutError
-from transfer_engine.layout import KVLayout, KVPool, dtype_name, dtype_of
+from transfer_engine.memory.layout import KVLayout, KVPool, dtype_name, dtype_of
 from transfer_engine.protocol.messages import LayoutInfo, MemRegion
 
 # L=2, H=4, head_dim=8, bf16, page_size=4; at tp=2 each rank holds 2 heads.

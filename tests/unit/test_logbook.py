@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from transfer_engine.logbook import LogBook, Summarizer, Summary
+from transfer_engine.runtime.logbook import LogBook, Summarizer, Summary
 
 
 class Clock:

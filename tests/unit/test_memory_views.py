@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from transfer_engine.errors import LayoutError
-from transfer_engine.layout import KVLayout
-from transfer_engine.memory_views import (
+from transfer_engine.memory.layout import KVLayout
+from transfer_engine.memory.views import (
     AuxBuffers,
     check_disjoint,
     pool_from_pointers,

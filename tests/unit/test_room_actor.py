@@ -14,12 +14,27 @@ import torch
 
 from transfer_engine.actors.room import SenderRoomActor
 from transfer_engine.errors import FailureReason
-from transfer_engine.layout import KVLayout, KVPool
-from transfer_engine.mail import CancelRoom, Drained, LocalAbort, Mailbox, QueueChunk, WriteDone, WriteJob
-from transfer_engine.peers import Peer
-from transfer_engine.ports import JOBS_PER_ROOM, PeerBook, RankIdentity, RoomBoard, RoomPorts, WorkerShards
+from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
+from transfer_engine.runtime.mail import (
+    CancelRoom,
+    Drained,
+    LocalAbort,
+    Mailbox,
+    QueueChunk,
+    WriteDone,
+    WriteJob,
+)
+from transfer_engine.runtime.peers import Peer
+from transfer_engine.runtime.ports import (
+    JOBS_PER_ROOM,
+    PeerBook,
+    RankIdentity,
+    RoomBoard,
+    RoomPorts,
+    WorkerShards,
+)
 
 pytestmark = [pytest.mark.timeout(20), pytest.mark.anyio]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from transfer_engine.steptrace import StepTrace
+from transfer_engine.runtime.steptrace import StepTrace
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 
 from transfer_engine import KVLayout, KVPool
 from transfer_engine.errors import ConfigError, LayoutError
-from transfer_engine.layout import (
+from transfer_engine.memory.layout import (
     stride_rows_of,
     views_contiguous,
     views_flash_hnd,

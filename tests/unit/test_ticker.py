@@ -10,8 +10,8 @@ import sys
 import anyio
 import pytest
 
-from transfer_engine import ticker
-from transfer_engine.ticker import FineTimers, fine_timers
+from transfer_engine.runtime import ticker
+from transfer_engine.runtime.ticker import FineTimers, fine_timers
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timerfd is Linux-only")
 

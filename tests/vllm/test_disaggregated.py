@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 
-from transfer_engine.cli import fetch_snapshot
-from transfer_engine.introspect.schema import RoomSnapshot
+from transfer_engine.observe.cli import fetch_snapshot
+from transfer_engine.observe.schema import RoomSnapshot
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from transfer_engine.testing import free_port
+from transfer_engine.testing.cluster import free_port
 
 with warnings.catch_warnings():  # vLLM's own imports warn about torch APIs it uses (warnings are errors here)
     warnings.simplefilter("ignore", DeprecationWarning)

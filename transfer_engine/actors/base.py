@@ -1,6 +1,6 @@
 """The one actor shape shared by the worker, ring and scatter actors.
 
-An actor owns a :class:`~transfer_engine.mail.Mailbox` (``inbox``), reports ready through
+An actor owns a :class:`~transfer_engine.runtime.mail.Mailbox` (``inbox``), reports ready through
 ``tg.start`` once its resources exist, and handles its mail one message at a time until the
 mailbox is closed and drained. Producers hold the mailbox, never the actor's other state.
 """
@@ -12,7 +12,7 @@ from typing import Generic, TypeVar
 import anyio
 from anyio.abc import TaskStatus
 
-from transfer_engine.mail import Mailbox
+from transfer_engine.runtime.mail import Mailbox
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ A ZMQ ROUTER on ``bootstrap_port`` (hosted by prefill rank 0 unless configured o
 ranks announce themselves with ``RegisterRank``; decode ranks ask ``TopologyQuery`` and get the
 ranks registered so far, with ``complete`` once every rank of the TP group is in. A rank that
 re-registers (a restarted process) replaces its old entry. Ranks whose TP size or layout differ
-from the first registration are refused. With a :class:`~transfer_engine.security.Curve` the
+from the first registration are refused. With a :class:`~transfer_engine.transport.security.Curve` the
 ROUTER is a CURVE server: only holders of an allowed key can register or ask.
 """
 
@@ -24,7 +24,7 @@ from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.protocol import messages as m
 
 if TYPE_CHECKING:
-    from transfer_engine.security import Curve
+    from transfer_engine.transport.security import Curve
 
 log = logging.getLogger(__name__)
 

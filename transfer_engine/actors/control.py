@@ -11,7 +11,7 @@ Outgoing one-way messages go through one cached DEALER per peer endpoint (:meth:
 blocks: a full queue drops and counts). Request/response exchanges (topology, handshake,
 registration) use a short-lived DEALER whose answer comes back on it (:meth:`request`).
 
-With a :class:`~transfer_engine.security.Curve` every socket is secured: the ROUTER is a CURVE
+With a :class:`~transfer_engine.transport.security.Curve` every socket is secured: the ROUTER is a CURVE
 server that accepts only allowed clients, every DEALER a CURVE client. Tests may set ``faults`` (a
 :class:`~transfer_engine.transport.faults.ControlFaults`) at any time to delay, drop, duplicate or
 reorder what :meth:`send` sends; held messages go out from a small task of :meth:`run`.
@@ -34,8 +34,8 @@ from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.protocol import messages as m
 
 if TYPE_CHECKING:
-    from transfer_engine.security import Curve
     from transfer_engine.transport.faults import ControlFaults
+    from transfer_engine.transport.security import Curve
 
 log = logging.getLogger(__name__)
 

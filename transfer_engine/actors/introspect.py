@@ -2,7 +2,7 @@
 
 One ROUTER bound at ``tcp://{host}:{port}`` (loopback unless the engine's ``host`` says otherwise;
 port 0 picks a free one) answers each ``DumpRequest`` with a ``DumpReply`` carrying the msgpack
-bytes of a :class:`~transfer_engine.introspect.Snapshot`. Frames are read, decoded and refused as
+bytes of a :class:`~transfer_engine.observe.Snapshot`. Frames are read, decoded and refused as
 on every ROUTER endpoint of the rank (:mod:`transfer_engine.actors.router`: frames over
 ``INTROSPECT_MAX_FRAME`` are never read); malformed frames and
 messages other than ``DumpRequest`` are logged with their source, counted in ``dropped`` and
@@ -24,7 +24,7 @@ from anyio.abc import TaskStatus
 
 from transfer_engine.actors.router import INTROSPECT_MAX_FRAME, Inbox, Secure, bind_router
 from transfer_engine.errors import PeerUnreachableError
-from transfer_engine.introspect import Snapshot, encode_snapshot
+from transfer_engine.observe import Snapshot, encode_snapshot
 from transfer_engine.protocol import messages as m
 
 log = logging.getLogger(__name__)

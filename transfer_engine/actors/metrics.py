@@ -21,11 +21,11 @@ import anyio.abc
 from anyio.abc import SocketAttribute, TaskStatus
 
 from transfer_engine.errors import ConfigError, PeerUnreachableError
-from transfer_engine.logbook import LogBook
+from transfer_engine.runtime.logbook import LogBook
 
 if TYPE_CHECKING:
-    from transfer_engine.introspect import Snapshot
-    from transfer_engine.metrics import Metrics
+    from transfer_engine.observe import Snapshot
+    from transfer_engine.observe.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,9 @@ REQUEST_TIMEOUT_S = 5.0
 
 
 def load_metrics(port: int, snapshot: Callable[[], Snapshot]) -> Metrics:
-    """The engine's :class:`~transfer_engine.metrics.Metrics`; ConfigError without prometheus-client."""
+    """The engine's :class:`~transfer_engine.observe.metrics.Metrics`; ConfigError without prometheus-client."""
     try:
-        from transfer_engine.metrics import Metrics
+        from transfer_engine.observe.metrics import Metrics
     except ImportError as exc:
         if exc.name is None or not exc.name.startswith("prometheus_client"):
             raise

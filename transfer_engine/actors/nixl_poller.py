@@ -7,11 +7,11 @@ serializes its calls (docs/DECISIONS.md, "A held WRITE is started by the complet
 thread"). It makes WRITEs (:meth:`prepare_write`, :meth:`prepare_indexed`) and starts them
 (:meth:`start_write`), synchronously: the caller learns at once whether a WRITE was refused. It polls the state of every posted WRITE — which is also what makes NIXL send
 their notifications — releases finished handles, and drains incoming notifications, handing each
-decoded one to its room through the :class:`~transfer_engine.ports.RoomBoard`. Polling is tight
+decoded one to its room through the :class:`~transfer_engine.runtime.ports.RoomBoard`. Polling is tight
 while WRITEs or live rooms exist and backs off when idle.
 
-Replies are mail: a finished WRITE is a :class:`~transfer_engine.mail.WriteEnded` to the mailbox
-that posted it, and :meth:`request_drain` answers a room with :class:`~transfer_engine.mail.Drained`
+Replies are mail: a finished WRITE is a :class:`~transfer_engine.runtime.mail.WriteEnded` to the mailbox
+that posted it, and :meth:`request_drain` answers a room with :class:`~transfer_engine.runtime.mail.Drained`
 after the next full cycle, so that deadlines are checked only after every notification that had
 arrived was applied. The poller waits on rooms' mailboxes; rooms never wait on it.
 """
@@ -31,14 +31,14 @@ import numpy as np
 from anyio.abc import TaskStatus
 
 from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransferError, TransportError
-from transfer_engine.logbook import LogBook
-from transfer_engine.mail import Drained, Mailbox, WriteEnded
-from transfer_engine.ports import RoomBoard
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.cadence import GroupCadence
 from transfer_engine.protocol.messages import MemRegion
-from transfer_engine.steptrace import StepTrace
-from transfer_engine.ticker import fine_timers
+from transfer_engine.runtime.logbook import LogBook
+from transfer_engine.runtime.mail import Drained, Mailbox, WriteEnded
+from transfer_engine.runtime.ports import RoomBoard
+from transfer_engine.runtime.steptrace import StepTrace
+from transfer_engine.runtime.ticker import fine_timers
 from transfer_engine.transport.nixl import RemotePeer, Transport, WriteSpec, XferState
 
 log = logging.getLogger(__name__)
@@ -305,7 +305,7 @@ class NixlPoller:
         2.5x slower; with nothing that can come, every 50 ``poll_interval``
         (:func:`poll_delay`). A relaxed WRITE's post and end are no activity, and while only relaxed
         WRITEs are out it looks every ``relaxed`` (``EngineConfig.poll_relaxed``) until
-        :meth:`hurry`. Sleeps are on the loop's fine timers (:mod:`transfer_engine.ticker`):
+        :meth:`hurry`. Sleeps are on the loop's fine timers (:mod:`transfer_engine.runtime.ticker`):
         epoll's own would last a millisecond.
         With ``spin`` > 0 it first spins that long after activity, yielding to other tasks but
         never sleeping (for machines with cores to spare).

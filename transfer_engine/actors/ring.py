@@ -27,8 +27,12 @@ from __future__ import annotations
 import logging
 
 from transfer_engine.errors import StagingError
-from transfer_engine.layout import KVPool
-from transfer_engine.mail import (
+from transfer_engine.memory.layout import KVPool
+from transfer_engine.memory.staging import StagingMemory
+from transfer_engine.protocol import descriptors
+from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.staging import RingAllocator, grant_with_request, region_layout
+from transfer_engine.runtime.mail import (
     RegionGranted,
     RingMail,
     RoomClosed,
@@ -36,12 +40,8 @@ from transfer_engine.mail import (
     StagingFailed,
     Subscribe,
 )
-from transfer_engine.memory import StagingMemory
-from transfer_engine.peers import Peer
-from transfer_engine.ports import Outbox, PeerBook, RankIdentity, RoomBoard
-from transfer_engine.protocol import descriptors
-from transfer_engine.protocol import messages as m
-from transfer_engine.protocol.staging import RingAllocator, grant_with_request, region_layout
+from transfer_engine.runtime.peers import Peer
+from transfer_engine.runtime.ports import Outbox, PeerBook, RankIdentity, RoomBoard
 
 from .base import Actor
 
@@ -98,7 +98,7 @@ class RingActor(Actor[RingMail]):
     # --- rooms and requests -----------------------------------------------------------------------
 
     def open_room(self, opened: RoomOpened) -> RegionGranted | None:
-        """A staged room exists (:class:`~transfer_engine.ports.RingPort`); returns its chunk 0's region
+        """A staged room exists (:class:`~transfer_engine.runtime.ports.RingPort`); returns its chunk 0's region
         when it is granted with the request. Synchronous: it runs between this actor's mails."""
         self._open[opened.room] = opened
         if not self.grant_ahead:

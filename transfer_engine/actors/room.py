@@ -30,33 +30,7 @@ from transfer_engine.errors import (
     TransferFailed,
     failure_error,
 )
-from transfer_engine.mail import (
-    CancelRoom,
-    Drained,
-    JobKey,
-    LayersReady,
-    LocalAbort,
-    Mailbox,
-    MailboxOverflow,
-    PeerDead,
-    QueueChunk,
-    Ready,
-    RegionGranted,
-    RoomClosed,
-    RoomMail,
-    RoomOpened,
-    Scattered,
-    ScatterJob,
-    ScatterRun,
-    Shutdown,
-    StagingFailed,
-    WriteDone,
-    WriteEnded,
-    WriteJob,
-)
-from transfer_engine.memory import chunk_region_bytes
-from transfer_engine.peers import Peer
-from transfer_engine.ports import JOBS_PER_ROOM, ROOM_MAILBOX, ROOM_RESERVE, SCATTERS_PER_ROOM, RoomPorts
+from transfer_engine.memory.staging import chunk_region_bytes
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import LayerGroup, LayerTally, group_tensor_runs
@@ -81,6 +55,38 @@ from transfer_engine.protocol.rooms import (
     remote_failure_reason,
 )
 from transfer_engine.protocol.staging import RegionLayout, writer_block_bytes
+from transfer_engine.runtime.mail import (
+    CancelRoom,
+    Drained,
+    JobKey,
+    LayersReady,
+    LocalAbort,
+    Mailbox,
+    MailboxOverflow,
+    PeerDead,
+    QueueChunk,
+    Ready,
+    RegionGranted,
+    RoomClosed,
+    RoomMail,
+    RoomOpened,
+    Scattered,
+    ScatterJob,
+    ScatterRun,
+    Shutdown,
+    StagingFailed,
+    WriteDone,
+    WriteEnded,
+    WriteJob,
+)
+from transfer_engine.runtime.peers import Peer
+from transfer_engine.runtime.ports import (
+    JOBS_PER_ROOM,
+    ROOM_MAILBOX,
+    ROOM_RESERVE,
+    SCATTERS_PER_ROOM,
+    RoomPorts,
+)
 
 log = logging.getLogger("transfer_engine.room")
 

@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 
 from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransportError
-from transfer_engine.logbook import LogBook
 from transfer_engine.protocol import messages as m
+from transfer_engine.runtime.logbook import LogBook
 
 CONTROL_MAX_FRAME = m.MAX_MESSAGE_BYTES
 """Largest frame a control ROUTER reads: its largest messages are a TransferRequest (a page index
@@ -67,7 +67,7 @@ connection of junk would become queued messages."""
 
 
 Secure = Callable[[zmq.asyncio.Socket], None]
-"""Configures a socket before it binds (ZMQ CURVE server options, see ``transfer_engine.security``)."""
+"""Configures a socket before it binds (ZMQ CURVE server options, see ``transfer_engine.transport.security``)."""
 
 Handler = Callable[[m.AnyMessage, bytes, str], Awaitable[None]]
 """Called with each decoded message, the ROUTER identity it came from (to reply) and its source
@@ -113,7 +113,7 @@ def source_of(endpoint: str, ident: bytes) -> str:
 class Inbox:
     """Reads one ROUTER and keeps its endpoint's ``dropped`` counts; see the module docstring.
 
-    ``dropped`` is exact. The log is bounded (:class:`~transfer_engine.logbook.LogBook` on the
+    ``dropped`` is exact. The log is bounded (:class:`~transfer_engine.runtime.logbook.LogBook` on the
     owner's logger ``log``, so each endpoint's lines stay under its name): the first drop of a kind
     in full, then one "N more" line per kind and interval, however fast frames come.
     """

@@ -1,11 +1,11 @@
 """Scatter actor (decode): copies landed staged chunks from the ring into the KV pages.
 
 The room counts its writers' ``ChunkLanded`` notifications (in any order, in its core); when every
-writer of a chunk has landed it sends a :class:`~transfer_engine.mail.ScatterJob` here. The actor scatters all writer
+writer of a chunk has landed it sends a :class:`~transfer_engine.runtime.mail.ScatterJob` here. The actor scatters all writer
 blocks of the region in one launch on its own CUDA stream (on CPU: the torch implementation, in a
 worker thread so the event loop keeps polling), waits for the stream's event without blocking the
-loop or polling it (:class:`~transfer_engine.completion.CompletionWaiter`), then frees the region by a call to the ring (its port) and tells the room
-(:class:`~transfer_engine.mail.Scattered`, addressed by room id). Jobs run in arrival order, one at
+loop or polling it (:class:`~transfer_engine.runtime.completion.CompletionWaiter`), then frees the region by a call to the ring (its port) and tells the room
+(:class:`~transfer_engine.runtime.mail.Scattered`, addressed by room id). Jobs run in arrival order, one at
 a time. A layer-wise chunk comes as one job per landed layer group of a writer, the region freed
 after the chunk's last one.
 """
@@ -19,12 +19,12 @@ import anyio
 import anyio.abc
 import torch
 
-from transfer_engine.completion import CompletionWaiter, recorded
 from transfer_engine.kernels import KVTable, as_kv_table, scatter_heads
-from transfer_engine.layout import KVPool
-from transfer_engine.mail import Scattered, ScatterJob, ScatterRun
-from transfer_engine.memory import StagingMemory, run_cpu_copy
-from transfer_engine.ports import RingPort, RoomBoard
+from transfer_engine.memory.layout import KVPool
+from transfer_engine.memory.staging import StagingMemory, run_cpu_copy
+from transfer_engine.runtime.completion import CompletionWaiter, recorded
+from transfer_engine.runtime.mail import Scattered, ScatterJob, ScatterRun
+from transfer_engine.runtime.ports import RingPort, RoomBoard
 
 from .base import Actor
 

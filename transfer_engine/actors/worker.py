@@ -6,16 +6,16 @@ to one decode rank goes through one worker, in order.
 Direct and slice paths: the worker computes the chunk's descriptors (a pure function of the layouts
 and page lists, :mod:`~transfer_engine.actors.write_plan` over ``protocol.descriptors``) and posts the WRITE through the NixlPoller with the
 chunk's notification on it; the poller tells the room directly when the WRITE ends
-(:class:`~transfer_engine.mail.WriteEnded`). The worker never waits on the network, and every job
+(:class:`~transfer_engine.runtime.mail.WriteEnded`). The worker never waits on the network, and every job
 it is given ends in exactly one reply to its room: that WriteEnded, or a
-:class:`~transfer_engine.mail.WriteDone` from here (refused, cancelled, staged WRITE finished).
+:class:`~transfer_engine.runtime.mail.WriteDone` from here (refused, cancelled, staged WRITE finished).
 
 Staged paths (README, "Paths"; docs/DECISIONS.md, "Staged paths"): the worker asks the decode rank's ring for a region
 (``StagingRequest``) as soon as the chunk is known, and parks the chunk; chunk 0 asks nothing when the
 room's TransferRequest carried its region (``first_region``: granted with the request). Once granted, and once the
 peer's latest ``Watermark`` admits the region, it gathers the chunk's head slice — every layer, K
 then V — into a lease of its staging buffer (on its own CUDA stream, its completion observed by the worker's
-:class:`~transfer_engine.completion.CompletionWaiter`; on CPU in a worker thread) and
+:class:`~transfer_engine.runtime.completion.CompletionWaiter`; on CPU in a worker thread) and
 posts ONE WRITE of it to ``region + writer offset``. A chunk that is not admissible yet stays parked
 while the worker serves other chunks; newer watermarks and finished WRITEs (which release staging
 leases) retry the parked ones. Nothing here blocks on the watermark. ``CancelRoom`` ends a failed
@@ -38,22 +38,10 @@ import anyio
 import numpy as np
 import torch
 
-from transfer_engine.completion import Completion, CompletionWaiter, recorded
 from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import KVTable, as_kv_table, gather_heads
-from transfer_engine.layout import KVPool
-from transfer_engine.mail import (
-    CancelRoom,
-    Mailbox,
-    Reached,
-    Ready,
-    RepeatStaging,
-    WriteDone,
-    WriteEnded,
-    WriteJob,
-)
-from transfer_engine.memory import StagingMemory, allocate_staging, run_cpu_copy
-from transfer_engine.ports import Outbox, RankIdentity, RoomBoard, WritePort
+from transfer_engine.memory.layout import KVPool
+from transfer_engine.memory.staging import StagingMemory, allocate_staging, run_cpu_copy
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_block_runs, group_tensors
 from transfer_engine.protocol.staging import (
@@ -63,6 +51,18 @@ from transfer_engine.protocol.staging import (
     WatermarkTracker,
     writer_block_bytes,
 )
+from transfer_engine.runtime.completion import Completion, CompletionWaiter, recorded
+from transfer_engine.runtime.mail import (
+    CancelRoom,
+    Mailbox,
+    Reached,
+    Ready,
+    RepeatStaging,
+    WriteDone,
+    WriteEnded,
+    WriteJob,
+)
+from transfer_engine.runtime.ports import Outbox, RankIdentity, RoomBoard, WritePort
 from transfer_engine.transport.nixl import WriteSpec
 
 from .base import Actor
@@ -382,7 +382,7 @@ class TransferWorker(Actor["WorkerMail"]):
     def _claim_and_start(self, room: int, held: _Held, drive: float = 0.0) -> None:
         """On the completion waiter's thread: claim ``held``'s WRITE and start it, without waiting for
         the loop's turn, then look at it until it ended, for ``drive`` seconds at most
-        (:meth:`~transfer_engine.ports.WritePort.drive`). Touches nothing of the worker's but ``held``
+        (:meth:`~transfer_engine.runtime.ports.WritePort.drive`). Touches nothing of the worker's but ``held``
         and the poller's thread-safe calls (docs/DECISIONS.md, "A held WRITE is started by the
         completion waiter's thread")."""
         if not held.claim(_Start.STARTING):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from transfer_engine.errors import TransferError
-from transfer_engine.layout import KVPool, stride_rows_of
-from transfer_engine.mail import WriteJob
+from transfer_engine.memory.layout import KVPool, stride_rows_of
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_tensors
 from transfer_engine.protocol.paths import is_staged
+from transfer_engine.runtime.mail import WriteJob
 
 
 def is_staged_job(job: WriteJob) -> bool:

@@ -34,7 +34,7 @@ class KVStrides(_Base, frozen=True):
 
     Head ``h`` of token ``n`` of block (page) ``b`` starts ``offset + b * block + h * head + n *
     token`` bytes past the start of registered region ``region``, and its ``head_dim`` elements are
-    contiguous. Any of the serving systems' layouts is a set of these (``transfer_engine.layout``).
+    contiguous. Any of the serving systems' layouts is a set of these (``transfer_engine.memory.layout``).
     """
 
     region: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
@@ -357,7 +357,7 @@ class DumpRequest(Message, frozen=True):
 
 
 class DumpReply(Message, frozen=True):
-    """introspection endpoint -> asker: a msgpack-encoded ``transfer_engine.introspect.Snapshot``."""
+    """introspection endpoint -> asker: a msgpack-encoded ``transfer_engine.observe.Snapshot``."""
 
     snapshot: bytes
 

@@ -13,8 +13,8 @@ Success and Failed mean the room has ended: no WRITE of it can still land, so th
 What maps to what:
 
 - ``KVArgs.kv_data_ptrs/lens/item_lens`` become the engine's pool
-  (:func:`~transfer_engine.memory_views.pool_from_pointers`); the aux buffers are packed per slot
-  (:class:`~transfer_engine.memory_views.AuxBuffers`): the prefill packs a request's aux slot as it
+  (:func:`~transfer_engine.memory.views.pool_from_pointers`); the aux buffers are packed per slot
+  (:class:`~transfer_engine.memory.views.AuxBuffers`): the prefill packs a request's aux slot as it
   sends the last chunk, the decode unpacks it when its poll() first says Success.
 - The bootstrap address ``host:port`` is the engine's bootstrap registry at ``tcp://host:port``,
   run by :class:`KVBootstrapServer` beside the prefill's HTTP server.
@@ -55,10 +55,10 @@ from transfer_engine.actors.bootstrap import Bootstrap
 from transfer_engine.config import EngineConfig
 from transfer_engine.errors import ConfigError, FailureReason, LayoutError, LocalProtocolError, TransferFailed
 from transfer_engine.facade import BlockingEngine, BlockingReceiver
-from transfer_engine.layout import KVLayout, KVPool, dtype_of
-from transfer_engine.memory_views import AuxBuffers, pool_from_pointers
+from transfer_engine.memory.layout import KVLayout, KVPool, dtype_of
+from transfer_engine.memory.views import AuxBuffers, pool_from_pointers
 from transfer_engine.protocol.rooms import RoomStatus
-from transfer_engine.security import Curve
+from transfer_engine.transport.security import Curve
 
 __all__ = ["KVBootstrapServer", "KVManager", "KVReceiver", "KVSender", "PrefillInfo", "layout_from_kv_args"]
 

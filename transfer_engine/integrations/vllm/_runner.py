@@ -22,7 +22,7 @@ import torch
 from transfer_engine import EngineConfig, KVLayout, KVPool, TransferEngine
 from transfer_engine.engine import Receiver, Sender
 from transfer_engine.errors import ConfigError, TransferError
-from transfer_engine.layout import views_vllm_cpu
+from transfer_engine.memory.layout import views_vllm_cpu
 
 log = logging.getLogger(__name__)
 

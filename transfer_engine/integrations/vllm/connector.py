@@ -74,7 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from transfer_engine.errors import ConfigError
-from transfer_engine.room_ids import room_id
+from transfer_engine.protocol.room_ids import room_id
 
 from ._runner import EngineThread
 
@@ -102,7 +102,7 @@ those steps starved the engine threads that end the transfers (docs/DECISIONS.md
 
 
 def room_of(transfer_id: str) -> int:
-    """The engine room of a transfer: :func:`transfer_engine.room_ids.room_id` of its ID (the same on both sides)."""
+    """The engine room of a transfer: :func:`transfer_engine.protocol.room_ids.room_id` of its ID (the same on both sides)."""
     return room_id(transfer_id)
 
 

@@ -9,10 +9,10 @@
 - :class:`WorkerShards`: the prefill workers' mailboxes, sharded by destination decode agent.
 - :class:`WritePort`: posts WRITEs (the NIXL poller implements it).
 - :class:`RingPort`: opens a staged room at the decode ring (the ring actor implements it).
-- :class:`DrainPort`: asks the NIXL poller for a :class:`~transfer_engine.mail.Drained` reply.
+- :class:`DrainPort`: asks the NIXL poller for a :class:`~transfer_engine.runtime.mail.Drained` reply.
 
 Per-room bounds (:data:`JOBS_PER_ROOM`, :data:`SCATTERS_PER_ROOM`, :data:`RING_POSTS_PER_ROOM`)
-size the mailbox reserves that rooms ``post`` into (see :mod:`transfer_engine.mail`).
+size the mailbox reserves that rooms ``post`` into (see :mod:`transfer_engine.runtime.mail`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import anyio
 import numpy as np
 
 from transfer_engine.errors import TransferError
-from transfer_engine.layout import KVPool
-from transfer_engine.mail import Mailbox, RegionGranted, RingMail, RoomMail, RoomOpened, ScatterJob
-from transfer_engine.peers import Peer
+from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import ChunkCut
 from transfer_engine.protocol.messages import MemRegion
-from transfer_engine.steptrace import StepTrace
+from transfer_engine.runtime.mail import Mailbox, RegionGranted, RingMail, RoomMail, RoomOpened, ScatterJob
+from transfer_engine.runtime.peers import Peer
+from transfer_engine.runtime.steptrace import StepTrace
 from transfer_engine.transport.nixl import WriteSpec
 
 JOBS_PER_ROOM = 32
@@ -161,7 +161,7 @@ class RingPort(Protocol):
 
 class DrainPort(Protocol):
     def request_drain(self, room: int) -> None:
-        """After the next full poll-and-drain cycle, send :class:`~transfer_engine.mail.Drained` to ``room``."""
+        """After the next full poll-and-drain cycle, send :class:`~transfer_engine.runtime.mail.Drained` to ``room``."""
         ...
 
 

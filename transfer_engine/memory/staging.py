@@ -14,7 +14,7 @@ import anyio
 import torch
 
 from transfer_engine.kernels import as_kv_table, gather_heads, scatter_heads
-from transfer_engine.layout import KVPool
+from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol.messages import MemRegion
 
 

@@ -29,12 +29,12 @@ import numpy as np
 import torch
 
 from transfer_engine.errors import FailureReason
-from transfer_engine.peers import Peer
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import LayerGroup
 from transfer_engine.protocol.rooms import Chunk
 from transfer_engine.protocol.staging import Allocation, RegionLayout
+from transfer_engine.runtime.peers import Peer
 
 T = TypeVar("T")
 
@@ -322,7 +322,7 @@ class Drained:
 class RoomOpened:
     """Room -> ring, before the room's first TransferRequest leaves: a staged room exists.
 
-    Handed over by a call (:meth:`~transfer_engine.ports.RingPort.open_room`), not posted: its answer,
+    Handed over by a call (:meth:`~transfer_engine.runtime.ports.RingPort.open_room`), not posted: its answer,
     the region of chunk 0 granted with the request, rides on the TransferRequests.
 
     ``slices`` are the writers' head slices in ``dst_head_start`` order (their block order in a

@@ -1,7 +1,7 @@
 """KV pools from memory that serving systems own: raw pointers (SGLang) and per-layer tensors (vLLM).
 
 Nothing here copies or allocates KV: each function builds zero-copy tensor views of the caller's
-memory and hands them to :class:`~transfer_engine.layout.KVPool`, whose constructor validates them
+memory and hands them to :class:`~transfer_engine.memory.layout.KVPool`, whose constructor validates them
 as for any pool. The caller keeps the memory alive (and unmoved) for as long as the pool is used.
 Bad input raises :class:`LayoutError` naming the bad value; nothing is registered then.
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from transfer_engine.errors import LayoutError
-from transfer_engine.layout import KVLayout, KVPool
+from transfer_engine.memory.layout import KVLayout, KVPool
 
 __all__ = ["AuxBuffers", "check_disjoint", "pool_from_pointers", "pool_from_vllm", "view_of"]
 

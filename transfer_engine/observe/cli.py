@@ -6,7 +6,7 @@
     transfer-engine dump --endpoint ... --room 42                   # one room's progress and history
 
 ``--endpoint`` is a rank's introspection endpoint (``engine.introspect_endpoint``; the examples print
-it at start). ``--json`` prints :class:`transfer_engine.introspect.Snapshot` as JSON, one document
+it at start). ``--json`` prints :class:`transfer_engine.observe.Snapshot` as JSON, one document
 per line with ``--watch``; read it back with ``msgspec.json.decode(line, type=Snapshot)``. An endpoint
 that does not answer within ``--timeout`` seconds is reported on stderr with exit status 1 (2 for a
 usage error). With CURVE on the control plane, pass the deployment's certificate files.
@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransferError
-from transfer_engine.introspect import Snapshot, decode_snapshot, has_room, render_table
+from transfer_engine.observe import Snapshot, decode_snapshot, has_room, render_table
 from transfer_engine.protocol import messages as m
 
 __all__ = ["CurveKeys", "fetch_snapshot", "main"]

@@ -25,9 +25,9 @@ from transfer_engine.actors.ring import RingActor
 from transfer_engine.actors.room import ReceiverRoomActor, SenderRoomActor, _RoomActor
 from transfer_engine.actors.worker import TransferWorker
 from transfer_engine.config import EngineConfig
-from transfer_engine.layout import KVPool
-from transfer_engine.peers import Peer
+from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol.rooms import ReceiverRoom, RoomStatus, SenderRoom
+from transfer_engine.runtime.peers import Peer
 
 from .render import _chunks_text, _ranks_text
 from .schema import (

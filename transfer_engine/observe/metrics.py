@@ -8,8 +8,8 @@ ConfigError). Each engine has its own registry, served by the MetricsServer acto
 Two kinds of series:
 
 - histograms observed once per room as it ends (:meth:`Metrics.room_ended`, fed by
-  :func:`transfer_engine.introspect.build.record_ended`): latency and size;
-- everything else read at scrape time from the same :class:`~transfer_engine.introspect.Snapshot`
+  :func:`transfer_engine.observe.build.record_ended`): latency and size;
+- everything else read at scrape time from the same :class:`~transfer_engine.observe.Snapshot`
   ``transfer-engine dump`` shows, so the two never disagree: counters by outcome and failure
   reason, bytes and WRITEs, dropped messages, live rooms, queues and ring occupancy.
 
@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from transfer_engine.introspect import RoomSnapshot, Snapshot
+from transfer_engine.observe import RoomSnapshot, Snapshot
 
 __all__ = ["LATENCY_BUCKETS", "SIZE_BUCKETS", "Metrics"]
 

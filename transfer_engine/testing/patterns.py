@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from transfer_engine.layout import KVPool
+from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import heads as head_math
 from transfer_engine.protocol.layers import group_tensors
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transfer_engine import ticker
+from transfer_engine.runtime import ticker
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The actor runtime: mail and mailboxes, ports, completion waiters, timers, the log book and step traces."""
