@@ -10,4 +10,8 @@ packages = find_packages(include=["transfer_engine", "transfer_engine.*"])
 packages.append("transfer_engine.kernels")
 packages += [f"transfer_engine.kernels.{sub}" for sub in find_packages(where="kernels")]
 
-setup(packages=packages, package_dir={"transfer_engine.kernels": "kernels"})
+setup(
+    packages=packages,
+    package_dir={"transfer_engine.kernels": "kernels"},
+    package_data={"transfer_engine": ["py.typed"]},
+)
