@@ -1,8 +1,8 @@
 """A blocking facade over :class:`TransferEngine` for threaded callers (SGLang's and vLLM's schedulers).
 
-:class:`BlockingEngine` runs the engine and its event loop on a thread of its own (an anyio
-blocking portal). The caller's threads never run asyncio code. Every method says how long it may
-block:
+:class:`BlockingEngine` runs the engine and its event loop on a thread of its own (a
+:class:`~transfer_engine.facade.bridge.LoopThread`). The caller's threads never run asyncio code.
+Every method says how long it may block:
 
 - never blocks: ``poll()``, ``failure``, ``failure_error()``, ``send()``, ``request()``,
   ``abort()`` and ``receiver()``. They validate their arguments on the caller's thread (bad input
@@ -24,7 +24,7 @@ are reported only once the room has ended, so no WRITE can land in its pages aft
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import functools
 import logging
 import sys
@@ -35,10 +35,9 @@ from types import TracebackType
 from typing import Any
 
 import anyio
-import anyio.from_thread
 import numpy as np
 import torch
-from anyio.abc import TaskGroup, TaskStatus
+from anyio.abc import TaskGroup
 
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine, _check_request, _check_room
@@ -52,6 +51,7 @@ from transfer_engine.errors import (
     TransportError,
     failure_error,
 )
+from transfer_engine.facade.bridge import LoopThread
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol.room_ids import room_id
 from transfer_engine.protocol.rooms import RoomStatus
@@ -378,36 +378,46 @@ class BlockingEngine:
         _lower_switch_interval(config.gil_switch_interval)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
-        self._portal = self._portal_cm.__enter__()
+        self._loop_thread = LoopThread(f"te-{config.role}-{config.tp_rank}")
+        self._loop_thread.start()
+        opened: concurrent.futures.Future[tuple[TransferEngine, _Mailer]] = concurrent.futures.Future()
+        self._served: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._loop_thread.spawn(self._serve, config, kv, transport, opened)
         try:
-            self._closing = self._portal.call(anyio.Event)
-            self._served, (engine, mailer, loop) = self._portal.start_task(self._serve, config, kv, transport)
+            engine, mailer = opened.result()
         except BaseException:
-            self._portal_cm.__exit__(None, None, None)
+            self._loop_thread.close()
             raise
         self._engine: TransferEngine = engine
         self._mailer: _Mailer = mailer
-        self._loop: asyncio.AbstractEventLoop = loop
-        self._queued: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
-        """Calls for the loop from callers' threads, in order (see :meth:`_call_soon`)."""
-        self._wake_pending = False
-        """A wake-up of the loop is scheduled and has not started taking ``_queued`` yet."""
 
     async def _serve(
         self,
         config: EngineConfig,
         kv: KVPool,
         transport: Transport | None,
-        *,
-        task_status: TaskStatus[tuple[TransferEngine, _Mailer, asyncio.AbstractEventLoop]],
+        opened: concurrent.futures.Future[tuple[TransferEngine, _Mailer]],
     ) -> None:
-        async with TransferEngine(config, kv, transport=transport) as engine, anyio.create_task_group() as tg:
-            mailer = _Mailer(tg)
-            tg.start_soon(mailer.run)
-            task_status.started((engine, mailer, asyncio.get_running_loop()))
-            await self._closing.wait()
-            tg.cancel_scope.cancel()
+        """The engine's life on the loop: open it, report it to ``opened``, serve until close()."""
+        try:
+            self._closing = anyio.Event()
+            async with (
+                TransferEngine(config, kv, transport=transport) as engine,
+                anyio.create_task_group() as tg,
+            ):
+                mailer = _Mailer(tg)
+                tg.start_soon(mailer.run)
+                opened.set_result((engine, mailer))
+                await self._closing.wait()
+                tg.cancel_scope.cancel()
+        except Exception as exc:
+            (self._served if opened.done() else opened).set_exception(exc)
+        except BaseException:  # the loop was closed under it
+            opened.cancel()
+            self._served.cancel()
+            raise
+        else:
+            self._served.set_result(None)
 
     # --- plumbing (callable from any thread) ----------------------------------------------------
 
@@ -417,31 +427,12 @@ class BlockingEngine:
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._check_open()
-        return self._portal.call(fn, *args)
+        return self._loop_thread.call(fn, *args)
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
-        """Have the loop run ``fn(*args)`` soon, after every call queued before it; from any thread.
-
-        Costs a deque append; the loop is woken (``call_soon_threadsafe``: a callback and a write
-        to its self-pipe) only when no wake-up is pending, so calls made while the loop is busy ride
-        on the wake-up already scheduled and are run in one go. ``_wake_pending`` is cleared before
-        the queue is taken: a call appended after the loop's last look finds it False and wakes it.
-        """
-        self._queued.append((fn, args))
-        if not self._wake_pending:
-            self._wake_pending = True
-            self._loop.call_soon_threadsafe(self._run_queued)
-
-    def _run_queued(self) -> None:
-        """On the loop: run every queued call, in order (an error in one is logged, the rest run)."""
-        self._wake_pending = False
-        queued = self._queued
-        while queued:
-            fn, args = queued.popleft()
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("a facade call on the loop failed: %r", fn)
+        """Have the loop run ``fn(*args)`` soon, after every call queued before it; from any thread
+        (:meth:`LoopThread.call_soon`)."""
+        self._loop_thread.call_soon(fn, *args)
 
     def _post(self, handle: Sender | Receiver, mail: RoomMail) -> None:
         self._call_soon(self._mailer.post, handle, mail)
@@ -520,10 +511,12 @@ class BlockingEngine:
                 return
             self._closed = True
         try:
-            self._portal.call(self._closing.set)
+            self._loop_thread.call_soon(self._closing.set)
             self._served.result()
+        except concurrent.futures.CancelledError:
+            log.warning("the engine's loop stopped before the engine closed")
         finally:
-            self._portal_cm.__exit__(None, None, None)
+            self._loop_thread.close()
 
     def __enter__(self) -> BlockingEngine:
         return self
