@@ -6,8 +6,8 @@ A prefill and a decode engine in ONE process and one event loop (``testing.open_
 NIXL, real ZMQ), so one profile holds every actor of both sides; CUDA completions are observed by
 the completion waiter's thread, which cProfile does not see (its wake-ups of the loop it does).
 One-page rooms of ``--layers`` layers, one after the other: ``--per-write 0`` sends each room with
-one ``send()`` (issue 17's small room), ``N > 0`` reports the layers in groups of N with
-``begin_chunk`` + ``layers_ready`` (issue 16's per-group work). The first ``--warm`` rooms are not
+one ``send()`` (the small room of docs/PERF.md), ``N > 0`` reports the layers in groups of N with
+``begin_chunk`` + ``layers_ready`` (layer-wise sending's per-group work). The first ``--warm`` rooms are not
 profiled. Prints the wall time per room, then the functions with the most own time (``tottime``)
 and the most time under them (``cumtime``), in microseconds per room.
 
@@ -15,7 +15,7 @@ Not a benchmark of latency (the two sides share one loop, so their work adds up)
 loop runs and what each part costs, to choose what to remove. On the CPU box it is what it says. On
 a GPU the one process holds both agents, and UCX moves a WRITE within one process by another way
 than between two: there `transfer()` took 7.8 ms per one-page room and `get_new_notifs` 0.78 ms a
-call (H100, session 7), which hides the rest. Use its CPU profile, and `bench_transfer --trace`
+call (on an H100), which hides the rest. Use its CPU profile, and `bench_transfer --trace`
 (two processes) for GPU steps.
 """
 

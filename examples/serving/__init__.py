@@ -1,4 +1,4 @@
-"""A real disaggregated serving loop over transfer_engine (issue 15): ``python -m examples.serving``.
+"""A real disaggregated serving loop over transfer_engine: ``python -m examples.serving``.
 
 Modules: ``model`` (the TP Llama-style decoder over the engine's paged pool), ``tp`` (process
 groups and the leader's plans), ``server`` (a prefill or decode rank: engine, model and serving
