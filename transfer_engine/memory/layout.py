@@ -168,7 +168,7 @@ class KVPool:
         pool._init_common(layout, tp_size, tp_rank, memory, aux)
         pool.strides = pool._validate_views(tuple(views))
         pool.kv_views = tuple(views)
-        pool._set_sizes(views[0].shape[0], pool.tensors[0])
+        pool._set_sizes(views[0].shape[0], views[0])  # the views' dtype: memory may be raw bytes
         return pool
 
     def _validate_views(self, views: tuple[torch.Tensor, ...]) -> tuple[KVStrides, ...]:
