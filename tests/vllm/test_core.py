@@ -1,0 +1,155 @@
+"""The connector core (``transfer_engine/integrations/vllm/core.py``) on CPU: requests, layer readiness
+and their ends, with real engines (NIXL over UCX, ZMQ) in this process.
+
+The calls are made as vLLM's worker makes the connector's (``vllm/distributed/kv_transfer/
+kv_connector/v1/base.py``): ``register_kv_caches`` builds the core; ``bind_connector_metadata``
+opens a layer-wise room before the forward (``begin_layers``); ``save_kv_layer`` after each
+layer's cache update (``layer_written``); ``wait_for_save`` once the forward is queued
+(``step_written``); ``get_finished`` and ``get_block_ids_with_load_errors`` collect the ends
+(``take_finished``, ``take_load_errors``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tests.gpu.inprocess import cores
+from tests.gpu.vllm_kv import Side, allocate, make_core, requests_for, run_prefill, wait_reported
+from transfer_engine.errors import ConfigError, LayoutError, LocalProtocolError
+from transfer_engine.integrations.vllm.core import ConnectorCore, digest_of
+
+pytestmark = pytest.mark.timeout(120)
+
+SIDE = Side(layout="LBNHC", num_layers=5)
+
+
+class Recording(ConnectorCore):
+    """The core, with the layer ranges it hands to the engine recorded (nothing else changed)."""
+
+    handed: list[tuple[str, int, int]]
+
+    def _hand_layers(self, layers) -> None:  # type: ignore[no-untyped-def]
+        if layers.end > layers.handed:
+            req = next(r for r, lw in self._layerwise.items() if lw is layers)
+            self.handed.append((req, layers.handed, layers.end))
+        super()._hand_layers(layers)
+
+
+def test_layers_go_out_in_groups() -> None:
+    """``layers_per_write`` 2 over 5 layers: groups [0, 2), [2, 4), [4, 5); per-layer calls that
+    close no group hand nothing; a range of several layers may close a group at once."""
+    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, p_caches, d_caches):
+        core = p_cores[0]
+        core.__class__ = Recording
+        core.handed = []  # type: ignore[attr-defined]
+        reqs = requests_for(SIDE, SIDE, [20, 30])
+        for r in reqs:
+            d_cores[0].receive(r.transfer_id, r.transfer_id, r.decode_blocks, core.bootstrap)
+        a, b = (r.transfer_id for r in reqs)
+        core.begin_layers(a, a, reqs[0].prefill_blocks)
+        core.begin_layers(b, b, reqs[1].prefill_blocks)
+        core.layers_ready(a, 0, 1)
+        assert core.handed == []  # type: ignore[attr-defined]
+        core.layers_ready(a, 1, 2)
+        core.layers_ready(b, 0, 3)
+        assert core.handed == [(a, 0, 2), (b, 0, 3)]  # type: ignore[attr-defined]
+        core.layer_written(3)  # a: [2, 4) closes a group; b: [3, 4) does not
+        core.step_written()  # both: the rest
+        assert core.handed == [(a, 0, 2), (b, 0, 3), (a, 2, 4), (a, 4, 5), (b, 3, 5)]  # type: ignore[attr-defined]
+        with pytest.raises(LocalProtocolError, match=repr(a)):
+            core.layers_ready(a, 5, 5)  # the request's layers are all reported
+        wait_reported(core, {a, b}, prefill=True)
+        assert wait_reported(d_cores[0], {a, b}, prefill=False) == set()
+
+
+def test_bad_calls_raise_on_the_callers_thread() -> None:
+    """Typed errors naming the value, before anything reaches the engine."""
+    with cores(SIDE, SIDE, "cpu") as (p_cores, _, _, _):
+        core = p_cores[0]
+        with pytest.raises(LocalProtocolError, match="'r1'.*begin_layers"):
+            core.layers_ready("r1", 0, 1)
+        core.begin_layers("r1", "t1", [0, 1])
+        with pytest.raises(LocalProtocolError, match="'r1' already"):
+            core.begin_layers("r1", "t1", [0, 1])
+        with pytest.raises(ConfigError, match=r"\[1, 2\).*starts at 0"):
+            core.layers_ready("r1", 1, 2)
+        with pytest.raises(ConfigError, match=r"\[0, 6\).*ends by 5"):
+            core.layers_ready("r1", 0, 6)
+        with pytest.raises(LayoutError, match="block id 12"):
+            core.send("r2", "t2", [3, 12])
+        with pytest.raises(ConfigError, match="transfer_id=''"):
+            core.send("r3", "", [0])
+        with pytest.raises(LayoutError, match="'model.layers.9"):
+            core.layer_index("model.layers.9.self_attn.attn")
+        core.abort("r1", "t1")
+        core.step_written()
+        wait_reported(core, {"r1"}, prefill=True)
+
+
+def test_construction_errors() -> None:
+    caches = allocate(SIDE, "cpu")
+    with pytest.raises(ConfigError, match="max_requests=0"):
+        ConnectorCore(
+            make_core("prefill", SIDE, 0, caches, 1).config,
+            caches,
+            layout="LBNHC",
+            block_size=16,
+            head_size=16,
+            max_requests=0,
+        )
+    with pytest.raises(LayoutError, match="LBHNC"):
+        ConnectorCore(
+            make_core("prefill", SIDE, 0, caches, 1).config,
+            caches,
+            layout="LBHNC",
+            block_size=16,
+            head_size=16,
+            max_requests=1,
+        )
+
+
+def test_decode_abort_reports_without_load_errors() -> None:
+    """A decode request aborted while waiting for a prefill that never sends: reported once its
+    room ended, and its blocks are not load errors (vLLM freed the request)."""
+    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, _, _):
+        d = d_cores[0]
+        d.receive("r1", "t-abort", [4, 5], p_cores[0].bootstrap)
+        d.abort("r1", "t-abort")
+        assert wait_reported(d, {"r1"}, prefill=False) == set()
+
+
+def test_prefill_abort_fails_the_decode() -> None:
+    """A prefill request aborted before it was sent fails its room: the decode reports the
+    request with its blocks as load errors (vLLM recomputes them), at once, not at a timeout."""
+    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, _, _):
+        d = d_cores[0]
+        d.receive("r1", "t-fail", [4, 5], p_cores[0].bootstrap)
+        p_cores[0].abort("r1", "t-fail")
+        assert wait_reported(d, {"r1"}, prefill=False, timeout=10) == {"4", "5"}
+
+
+def test_requests_in_steps_and_news() -> None:
+    """Two steps of requests through one pair of cores, each reported once; wait_for_news returns
+    at once when nothing is outstanding; nothing leaks."""
+    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, p_caches, d_caches):
+        p, d = p_cores[0], d_cores[0]
+        p.wait_for_news(5.0)  # nothing outstanding: returns at once (the test's timeout would tell)
+        for step in range(2):
+            reqs = [
+                replace(r, transfer_id=f"{r.transfer_id}-s{step}", number=r.number + 10 * step)
+                for r in requests_for(SIDE, SIDE, [16, 33, 7])
+            ]
+            for r in reqs:
+                d.receive(r.transfer_id, r.transfer_id, r.decode_blocks, p.bootstrap)
+            run_prefill(p, p_caches[0], SIDE, 0, reqs)
+            ids = {r.transfer_id for r in reqs}
+            wait_reported(p, ids, prefill=True)
+            assert wait_reported(d, ids, prefill=False) == set()
+            assert p.take_finished() == (set(), set())
+        assert not {k: v for k, v in p.leaks().items() if v} and not {k: v for k, v in d.leaks().items() if v}
+
+
+def test_digest() -> None:
+    assert len(digest_of("a")) == 16 and digest_of("a") != digest_of("b") and digest_of("a") == digest_of("a")
