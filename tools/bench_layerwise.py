@@ -2,14 +2,18 @@
 
     python tools/bench_layerwise.py --device cuda [--path direct|host|staged|slice]
                                     [--tokens 1024,4096,16384] [--per-write 1,4] [--reps 3]
+                                    [--page-table contiguous|scattered|realistic]
     python tools/bench_layerwise.py --device cpu --kv-heads 2 --tokens 1024 --hidden 256 --ffn 1024
     python tools/bench_layerwise.py --tiny      # CPU, tiny sizes: checks that it runs
 
 Two processes (prefill, decode; with ``--device cuda`` GPU 0 and GPU 1, or both on GPU 0 when there
 is one), each a blocking-facade engine (``transfer_engine.facade``) as a threaded scheduler uses it,
 on a Qwen3-32B-shaped KV layout by default (64 layers, 8 KV heads, head_dim 128, bf16, pages of 16
-tokens). Per room the prefill runs a simulated forward on a thread of its own (on CUDA, on a stream of
-its own), so the engine's loop thread runs beside it as in a real server: per layer one
+tokens), each room's pages in a page table of ``--page-table``'s shape
+(``transfer_engine.testing.pagetables``; the prefill's and the decode's from unrelated allocators,
+the pools at least 8 rooms large for ``scattered`` and ``realistic``). Per room the prefill runs a
+simulated forward on a thread of its own (on CUDA, on a stream of its own), so the engine's loop
+thread runs beside it as in a real server: per layer one
 ``[tokens, hidden] @ [hidden, ffn]`` matmul (about the FLOPs of a 32B model's layer at the defaults),
 then
 
@@ -94,6 +98,7 @@ from transfer_engine.config import EngineConfig
 from transfer_engine.facade import BlockingEngine
 from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.testing import pagetables
 from transfer_engine.testing.cluster import free_port
 
 # tools/ is the script's folder, first on sys.path (also in the spawned children)
@@ -108,8 +113,15 @@ def _layout(args: argparse.Namespace) -> KVLayout:
 
 
 def _pool(args: argparse.Namespace, device: torch.device) -> KVPool:
-    pages = -(-max(args.tokens) // args.page_size)
+    pages = pagetables.pool_pages(args.page_table, -(-max(args.tokens) // args.page_size), 1)
     return KVPool.allocate(_layout(args), 1, 0, pages, device=device, aux_slots=1, aux_item_bytes=8)
+
+
+def _pages(args: argparse.Namespace, tokens: int, side: str) -> np.ndarray:
+    """The page table of a room of ``tokens`` on ``side`` (one room in flight: the same every rep)."""
+    count = -(-tokens // args.page_size)
+    seed = pagetables.side_seed(args.page_seed, side)
+    return pagetables.room_tables(args.page_table, count, 1, seed=seed)[0]
 
 
 def _config(args: argparse.Namespace, role: str, port: int, per_write: int = 4) -> EngineConfig:
@@ -221,7 +233,7 @@ def decode_main(args: argparse.Namespace, port: int, pipe: Connection) -> None:
                 _raw_target(raw, pipe)
                 continue
             room, tokens = job
-            pages = np.arange(-(-tokens // args.page_size))
+            pages = _pages(args, tokens, "decode")
             receiver = engine.receiver(room, f"tcp://127.0.0.1:{port}", pages)
             receiver.wait(120)
             marks = engine.take_trace()
@@ -362,7 +374,7 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
             nonlocal room, profiled
             if mode == "peer":
                 return _peer_room(forward, pool, tokens)
-            pages = np.arange(-(-tokens // args.page_size))
+            pages = _pages(args, tokens, "prefill")
             sender = engine.sender(room, layers_per_write=max(per_write, 1))
             pipe.send((room, tokens))
             _until(sender, RoomStatus.WAITING_FOR_INPUT)
@@ -598,6 +610,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument(
+        "--page-table",
+        default="contiguous",
+        choices=[s.value for s in pagetables.PageTableShape],
+        help="how each room's pages lie in the pools (transfer_engine.testing.pagetables)",
+    )
+    parser.add_argument("--page-seed", type=int, default=0, help="seed of the page tables")
+    parser.add_argument(
         "--hidden", type=int, default=5120, help="simulated layer: [tokens, hidden] @ [hidden, ffn]"
     )
     parser.add_argument(
@@ -663,13 +682,14 @@ def main(argv: list[str] | None = None) -> int:
     layout = _layout(args)
     per_token = 2 * layout.num_layers * layout.num_heads * layout.head_dim * 2
     print(
-        f"layer-wise vs chunk-level: {args.device}, path={args.path}, {args.layers} layers x {args.kv_heads} "
+        f"layer-wise vs chunk-level: {args.device}, path={args.path}, page_table={args.page_table}, "
+        f"{args.layers} layers x {args.kv_heads} "
         f"KV heads x {args.head_dim}, bf16, {args.reps} rooms each (medians, ms)"
     )
     print(
         f"{'tokens':>7} {'MB':>8} {'mode':>10} {'tail':>8} {'react':>8} {'last WRITE':>10} "
         f"{'group':>7} {'over':>7} {'forward':>9} {'fwd/chunk':>9} {'wake':>7} {'started':>7} {'seen':>7} {'notif':>7} "
-        f"{'applied':>7}"
+        f"{'applied':>7} {'pages':>10}"
     )
     for row in rows:
         tokens, mode, per_write = row[:3]
@@ -685,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{tokens:7d} {mb:8.1f} {label:>10} {tail:8.3f} {react:8.3f} {last_write:10.3f} {group:>15} "
             f"{fwd:9.2f} {ratio:>9} {'' if mode != 'layers' else f'{wake:7.3f} {started:7.3f}':>15} "
-            f"{seen:7.3f} {notif:7.3f} {applied:7.3f}"
+            f"{seen:7.3f} {notif:7.3f} {applied:7.3f} {args.page_table:>10}"
         )
     return 0 if prefill.exitcode == 0 and decode.exitcode == 0 else 1
 

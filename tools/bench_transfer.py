@@ -2,6 +2,7 @@
 
     python tools/bench_transfer.py [--path direct|staged|host|slice] [--prefill-tp 1 --decode-tp 1]
                                    [--rooms 24] [--device cpu|cuda]
+                                   [--page-table contiguous|scattered|realistic]
 
 One process per prefill rank and per decode rank (spawned, as in production). In the SAME processes
 as prefill rank 0 and decode rank 0 a second, raw NIXL agent pair is set up, and
@@ -18,6 +19,11 @@ as prefill rank 0 and decode rank 0 a second, raw NIXL agent pair is set up, and
    (the decode asks over a pipe, the prefill writes) directly followed by a one-page engine room
    (the prefill has already sent when the decode asks). The added latency is the median of the
    per-sample differences.
+
+Each of the ``--concurrency`` room slots of a side holds one page table of ``--page-table``'s shape
+(``transfer_engine.testing.pagetables``: the prefill's and the decode's from unrelated allocators,
+so the direct path's descriptors are the runs consecutive on both sides); the pools are sized for
+that shape (at least 8 rooms for ``scattered`` and ``realistic``).
 
 It prints the engine's figure, the raw ceiling and their ratio, and descriptors posted per room.
 With ``--device cuda`` prefill rank r uses GPU ``r % n`` and decode rank r GPU ``(P + r) % n`` (ranks
@@ -48,7 +54,7 @@ from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.memory.layout import KVLayout, KVPool
-from transfer_engine.testing import patterns
+from transfer_engine.testing import pagetables, patterns
 from transfer_engine.testing.cluster import free_port
 
 
@@ -98,9 +104,25 @@ def _chunk_pages(args: argparse.Namespace) -> int:
     return math.ceil(math.ceil(args.tokens / args.page_size) / args.chunks)
 
 
-def _room_pages(args: argparse.Namespace, slot: int) -> np.ndarray:
-    per_room = math.ceil(args.tokens / args.page_size)
-    return np.arange(slot * per_room, (slot + 1) * per_room, dtype=np.int64)
+_TABLES: dict[str, list[np.ndarray]] = {}
+
+
+def _room_pages(args: argparse.Namespace, slot: int, side: str) -> np.ndarray:
+    """The page table of room slot ``slot`` on ``side`` (the same in every rank of that side)."""
+    if side not in _TABLES:
+        _TABLES[side] = pagetables.room_tables(
+            args.page_table, _room_pages_count(args), args.concurrency,
+            seed=pagetables.side_seed(args.page_seed, side),
+        )  # fmt: skip
+    return _TABLES[side][slot]
+
+
+def _room_pages_count(args: argparse.Namespace) -> int:
+    return math.ceil(args.tokens / args.page_size)
+
+
+def _pool_pages(args: argparse.Namespace) -> int:
+    return pagetables.pool_pages(args.page_table, _room_pages_count(args), args.concurrency)
 
 
 class RawPair:
@@ -204,9 +226,7 @@ async def _prefill(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     pages_per_room = math.ceil(args.tokens / args.page_size)
-    pool = KVPool.allocate(
-        layout, args.prefill_tp, rank, args.concurrency * pages_per_room + 4, device=device
-    )
+    pool = KVPool.allocate(layout, args.prefill_tp, rank, _pool_pages(args), device=device)
     cfg = _config(args, "prefill", rank, port)
     raw: RawPair | None = None
     peer = ""
@@ -223,7 +243,7 @@ async def _prefill(
         conn.recv()  # the decode loaded our metadata
         _raw_write(raw, peer, dst, room_bytes, b"warm")
     for slot in range(args.concurrency):
-        patterns.fill(pool, 0, _room_pages(args, slot))
+        patterns.fill(pool, 0, _room_pages(args, slot, "prefill"))
     async with TransferEngine(cfg, pool) as engine:
         sem = anyio.Semaphore(args.concurrency)
         slots = list(range(args.concurrency))
@@ -231,7 +251,7 @@ async def _prefill(
         async def one(room: int, pages_count_chunks: int) -> None:
             async with sem:
                 slot = slots.pop()
-                pages = _room_pages(args, slot)
+                pages = _room_pages(args, slot, "prefill")
                 sender = engine.sender(room)
                 bounds = np.linspace(0, len(pages), pages_count_chunks + 1).astype(int)
                 for i in range(pages_count_chunks):
@@ -257,7 +277,7 @@ async def _prefill(
             await anyio.to_thread.run_sync(barrier.wait)
             _ab(args, engine, rnd)
             await rooms(_round_rooms(args, rnd))
-        lat_page = _room_pages(args, 0)[:1]
+        lat_page = _room_pages(args, 0, "prefill")[:1]
         for i in range(args.lat_rooms):
             # One raw sample, then one engine sample, alternating; the decode times both.
             if raw is not None and conn is not None:
@@ -297,7 +317,7 @@ async def _decode(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     pages_per_room = math.ceil(args.tokens / args.page_size)
-    pool = KVPool.allocate(layout, args.decode_tp, rank, args.concurrency * pages_per_room + 4, device=device)
+    pool = KVPool.allocate(layout, args.decode_tp, rank, _pool_pages(args), device=device)
     # The whole room: decode rank 0 receives 1/D of it (non-MLA), and every decode rank the same share.
     room_bytes = pool.page_bytes * pages_per_room * layout.num_kv_tensors * args.decode_tp
     result: dict[str, Any] = {}
@@ -329,7 +349,7 @@ async def _decode(
             async with sem:
                 slot = slots.pop()
                 used.add(slot)
-                pages = _room_pages(args, slot)
+                pages = _room_pages(args, slot, "decode")
                 t1 = time.perf_counter()
                 receiver = await engine.receiver(room, bootstrap, pages)
                 paths.add(receiver._actor.path)  # type: ignore[attr-defined]
@@ -375,7 +395,7 @@ async def _decode(
                 conn.recv()
             _ab(args, engine, i)
             t1 = time.perf_counter()
-            receiver = await engine.receiver(SMALL_ROOM + i, bootstrap, _room_pages(args, 0)[:1])
+            receiver = await engine.receiver(SMALL_ROOM + i, bootstrap, _room_pages(args, 0, "decode")[:1])
             await receiver.wait()
             lat.append(time.perf_counter() - t1)
         result.update(
@@ -422,7 +442,9 @@ async def _decode(
     # verified after the engine is closed: a long check would stall its heartbeats
     bad = 0
     for slot in sorted(used):  # every room wrote the same pattern into its slot's pages
-        bad += patterns.mismatches(pool, 0, _room_pages(args, slot), pages_per_room * args.page_size)
+        bad += patterns.mismatches(
+            pool, 0, _room_pages(args, slot, "decode"), pages_per_room * args.page_size
+        )
     result["mismatches"] = bad
     if conn is not None:
         out.put(result)
@@ -433,17 +455,11 @@ def _ab(args: argparse.Namespace, engine: TransferEngine, index: int) -> None:
     and between small-room samples, on both sides: both halves run in the same processes).
 
     ``grant``: the decode ring grants chunk 0's region with the request (``EngineConfig.
-    grant_with_request``). ``completion``: the workers' and scatter actor's completion waiters use
-    their threads, else poll on the loop (``EngineConfig.completion_thread``).
+    grant_with_request``).
     """
     on = index % 2 == 0
     if args.ab == "grant" and engine.ring is not None:
         engine.ring.grant_ahead = on
-    elif args.ab == "completion":
-        for waiter in [w.completions for w in engine.workers] + (
-            [engine.scatter.completions] if engine.scatter is not None else []
-        ):
-            waiter.threaded = on
 
 
 def _peer_copy_gbps(args: argparse.Namespace, nbytes: int) -> float | None:
@@ -482,6 +498,13 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument("--rooms", type=int, default=24)
+    parser.add_argument(
+        "--page-table",
+        default="contiguous",
+        choices=[s.value for s in pagetables.PageTableShape],
+        help="how each room's pages lie in the pools (transfer_engine.testing.pagetables)",
+    )
+    parser.add_argument("--page-seed", type=int, default=0, help="seed of the page tables")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--raw-reps", type=int, default=4, help="raw WRITEs of one room's bytes per round")
     parser.add_argument(
@@ -510,10 +533,9 @@ def main() -> int:
     parser.add_argument(
         "--ab",
         default="none",
-        choices=["none", "grant", "completion"],
+        choices=["none", "grant"],
         help="even rounds and small-room samples with this on, odd ones with it off; prints both halves "
-        "(use an even --rounds). grant: chunk 0's ring region granted with the request (staged paths); "
-        "completion: CUDA completions observed by the waiter threads, else polled on the loop",
+        "(use an even --rounds). grant: chunk 0's ring region granted with the request (staged paths)",
     )
     args = parser.parse_args()
     if args.warmup < 0:
@@ -568,7 +590,7 @@ def main() -> int:
     if args.pin:
         pre, dec = _cpu_halves()
         placement += f" cpus prefill={pre[0]}-{pre[-1]} decode={dec[0]}-{dec[-1]}"
-    r.update(path=args.path, P=args.prefill_tp, D=args.decode_tp, tokens=args.tokens, rooms=args.rooms,
+    r.update(path=args.path, page_table=args.page_table, P=args.prefill_tp, D=args.decode_tp, tokens=args.tokens, rooms=args.rooms,
              concurrency=args.concurrency, chunks=args.chunks, device=args.device, peer_copy_gbps=peer_copy,
              placement=placement.strip(), loadavg=[round(x, 1) for x in os.getloadavg()],
              grant_with_request=_config(args, "decode", 0, 0).grant_with_request)  # fmt: skip
@@ -580,7 +602,7 @@ def main() -> int:
         else f", device copy {peer_copy:.1f} GB/s (ratio {r['engine_gbps'] / peer_copy:.2f})"
     )
     print(
-        f"path={args.path}({r['engine_path']}) P={args.prefill_tp} D={args.decode_tp} {args.device}{placement} "
+        f"path={args.path}({r['engine_path']}) page_table={args.page_table} P={args.prefill_tp} D={args.decode_tp} {args.device}{placement} "
         f"room={r['room_bytes'] / 1e6:.1f} MB x{args.rooms} conc={args.concurrency} chunks={args.chunks}: "
         f"engine {r['engine_gbps']:.2f} GB/s, raw NIXL {r['raw_gbps']:.2f} GB/s, ratio "
         f"{r['throughput_ratio']:.2f} (rounds {r['round_ratios']}){copy}; room p50 {r['room_p50_ms']:.2f} ms p99 {r['room_p99_ms']:.2f} ms; "

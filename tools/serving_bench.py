@@ -24,7 +24,11 @@ Phases, all through the HTTP front door of one :class:`examples.serving.run.Clus
    the batch and its contexts stay in a steady range), ``decode + transfers`` (the same while long
    prompts land). The two alternate for ``--rounds`` rounds.
 
-Prints one line per measurement; ``--json-out`` writes them all.
+``--page-table`` orders every server's free pages at start (``transfer_engine.testing.pagetables.
+free_order``: ``contiguous``, ``scattered`` — a fixed permutation —, or ``realistic`` — the free list
+an allocator leaves after a stream of mixed requests); the servers' own FIFO allocators then hand
+them out. Prints one line per measurement, each naming the page-table shape; ``--json-out`` writes
+them all.
 """
 
 from __future__ import annotations
@@ -92,7 +96,10 @@ async def ttft_phase(cluster: Cluster, args: argparse.Namespace, vocab: int, out
             "ttft_ms": ttft,
             **{f"{k}_ms": v for k, v in split.items()},
         }
-        print(f"TTFT {label:5} ({length:5} tokens, ms): total {pct(ttft)}", flush=True)
+        print(
+            f"TTFT {label:5} ({length:5} tokens, ms, page_table={args.page_table}): total {pct(ttft)}",
+            flush=True,
+        )
         for k, v in split.items():
             print(f"    {k:14} {pct(v)}", flush=True)
 
@@ -115,7 +122,7 @@ def ab_report(label: str, length: int, results: list[Any], out: dict[str, Any]) 
         print(
             f"TTFT A/B {label:5} ({length:5} tokens) {k:13} ms: chunk p50 {percentile(chunk, 50):7.2f}, "
             f"layer-wise p50 {percentile(layer, 50):7.2f}, difference per pair p50 {percentile(diff, 50):+7.2f} "
-            f"(min {min(diff):+.2f}, max {max(diff):+.2f}; {len(diff)} pairs)",
+            f"(min {min(diff):+.2f}, max {max(diff):+.2f}; {len(diff)} pairs; page_table={out['page_table']})",
             flush=True,
         )
     out[f"ttft_ab_{label}"] = got
@@ -171,7 +178,8 @@ def report(label: str, w: dict[str, Any], out: dict[str, Any], transfers: int = 
     out[label] = {**w, "decode_tokens_per_s": tps, "batch": batch, "step_ms": step_ms, "transfers": transfers}
     print(
         f"{label:22} decode loop lag ms {pct(w['decode_lag_ms'])} | prefill loop lag ms {pct(w['prefill_lag_ms'])} "
-        f"| decode {tps:7.1f} tok/s, batch {batch:4.1f}, step {step_ms:5.2f} ms | {transfers} transfers landed",
+        f"| decode {tps:7.1f} tok/s, batch {batch:4.1f}, step {step_ms:5.2f} ms | {transfers} transfers landed "
+        f"| page_table={out['page_table']}",
         flush=True,
     )
 
@@ -224,7 +232,8 @@ async def lag_phase(cluster: Cluster, args: argparse.Namespace, vocab: int, out:
         f"decode tok/s: alone mean {sum(alone) / len(alone):.1f}, with transfers landing mean "
         f"{sum(loaded) / len(loaded):.1f} ({sum(loaded) / sum(alone):.2f}x); step ms per running request: "
         f"alone {sum(per_token['alone']) / max(len(per_token['alone']), 1):.3f}, "
-        f"with transfers {sum(per_token['loaded']) / max(len(per_token['loaded']), 1):.3f}",
+        f"with transfers {sum(per_token['loaded']) / max(len(per_token['loaded']), 1):.3f}; "
+        f"page_table={out['page_table']}",
         flush=True,
     )
 
@@ -246,12 +255,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         pin=args.pin if args.pin is not None else args.device == "cpu",
         engine=dict(engine_options(args.engine)),
         layerwise=args.layerwise,
+        page_table=args.page_table,
     )
-    out: dict[str, Any] = {"spec": {k: str(v) for k, v in vars(args).items()}}
+    out: dict[str, Any] = {"spec": {k: str(v) for k, v in vars(args).items()}, "page_table": args.page_table}
     async with Cluster(spec) as cluster:
         print(
             f"serving bench: {args.device}, P={args.prefill_tp} D={args.decode_tp}, model {model}, "
-            f"page {args.page_size}, chunk {args.chunk_tokens}",
+            f"page {args.page_size}, chunk {args.chunk_tokens}, page_table={args.page_table}",
             flush=True,
         )
         started = time.monotonic()
@@ -271,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-tp", type=int, default=1)
     parser.add_argument("--decode-tp", type=int, default=1)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument(
+        "--page-table",
+        default="contiguous",
+        choices=["contiguous", "scattered", "realistic"],
+        help="the order of every server's free pages at start (transfer_engine.testing.pagetables)",
+    )
     parser.add_argument("--chunk-tokens", type=int, default=128)
     parser.add_argument("--max-batch-tokens", type=int, default=384)
     parser.add_argument("--short", type=int, default=16, help="short prompt tokens (default 16)")

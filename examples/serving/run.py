@@ -63,6 +63,8 @@ class ClusterSpec:
     layerwise: bool = False
     log_level: str = "WARNING"
     engine: dict[str, Any] = field(default_factory=dict)
+    page_table: str = "contiguous"
+    """The order of each server's free pages at start (``transfer_engine.testing.pagetables.free_order``)."""
     pin: bool = False
     """Pin the prefill's ranks to the first half of this machine's CPUs and the decodes' to the
     second half (a benchmark on a small machine: see docs/DECISIONS.md, "Benchmark method")."""
@@ -129,6 +131,7 @@ class Cluster:
             log_level=spec.log_level,
             engine=dict(spec.engine),
             layerwise=spec.layerwise,
+            page_table=spec.page_table,
         )
         cpus = sorted(os.sched_getaffinity(0))
         half = max(1, len(cpus) // 2)

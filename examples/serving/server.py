@@ -60,6 +60,7 @@ from transfer_engine import (
     TransferFailed,
 )
 from transfer_engine.runtime.ticker import sleep as fine_sleep
+from transfer_engine.testing.pagetables import free_order, side_seed
 
 log = logging.getLogger("serving")
 AUX_BYTES = 8
@@ -94,6 +95,8 @@ class ServerSpec:
     """CPUs the rank processes are pinned to (empty: not pinned)."""
     gpu_offset: int = 0
     """With ``device="cuda"``, rank ``r`` uses GPU ``(gpu_offset + r) % device_count``."""
+    page_table: str = "contiguous"
+    """The order of the free pages at start (``transfer_engine.testing.pagetables.free_order``)."""
 
     @property
     def name(self) -> str:
@@ -107,9 +110,10 @@ def pages_for(tokens: int, page_size: int) -> int:
 class PageAllocator:
     """Free pages of a server (the same page ids on every rank); FIFO reuse, so freed pages come back."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, order: list[int] | None = None) -> None:
+        """``order``: the free pages at start, head first (default ``0 .. num_pages - 1``)."""
         self.total = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: deque[int] = deque(range(num_pages) if order is None else order)
 
     @property
     def free(self) -> int:
@@ -438,7 +442,8 @@ class Leader:
     def __init__(self, spec: ServerSpec, rank: Rank, group: TPGroup, link: Link, ticker: Ticker) -> None:
         self.spec, self.rank, self.group, self.link, self.ticker = spec, rank, group, link, ticker
         self.prefill = spec.role == "prefill"
-        self.pages = PageAllocator(spec.num_pages)
+        order = free_order(spec.page_table, spec.num_pages, seed=side_seed(spec.instance, spec.role))
+        self.pages = PageAllocator(spec.num_pages, order.tolist())
         self.aux_free: deque[int] = deque(range(spec.max_requests))
         self.queue: deque[Request] = deque()
         self.live: dict[int, Request] = {}

@@ -1,0 +1,77 @@
+"""Rooms whose pages lie as a serving system's allocator hands them out (scattered over a pool eight
+rooms large, and an allocator's realistic tables), on every path, several rooms in flight, each
+room's prefill and decode tables from unrelated allocators: every byte checked, nothing leaked."""
+
+from __future__ import annotations
+
+import functools
+
+import anyio
+import numpy as np
+import pytest
+
+from transfer_engine.protocol.descriptors import page_runs
+from transfer_engine.testing.pagetables import pool_pages, room_tables, side_seed
+
+from .harness import cluster, run_room, small_layout
+
+ROOMS = 3
+PAGES = 24
+"""Pages per room (page size 4: 96 tokens), sent in the chunks of :data:`CHUNKS`."""
+CHUNKS = [10, 1, 13]
+SHAPES = ("scattered", "realistic")
+
+CASES = [
+    pytest.param(8, False, 1, 1, path, id=f"H8-P1-D1-{path}")
+    for path in ("direct", "slice", "staged", "host")
+] + [
+    pytest.param(8, False, 2, 1, "staged", id="H8-P2-D1-staged"),
+    pytest.param(8, False, 1, 2, "host", id="H8-P1-D2-host"),
+    pytest.param(8, False, 2, 1, "slice", id="H8-P2-D1-slice"),
+    pytest.param(1, True, 1, 2, "direct", id="mla-P1-D2-direct"),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("heads", "mla", "P", "D", "path"), CASES)
+async def test_scattered_and_realistic_pages(heads: int, mla: bool, P: int, D: int, path: str) -> None:
+    layout = small_layout(heads, mla)
+    num_pages = max(pool_pages(shape, PAGES, ROOMS) for shape in SHAPES)
+    async with cluster(layout, P, D, path=path, num_pages=num_pages) as c:
+        posted = 0
+        for round_, shape in enumerate(SHAPES):
+            src = room_tables(shape, PAGES, ROOMS, seed=side_seed(round_, "prefill"))
+            dst = room_tables(shape, PAGES, ROOMS, seed=side_seed(round_, "decode"))
+            # the tables are what the test means: far from one run per room on either side
+            assert all(len(page_runs(s, d)) > PAGES // 3 for s, d in zip(src, dst, strict=True))
+            async with anyio.create_task_group() as tg:
+                for i in range(ROOMS):
+                    room = 100 * (round_ + 1) + i
+                    tg.start_soon(functools.partial(run_room, c, room, src[i], dst[i], CHUNKS, aux_slot=i))
+            c.assert_no_leaks()
+            if (path, P, D) == ("direct", 1, 1):  # one descriptor per (tensor, run of a chunk), no more
+                tensors = layout.num_kv_tensors
+                want = sum(
+                    len(page_runs(s[a:b], d[a:b])) * tensors
+                    for s, d in zip(src, dst, strict=True)
+                    for a, b in zip(np.cumsum([0, *CHUNKS[:-1]]), np.cumsum(CHUNKS), strict=True)
+                )
+                got = c.prefill[0].poller.counters["descriptors_posted"] - posted
+                assert got == want + ROOMS, (got, want)  # and each room's aux item: one descriptor
+            posted = c.prefill[0].poller.counters["descriptors_posted"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["direct", "staged"])
+async def test_layerwise_rooms_on_realistic_pages(path: str) -> None:
+    """Layer-wise chunks (``begin_chunk``/``layers_ready``) over realistic tables, three rooms in flight."""
+    layout = small_layout()
+    num_pages = pool_pages("realistic", PAGES, ROOMS)
+    async with cluster(layout, 1, 1, path=path, num_pages=num_pages, layers_per_write=2) as c:
+        src = room_tables("realistic", PAGES, ROOMS, seed=side_seed(5, "prefill"))
+        dst = room_tables("realistic", PAGES, ROOMS, seed=side_seed(5, "decode"))
+        async with anyio.create_task_group() as tg:
+            for i in range(ROOMS):
+                tg.start_soon(functools.partial(run_room, c, 300 + i, src[i], dst[i], CHUNKS, layers=1))
+        c.assert_no_leaks()
+    assert np.unique(np.concatenate(dst)).size == ROOMS * PAGES
