@@ -1,0 +1,131 @@
+"""The decode side in a process of its own (spawned), the prefill in the caller's: two processes, one
+GPU each when two are visible (both on ``cuda:0`` otherwise). Used by tests/gpu and tools/bench_vllm_core.py.
+
+The parent sends the decode process one command at a time on a pipe and waits for its answer:
+
+- ``("receive", requests)``: open every request's room (``receive``) and answer ``"asked"``; then,
+  once every one was reported: ``("done", load_errors, wrong_bytes, loaded_ns)`` where
+  ``wrong_bytes`` is the count :func:`check` found (-1 when not checked) and ``loaded_ns`` the
+  ``time.monotonic_ns()`` (one clock for every process of the host) at which the last was reported;
+- ``("stop",)``: close the cores and exit (answers ``"stopped"`` with the leak counters).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from .vllm_kv import Request, Side, allocate, check_decode, make_core
+
+START_S = 120.0
+
+
+def devices() -> tuple[str, str]:
+    """(prefill device, decode device): two GPUs when two are visible, else both on the one."""
+    return ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
+
+
+def _decode_main(conn: Connection, side: Side, device: str, port: int, check_bytes: bool) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    caches = [allocate(side, device) for _ in range(side.tp)]
+    cores = [make_core("decode", side, r, caches[r], port, heartbeat_interval=5.0) for r in range(side.tp)]
+    try:
+        for core in cores:
+            core.start()
+        conn.send("up")
+        while True:
+            command = conn.recv()
+            if command[0] == "stop":
+                leaks = [{k: v for k, v in core.leaks().items() if v} for core in cores]
+                conn.send(("stopped", leaks))
+                return
+            _, requests, bootstrap = command
+            for core in cores:
+                for r in requests:
+                    core.receive(r.transfer_id, r.transfer_id, r.decode_blocks, bootstrap)
+            conn.send("asked")
+            ids = {r.transfer_id for r in requests}
+            pending = [set(ids) for _ in cores]
+            errors: set[int] = set()
+            deadline = time.monotonic() + 60
+            while any(pending) and time.monotonic() < deadline:
+                for core, left in zip(cores, pending, strict=True):
+                    if left:
+                        core.wait_for_news(0.5)
+                        left -= core.take_finished()[1]
+                        errors |= core.take_load_errors()
+            loaded_ns = time.monotonic_ns()
+            if any(pending):
+                conn.send(("timeout", sorted(set().union(*pending))))
+                continue
+            wrong = -1
+            if check_bytes:
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                wrong = 0
+                for rank, rank_caches in enumerate(caches):
+                    try:
+                        check_decode(rank_caches, side, rank, requests)
+                    except AssertionError as exc:
+                        wrong += 1
+                        print(f"decode rank {rank}: {exc}", flush=True)
+                    for cache in rank_caches.values():  # the next command starts from zeros
+                        cache.zero_()
+            conn.send(("done", sorted(errors), wrong, loaded_ns))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+    finally:
+        for core in cores:
+            core.close()
+
+
+class DecodeProcess:
+    """The decode side's cores in a spawned process (see the module docstring)."""
+
+    def __init__(self, side: Side, device: str, port: int, *, check_bytes: bool = True) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_decode_main, args=(child, side, device, port, check_bytes), daemon=True
+        )
+        self._proc.start()
+        self._expect("up", START_S)
+
+    def _expect(self, what: str, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"the decode process did not answer {what!r} within {timeout} s")
+        answer = self._conn.recv()
+        if isinstance(answer, tuple) and answer[0] == "error":
+            raise RuntimeError(f"the decode process failed:\n{answer[1]}")
+        if answer != what and not (isinstance(answer, tuple) and answer[0] == what):
+            raise RuntimeError(f"the decode process answered {answer!r}, expected {what!r}")
+        return answer
+
+    def ask(self, requests: Sequence[Request], bootstrap: str) -> None:
+        """Open the requests' rooms on every decode rank; returns once they were handed to the cores."""
+        self._conn.send(("receive", list(requests), bootstrap))
+        self._expect("asked", 30)
+
+    def result(self, timeout: float = 90) -> tuple[list[int], int, int]:
+        """(load errors, decode ranks with wrong bytes or -1, monotonic ns of the last report)."""
+        _, errors, wrong, loaded_ns = self._expect("done", timeout)
+        return errors, wrong, loaded_ns
+
+    def stop(self) -> list[dict[str, int]]:
+        """Close the cores; returns each decode rank's non-zero leak counters."""
+        try:
+            self._conn.send(("stop",))
+            _, leaks = self._expect("stopped", 60)
+            return leaks
+        finally:
+            self._proc.join(60)
+            if self._proc.is_alive():
+                self._proc.kill()
