@@ -12,9 +12,9 @@ from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.protocol import handshake, leases
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import LayerTally
+from transfer_engine.protocol.receiver_room import ReceiverRoom
 from transfer_engine.protocol.rooms import (
     Deadlines,
-    ReceiverRoom,
     RoomStatus,
     SenderRoom,
     abort_reason,

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transfer_engine.errors import FailureReason, LocalProtocolError, RemoteProtocolError
+from transfer_engine.protocol.receiver_room import ReceiverRoom
 from transfer_engine.protocol.rooms import (
     RECEIVER_TRANSITIONS,
     SENDER_TRANSITIONS,
@@ -23,7 +24,6 @@ from transfer_engine.protocol.rooms import (
     Fail,
     InputReady,
     Landed,
-    ReceiverRoom,
     RoomStatus,
     SenderRoom,
     transition,

@@ -40,7 +40,7 @@ import torch
 from anyio.abc import TaskGroup
 
 from transfer_engine.config import EngineConfig
-from transfer_engine.engine import Receiver, Sender, TransferEngine, _check_request, _check_room
+from transfer_engine.engine import Receiver, Sender, TransferEngine, check_request, check_room
 from transfer_engine.errors import (
     ConfigError,
     FailureReason,
@@ -68,7 +68,7 @@ Pages = Sequence[int] | np.ndarray | Any
 def _room(room: int | str) -> int:
     """A room id from an int or a string request id (:func:`transfer_engine.protocol.room_ids.room_id`)."""
     rid = room_id(room) if isinstance(room, str) else room
-    _check_room(rid)
+    check_room(rid)
     return rid
 
 
@@ -98,7 +98,7 @@ class _Mailer:
     def post(self, handle: Sender | Receiver, mail: RoomMail) -> None:
         if not self._backlog:
             try:
-                handle._actor.inbox.send_nowait(mail)
+                handle.deliver_nowait(mail)
                 return
             except anyio.WouldBlock:
                 pass
@@ -124,7 +124,7 @@ class _Mailer:
             while self._backlog:
                 handle, mail = self._backlog[0]
                 try:
-                    await handle._actor.inbox.send(mail)
+                    await handle.deliver(mail)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     pass
                 self._backlog.popleft()
@@ -177,8 +177,7 @@ class _BlockingHandle:
             await self._opened()
             handle = self._handle()
             assert handle is not None
-            await handle._actor.done.wait()
-        error = handle._actor.error()
+            error = await handle.ended()
         if error is not None:
             raise error
 
@@ -221,14 +220,14 @@ class BlockingSender(_BlockingHandle):
         """
         with self._lock:
             self._engine._check_open()
-            chunk = self._sender._prepare(pages, last, aux_slot, ready)
+            chunk = self._sender.prepare_chunk(pages, last, aux_slot, ready)
             self._engine._post(self._sender, chunk)
 
     def begin_chunk(self, pages: Pages, last: bool | None = None, aux_slot: int | None = None) -> None:
         """Open the next chunk for layer-wise sending (see :meth:`Sender.begin_chunk`); never blocks."""
         with self._lock:
             self._engine._check_open()
-            chunk = self._sender._prepare(pages, last, aux_slot, None, layerwise=True)
+            chunk = self._sender.prepare_chunk(pages, last, aux_slot, None, layerwise=True)
             self._engine._post(self._sender, chunk)
 
     def layers_ready(self, start: int, end: int, *, ready: Ready = None) -> None:
@@ -239,7 +238,7 @@ class BlockingSender(_BlockingHandle):
         group for the loop, waking it only if no wake-up is pending."""
         with self._lock:
             self._engine._check_open()
-            group = self._sender._prepare_layers(start, end, ready)
+            group = self._sender.prepare_layers(start, end, ready)
             if group is not None:
                 self._engine._post(self._sender, group)
 
@@ -290,7 +289,7 @@ class BlockingReceiver(_BlockingHandle):
         """
         with self._lock:
             self._engine._check_open()
-            arr = _check_request(self._engine.pool, pages, aux_slot, decode_prefix_len)
+            arr = check_request(self._engine.pool, pages, aux_slot, decode_prefix_len)
             receiver = self._receiver
             if receiver is None:
                 raise LocalProtocolError(
@@ -299,7 +298,7 @@ class BlockingReceiver(_BlockingHandle):
                 )
             if self._requested or receiver.requested:
                 raise LocalProtocolError(f"room {self.room} already requested its pages")
-            status = receiver._actor.status
+            status = receiver.status
             if status is not RoomStatus.WAITING_FOR_INPUT:
                 raise LocalProtocolError(
                     f"room {self.room} is {status.name}; request() needs WAITING_FOR_INPUT"
@@ -311,7 +310,7 @@ class BlockingReceiver(_BlockingHandle):
         self, receiver: Receiver, arr: np.ndarray, aux_slot: int | None, prefix: int
     ) -> None:
         try:
-            receiver.request(arr, aux_slot, prefix)
+            receiver.give_pages(arr, aux_slot, prefix)
         except TransferError as exc:  # the room failed between the check and now: poll() tells
             log.info("room %d: request() after the room failed: %s", self.room, exc)
 
@@ -483,7 +482,7 @@ class BlockingEngine:
             raise ConfigError("receiver() is for decode engines; this one is prefill")
         rid = _room(room)
         if pages is not None:
-            _check_request(self.pool, pages, aux_slot, decode_prefix_len)
+            check_request(self.pool, pages, aux_slot, decode_prefix_len)
         if rid in self._engine.rooms:  # the loop checks again; this catches the usual case early
             raise RoomInUseError(rid)
         receiver = BlockingReceiver(self, rid)

@@ -22,11 +22,12 @@ import msgspec
 from transfer_engine.actors.introspect import Introspect
 from transfer_engine.actors.nixl_poller import NixlPoller
 from transfer_engine.actors.ring import RingActor
-from transfer_engine.actors.room import ReceiverRoomActor, SenderRoomActor, _RoomActor
+from transfer_engine.actors.room import ReceiverRoomActor, RoomActor, SenderRoomActor
 from transfer_engine.actors.worker import TransferWorker
 from transfer_engine.config import EngineConfig
 from transfer_engine.memory.layout import KVPool
-from transfer_engine.protocol.rooms import ReceiverRoom, RoomStatus, SenderRoom
+from transfer_engine.protocol.receiver_room import ReceiverRoom
+from transfer_engine.protocol.rooms import RoomStatus, SenderRoom
 from transfer_engine.runtime.peers import Peer
 
 from .render import _chunks_text, _ranks_text
@@ -63,7 +64,7 @@ class EngineState(Protocol):
     @property
     def started_at(self) -> float: ...
     @property
-    def rooms(self) -> Mapping[int, _RoomActor]: ...
+    def rooms(self) -> Mapping[int, RoomActor]: ...
     @property
     def ended_rooms(self) -> Iterable[RoomSnapshot]: ...
     @property
@@ -145,7 +146,7 @@ def build_snapshot(engine: EngineState, room: int | None = None) -> Snapshot:
     )
 
 
-def room_snapshot(engine: EngineState, actor: _RoomActor, now: float, *, history: bool) -> RoomSnapshot:
+def room_snapshot(engine: EngineState, actor: RoomActor, now: float, *, history: bool) -> RoomSnapshot:
     """One room's snapshot at ``now`` (monotonic); ``history`` includes its status changes."""
     core = actor.core
     if isinstance(actor, SenderRoomActor):
@@ -176,7 +177,7 @@ def room_snapshot(engine: EngineState, actor: _RoomActor, now: float, *, history
     )
 
 
-def record_ended(engine: EngineState, actor: _RoomActor, kept: deque[RoomSnapshot]) -> None:
+def record_ended(engine: EngineState, actor: RoomActor, kept: deque[RoomSnapshot]) -> None:
     """Called by the engine as a room leaves it: keep its final snapshot, feed the metrics.
 
     Never raises: a fault in introspection must not keep a room from ending (the caller runs in the

@@ -191,6 +191,16 @@ class LayersReady:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestPages:
+    """``Receiver.request()``: the decode room's pages (checked), its aux slot and the tokens the
+    decode already holds; the room sends its TransferRequests."""
+
+    pages: np.ndarray
+    aux_slot: int | None
+    decode_prefix_len: int
+
+
+@dataclass(frozen=True, slots=True)
 class LocalAbort:
     """``abort()`` on this side."""
 
@@ -429,6 +439,7 @@ class Scattered:
 RoomMail = (
     QueueChunk
     | LayersReady
+    | RequestPages
     | WriteDone
     | WriteEnded
     | Drained

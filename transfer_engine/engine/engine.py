@@ -1,0 +1,251 @@
+"""The engine, the supervisor of one rank's actors (docs/ARCHITECTURE.md): :class:`TransferEngine`, its :class:`Sender` and :class:`Receiver`.
+
+``TransferEngine`` is the supervisor actor. Entering it starts every other actor under one task
+group (each reports ready through ``tg.start`` only once its resources exist): the NixlPoller with
+the rank's registered KV memory, the Control sockets, the Bootstrap registry where this rank hosts
+it, the TransferWorkers (prefill) and the heartbeat loop. Rooms are actors started per request.
+Leaving it fails live rooms with ``SHUTDOWN``, waits (bounded) for posted WRITEs, and releases
+every socket, NIXL handle and registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+from anyio.abc import TaskGroup
+
+from transfer_engine.actors.bootstrap import Bootstrap
+from transfer_engine.actors.introspect import Introspect
+from transfer_engine.actors.metrics import MetricsServer, load_metrics
+from transfer_engine.actors.ring import RingActor
+from transfer_engine.actors.room import ReceiverRoomActor, RoomActor, SenderRoomActor
+from transfer_engine.actors.scatter import ScatterActor
+from transfer_engine.actors.worker import TransferWorker
+from transfer_engine.config import EngineConfig
+from transfer_engine.engine.dispatch import Dispatch
+from transfer_engine.engine.handles import Receiver, Sender, check_request, check_room
+from transfer_engine.engine.handshake import Handshakes
+from transfer_engine.engine.liveness import Liveness
+from transfer_engine.engine.paths import PathChoice
+from transfer_engine.engine.supervisor import Supervision
+from transfer_engine.errors import (
+    ConfigError,
+    RoomInUseError,
+    RoomLimitError,
+)
+from transfer_engine.memory.layout import KVPool
+from transfer_engine.observe import ENDED_ROOMS_KEPT, RoomSnapshot
+from transfer_engine.observe.build import build_snapshot, record_ended
+from transfer_engine.protocol import heads
+from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.layers import check_layers_per_write
+from transfer_engine.protocol.retransmit import Ended, Tombstones
+from transfer_engine.protocol.rooms import Deadlines
+from transfer_engine.protocol.stash import EarlyRequests
+from transfer_engine.runtime.mail import (
+    LocalAbort,
+    RequestPages,
+)
+from transfer_engine.runtime.peers import PrefillInstance
+from transfer_engine.runtime.ports import (
+    PeerBook,
+    RankIdentity,
+    RoomBoard,
+)
+from transfer_engine.runtime.steptrace import StepTrace
+from transfer_engine.transport.nixl import Transport
+from transfer_engine.transport.security import Curve
+
+log = logging.getLogger("transfer_engine.engine")
+
+
+class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
+    """One rank's transfer engine; use as ``async with TransferEngine(config, kv) as engine``."""
+
+    def __init__(self, config: EngineConfig, kv: KVPool, *, transport: Transport | None = None) -> None:
+        if (config.tp_size, config.tp_rank) != (kv.tp_size, kv.tp_rank):
+            raise ConfigError(
+                f"config tp_size/tp_rank={config.tp_size}/{config.tp_rank} but the KV pool is for "
+                f"{kv.tp_size}/{kv.tp_rank}"
+            )
+        self.config = config
+        self.pool = kv
+        self.agent_name = config.agent_name or f"te-{config.role}-{config.tp_rank}-{os.getpid()}-{id(self):x}"
+        self._transport = transport
+        self.curve = Curve.from_config(config)
+        """Control-plane CURVE keys (None: off); loaded here so a bad key file fails the constructor."""
+        self.deadlines = Deadlines(config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout)
+        self.rooms: dict[int, RoomActor] = {}
+        self.board = RoomBoard(self._room_closed)
+        """The live rooms' mailboxes: how every actor addresses a room."""
+        self.me = RankIdentity(
+            self.agent_name,
+            config.role,
+            config.tp_rank,
+            config.tp_size,
+            StepTrace(config.trace_steps, config.role),
+        )
+        self.peers = PeerBook()
+        self.instances: dict[str, PrefillInstance] = {}
+        self._slice_pieces_of: dict[str, float] = {}
+        """Per prefill bootstrap: the slice path's descriptors per page (see ``_slice_pieces``)."""
+        self._connecting: dict[str, anyio.Event] = {}
+        self._stash = EarlyRequests()
+        self.tombstones = Tombstones(config.bootstrap_timeout + config.transfer_timeout)
+        """Prefill: outcomes of rooms no longer live, to answer repeated requests (protocol.retransmit)."""
+        self.workers: list[TransferWorker] = []
+        self.bootstrap: Bootstrap | None = None
+        self.ring: RingActor | None = None
+        self.scatter: ScatterActor | None = None
+        self._tg: TaskGroup | None = None
+        self._info = kv.info()
+        self._compat = m.compat_hash(self._info)
+        self._heartbeat_seq = 0
+        self.counters: Counter[str] = Counter()
+        self.started_at = time.monotonic()
+        self.ended_rooms: deque[RoomSnapshot] = deque(maxlen=ENDED_ROOMS_KEPT)
+        """Final snapshots of the latest rooms that ended, oldest first (for ``transfer-engine dump``)."""
+        self.introspect: Introspect | None = None
+        self.metrics = (
+            load_metrics(config.metrics_port, lambda: build_snapshot(self))
+            if config.metrics_port is not None
+            else None
+        )
+        """Prometheus metrics (``metrics_port``); ConfigError above when prometheus-client is missing."""
+        self.room_ended = None if self.metrics is None else self.metrics.room_ended
+        """Called with each ended room's final snapshot (the metrics' histograms)."""
+        self.metrics_server: MetricsServer | None = None
+
+    # --- state (lifecycle: :mod:`transfer_engine.engine.supervisor`) -------------------------------
+
+    def leaks(self) -> dict[str, int]:
+        """What is still held: rooms, stashed messages, NIXL handles in flight. All 0 when idle."""
+        return {
+            "rooms": len(self.rooms),
+            "stashed": len(self._stash),
+            "nixl_handles": self._transport.live_handles() if self._transport else 0,
+            "writes_in_flight": self.poller.in_flight(),
+            "ring_allocations": self.ring.live() if self.ring else 0,
+            "staging_leases": sum(w.leases() for w in self.workers),
+            "parked_chunks": sum(w.parked + w.awaiting_grant + w.layer_jobs for w in self.workers),
+        }
+
+    # --- prefill API ----------------------------------------------------------------------------
+
+    def sender(self, room: int, *, layers_per_write: int | None = None) -> Sender:
+        """Open ``room`` on this prefill rank. RoomInUseError while a room with that id is live.
+
+        A room that a decode rank aborted before this rank opened it (its Abort came first, with or
+        without a request) opens failed, ABORTED: it can no longer complete, and its ``wait()``
+        returns at once instead of at ``bootstrap_timeout``.
+
+        ``layers_per_write``: this room's layer grouping for layer-wise chunks (None: the config's).
+        """
+        if self.config.role != "prefill":
+            raise ConfigError("sender() is for prefill engines; this one is decode")
+        check_room(room)
+        per_write = check_layers_per_write(
+            self.config.layers_per_write if layers_per_write is None else layers_per_write
+        )
+        if room in self.rooms:
+            raise RoomInUseError(room)
+        self._check_capacity(room)
+        ended = self.tombstones.get(room, time.monotonic())
+        aborted_before = not self.tombstones.reopen(room)
+        aborted_by = ended.aborted_by if aborted_before and ended is not None else frozenset()
+        actor = SenderRoomActor(self.room_ports, room, self.deadlines, aborted_by=aborted_by)
+        self._start_room(actor)
+        for request in self._stash.take(room):
+            actor.inbox.send_nowait(request)
+        if aborted_before:  # a decode rank aborted the room before this rank opened it: it cannot
+            assert ended is not None  # complete, so it fails now instead of at bootstrap_timeout
+            actor.inbox.send_nowait(LocalAbort(ended.detail))
+        return Sender(actor, self.pool, per_write)
+
+    def _check_capacity(self, room: int) -> None:
+        if len(self.rooms) >= self.config.max_rooms:
+            raise RoomLimitError(room, self.config.max_rooms)
+
+    # --- decode API -----------------------------------------------------------------------------
+
+    async def receiver(
+        self,
+        room: int,
+        bootstrap: str,
+        pages: Sequence[int] | np.ndarray | Any | None = None,
+        aux_slot: int | None = None,
+        decode_prefix_len: int = 0,
+    ) -> Receiver:
+        """Open ``room`` on this decode rank; its KV goes into ``pages`` (this rank's page indices).
+
+        Connects to the prefill instance behind ``bootstrap`` the first time (raising
+        PeerUnreachableError, or LayoutError for an incompatible layout) and returns with the room
+        in WaitingForInput. With ``pages`` the room has them when it is made and sends its
+        TransferRequests as soon as it runs; without, at :meth:`Receiver.request`. Bad arguments raise before anything is
+        registered.
+        """
+        if self.config.role != "decode":
+            raise ConfigError("receiver() is for decode engines; this one is prefill")
+        self.me.trace.mark(room, "receiver")
+        check_room(room)
+        checked = None if pages is None else check_request(self.pool, pages, aux_slot, decode_prefix_len)
+        if room in self.rooms:
+            raise RoomInUseError(room)
+        instance = await self._instance(bootstrap)
+        if room in self.rooms:
+            raise RoomInUseError(room)
+        self._check_capacity(room)
+        path = self._choose_path(instance)
+        layout = self.pool.layout
+        D, d = self.config.tp_size, self.config.tp_rank
+        writers = heads.writers_of(layout.num_heads, instance.tp_size, D, d, layout.mla)
+        actor = ReceiverRoomActor(
+            self.room_ports, room, self.deadlines, {w.prefill_rank: instance.ranks[w.prefill_rank] for w in writers},
+            everyone=list(instance.ranks), slices=list(writers), path=path,
+            request=None if checked is None else RequestPages(checked, aux_slot, decode_prefix_len),
+        )  # fmt: skip
+        self._start_room(actor)  # before any request leaves: a prefill must never write for no room
+        log.debug(
+            "decode room %d: connected to %s (%d writers, path %s)", room, bootstrap, len(writers), path
+        )
+        return Receiver(actor, self.pool)
+
+    async def connect(self, bootstrap: str) -> None:
+        """Handshake with the prefill instance behind ``bootstrap`` now, ahead of its first room."""
+        if self.config.role != "decode":
+            raise ConfigError("connect() is for decode engines; this one is prefill")
+        await self._instance(bootstrap)
+
+    # --- rooms ----------------------------------------------------------------------------------
+
+    def _start_room(self, actor: RoomActor) -> None:
+        assert self._tg is not None
+        self.rooms[actor.room] = actor
+        self.board.open(actor.room, actor.inbox)
+        self.counters["rooms_opened"] += 1
+        self._tg.start_soon(actor.run, name=f"{actor.side}-room-{actor.room}")
+        self.poller.wake()
+
+    def _room_closed(self, room: int) -> None:
+        """The room board's hook: room ``room`` ended (final and quiescent) and left the board."""
+        actor = self.rooms.pop(room)
+        self.counters[f"rooms_{actor.status.name.lower()}"] += 1
+        failure = actor.core.failure
+        if failure is not None:
+            self.counters[f"failed_{failure.reason.name.lower()}"] += 1
+        if isinstance(actor, SenderRoomActor):
+            self.tombstones.put(
+                actor.room,
+                Ended(actor.status, None if failure is None else failure.reason,
+                      "" if failure is None else failure.detail, time.monotonic(),
+                      aborted_by=frozenset(actor.failed_by),
+                      askers=frozenset(request.agent for request in actor.requests.values())),
+            )  # fmt: skip
+        record_ended(self, actor, self.ended_rooms)

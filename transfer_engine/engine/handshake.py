@@ -1,0 +1,146 @@
+"""The handshake: a decode rank learns a prefill instance's ranks from its bootstrap and says PeerHello to
+each; a prefill rank checks the hello (:mod:`transfer_engine.protocol.handshake`), loads the peer and answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+
+from transfer_engine.engine.state import EngineState
+from transfer_engine.errors import (
+    LayoutError,
+    PeerUnreachableError,
+    RemoteProtocolError,
+    TransferError,
+)
+from transfer_engine.protocol import handshake, heads
+from transfer_engine.protocol import messages as m
+from transfer_engine.runtime.mail import (
+    Subscribe,
+)
+from transfer_engine.runtime.peers import Peer, PrefillInstance
+from transfer_engine.transport.nixl import RemotePeer
+
+log = logging.getLogger("transfer_engine.engine")
+
+
+class Handshakes(EngineState):
+    """The decode side connects to prefill instances; the prefill side answers their PeerHello."""
+
+    async def _instance(self, bootstrap: str) -> PrefillInstance:
+        """The prefill instance behind ``bootstrap``, connecting (once, shared by callers) if needed."""
+        while bootstrap not in self.instances:
+            pending = self._connecting.get(bootstrap)
+            if pending is not None:
+                await pending.wait()
+                if bootstrap not in self.instances:
+                    raise PeerUnreachableError(
+                        bootstrap, "connection attempt by a concurrent receiver() failed"
+                    )
+                break
+            event = self._connecting[bootstrap] = anyio.Event()
+            try:
+                self.instances[bootstrap] = await self._connect(bootstrap)
+            finally:
+                del self._connecting[bootstrap]
+                event.set()
+        return self.instances[bootstrap]
+
+    async def _connect(self, bootstrap: str) -> PrefillInstance:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.bootstrap_timeout
+        while True:
+            try:
+                topo = await self.control.request(bootstrap, m.TopologyQuery(), cfg.connect_timeout)
+            except PeerUnreachableError:
+                raise
+            if not isinstance(topo, m.Topology):
+                raise RemoteProtocolError(f"bootstrap {bootstrap} answered {type(topo).__name__}")
+            if topo.complete:
+                break
+            if time.monotonic() > deadline:
+                raise PeerUnreachableError(
+                    bootstrap, f"only {len(topo.ranks)} of {topo.tp_size} prefill ranks registered"
+                )
+            await anyio.sleep(0.05)
+        if not self.pool.layout.mla:
+            heads.validate_split(self.pool.layout.num_heads, topo.tp_size, cfg.tp_size)
+        hello = m.PeerHello(
+            rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            endpoint=self.endpoint,
+            agent_name=self.agent_name,
+            agent_metadata=self.poller.metadata(),
+            mem_type=self.pool.mem_type,
+            regions=self.pool.regions(),
+            aux=self.pool.aux_region(),
+            ring=None if self.ring is None else self.ring.memory.region(),
+            ring_mem_type="" if self.ring is None else self.ring.memory.mem_type,
+            layout=self._info,
+            compat=self._compat,
+        )
+        peers: list[Peer] = []
+        for info in topo.ranks:
+            ack = await self.control.request(info.endpoint, hello, cfg.connect_timeout)
+            if not isinstance(ack, m.PeerHelloAck):
+                raise RemoteProtocolError(
+                    f"prefill rank {info.rank} answered {type(ack).__name__} to PeerHello"
+                )
+            if not ack.ok or ack.layout is None:
+                raise LayoutError(
+                    f"prefill rank {info.rank} at {info.endpoint} refused this decode rank: {ack.detail}"
+                )
+            peer = Peer(
+                ack.agent_name, info.endpoint, info.rank, ack.tp_size, ack.layout, last_seen=time.monotonic()
+            )
+            self.poller.add_peer(RemotePeer(peer.agent_name, "DRAM", []), ack.agent_metadata)
+            self.peers[peer.agent_name] = peer
+            peers.append(peer)
+            if self.ring is not None:
+                await self.ring.inbox.send(Subscribe(peer))
+        log.info(
+            "decode rank %d connected to prefill instance %s (tp %d)", cfg.tp_rank, bootstrap, topo.tp_size
+        )
+        return PrefillInstance(bootstrap, topo.tp_size, peers)
+
+    def _on_peer_hello(self, hello: m.PeerHello) -> m.PeerHelloAck:
+        """Prefill side of the handshake: validate, load the peer's agent and memory, answer."""
+        refuse = handshake.refusal(hello, self._info, self._compat, self.config.tp_size)
+        if refuse is None:
+            try:
+                peer = Peer(
+                    hello.agent_name, hello.endpoint, hello.rank, hello.tp_size, hello.layout,
+                    hello.mem_type, list(hello.regions), hello.aux, hello.ring, time.monotonic(),
+                )  # fmt: skip
+                remote_regions = list(hello.regions) + ([hello.aux] if hello.aux else [])
+                mem_types = [hello.mem_type] * len(remote_regions)
+                if hello.ring:
+                    remote_regions.append(hello.ring)
+                    mem_types.append(hello.ring_mem_type)
+                self.poller.add_peer(
+                    RemotePeer(hello.agent_name, hello.mem_type, remote_regions, mem_types),
+                    hello.agent_metadata,
+                )
+                old = self.peers.get(hello.agent_name)
+                if old is not None and old.endpoint != hello.endpoint:
+                    self.control.forget(old.endpoint)
+                self.peers[hello.agent_name] = peer
+            except TransferError as exc:
+                refuse = str(exc)
+        if refuse is not None:
+            log.warning("refused PeerHello from %s: %s", hello.agent_name, refuse)
+            return m.PeerHelloAck(ok=False, detail=refuse, rank=self.config.tp_rank, tp_size=self.config.tp_size,
+                                  agent_name=self.agent_name, agent_metadata=b"", layout=None, compat=self._compat)  # fmt: skip
+        log.info(
+            "prefill rank %d accepted decode rank %d/%d (%s)",
+            self.config.tp_rank,
+            hello.rank,
+            hello.tp_size,
+            hello.agent_name,
+        )
+        return m.PeerHelloAck(ok=True, detail="", rank=self.config.tp_rank, tp_size=self.config.tp_size,
+                              agent_name=self.agent_name, agent_metadata=self.poller.metadata(), layout=self._info,
+                              compat=self._compat)  # fmt: skip

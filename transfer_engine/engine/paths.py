@@ -1,0 +1,80 @@
+"""Path choice: the policy of ``EngineConfig.path`` applied to one prefill instance
+(:func:`transfer_engine.protocol.paths.auto_path` decides ``auto``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transfer_engine.engine.state import EngineState
+from transfer_engine.errors import (
+    ConfigError,
+)
+from transfer_engine.memory.layout import stride_rows_of
+from transfer_engine.protocol import descriptors, heads
+from transfer_engine.protocol.paths import auto_path, is_staged
+from transfer_engine.runtime.peers import PrefillInstance
+
+log = logging.getLogger("transfer_engine.engine")
+
+
+class PathChoice(EngineState):
+    """Which path (direct, slice, staged, host) a decode rank's rooms with one prefill instance take."""
+
+    def _choose_path(self, instance: PrefillInstance) -> str:
+        layout = self.pool.layout
+        policy = self.config.path
+        same_pages = all(p.layout.page_size == layout.page_size for p in instance.ranks)
+        equal = instance.tp_size == self.config.tp_size or layout.mla
+        staged = "host" if self.host_staging else "staged"
+        if policy == "auto":
+            has_ring = self.ring is not None
+            pieces = self._slice_pieces(instance) if has_ring and not (equal and same_pages) else float("inf")
+            return auto_path(
+                equal_tp=equal, same_pages=same_pages, has_ring=has_ring, host=self.host_staging,
+                slice_pieces=pieces, num_tensors=layout.num_kv_tensors,
+            ).value  # fmt: skip
+        if policy == "direct":
+            if not equal:
+                raise ConfigError(
+                    f"path=direct needs equal TP or MLA; prefill tp {instance.tp_size}, decode tp {self.config.tp_size}"
+                )
+            if not same_pages:
+                raise ConfigError("path=direct needs equal page sizes on prefill and decode")
+            return "direct"
+        if policy == "slice":
+            return "slice"
+        assert is_staged(policy) and self.ring is not None  # the ring exists for these policies
+        return staged
+
+    def _slice_pieces(self, instance: PrefillInstance) -> float:
+        """Slice-path descriptors per page from the worst writer of this rank (``path=auto``), once
+        per instance; infinite between contiguous pools, which keep staged for hetero TP or pages."""
+        found = self._slice_pieces_of.get(instance.bootstrap)
+        if found is not None:
+            return found
+        pool = self.pool
+        pieces = float("inf")
+        if pool.strides is not None or any(p.layout.strides is not None for p in instance.ranks):
+            layout = pool.layout
+            writers = heads.writers_of(
+                layout.num_heads, instance.tp_size, self.config.tp_size, self.config.tp_rank, layout.mla
+            )
+            src_heads = layout.heads_local(instance.tp_size)
+            pieces = max(
+                descriptors.slice_pieces_per_page(
+                    stride_rows_of(instance.ranks[w.prefill_rank].layout, src_heads),
+                    pool.stride_rows,
+                    pool.head_bytes,
+                    instance.ranks[w.prefill_rank].layout.page_size,
+                    layout.page_size,
+                    w.src_head_start,
+                    w.dst_head_start,
+                    w.num_heads,
+                    src_heads,
+                    pool.heads_local,
+                )
+                for w in writers
+            )
+        self._slice_pieces_of[instance.bootstrap] = pieces
+        return pieces

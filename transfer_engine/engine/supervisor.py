@@ -1,0 +1,245 @@
+"""The supervisor: one task group for every actor of a rank, started in order, each ready before the next.
+
+Entering the engine starts the NixlPoller with the rank's registered KV memory, the Control sockets,
+the Introspect and metrics servers, the Bootstrap registry where this rank hosts it, the
+TransferWorkers (prefill) or the staging ring and scatter actors (decode), and the heartbeat loop.
+Leaving it fails live rooms with ``SHUTDOWN``, waits (bounded) for posted WRITEs, and releases every
+socket, NIXL handle and registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from types import TracebackType
+from typing import Self
+
+import anyio
+from anyio.abc import TaskGroup
+
+from transfer_engine.actors.bootstrap import Bootstrap
+from transfer_engine.actors.control import Control
+from transfer_engine.actors.introspect import Introspect
+from transfer_engine.actors.metrics import MetricsServer
+from transfer_engine.actors.nixl_poller import NixlPoller
+from transfer_engine.actors.ring import RingActor
+from transfer_engine.actors.scatter import ScatterActor
+from transfer_engine.actors.worker import TransferWorker
+from transfer_engine.engine.state import EngineState
+from transfer_engine.errors import (
+    ConfigError,
+    PeerUnreachableError,
+)
+from transfer_engine.memory.staging import allocate_staging, chunk_region_bytes, warm_staging_kernels
+from transfer_engine.observe.build import build_snapshot
+from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.layers import ChunkCut
+from transfer_engine.runtime.mail import (
+    Shutdown,
+)
+from transfer_engine.runtime.ports import (
+    ACTOR_MAILBOX,
+    JOBS_PER_ROOM,
+    RING_POSTS_PER_ROOM,
+    SCATTERS_PER_ROOM,
+    RoomPorts,
+    WorkerShards,
+)
+from transfer_engine.transport.nixl import NixlTransport, default_params
+
+SHUTDOWN_DRAIN_S = 10.0
+"""How long leaving the engine waits for live rooms to end and posted WRITEs to finish."""
+
+
+log = logging.getLogger("transfer_engine.engine")
+
+
+class Supervision(EngineState):
+    """Starts every actor of the rank under one task group, and stops them (docs/ARCHITECTURE.md)."""
+
+    async def __aenter__(self) -> Self:
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        try:
+            await self._start(tg)
+        except BaseException as exc:
+            tg.cancel_scope.cancel()
+            for worker in self.workers:
+                worker.inbox.close()
+            try:
+                await tg.__aexit__(type(exc), exc, exc.__traceback__)
+            except BaseException:
+                pass  # the task group re-raises ``exc`` wrapped in a group; the caller gets it bare
+            finally:
+                self._close_transport()
+            raise
+        return self
+
+    async def _start(self, tg: TaskGroup) -> None:
+        cfg = self.config
+        transport = self._transport or NixlTransport(
+            self.agent_name,
+            cfg.nixl_backend,
+            default_params(cfg.nixl_backend, cfg.nixl_params, self.pool.device.type),
+            progress_thread=cfg.nixl_progress_thread,
+        )
+        self._transport = transport
+        transport.register(self.pool.regions(), self.pool.mem_type)
+        aux = self.pool.aux_region()
+        if aux is not None:
+            transport.register(
+                [aux], "VRAM" if self.pool.aux is not None and self.pool.aux.is_cuda else "DRAM"
+            )
+        self.poller = NixlPoller(
+            transport,
+            self.board,
+            notifications=cfg.role == "decode",
+            poll_interval=cfg.poll_interval,
+            busy=(lambda: bool(self.rooms)) if cfg.role == "decode" else (lambda: False),
+            spin=cfg.poll_spin,
+            trace=self.me.trace,
+            num_layers=self.pool.layout.num_layers,
+            relaxed=cfg.poll_relaxed,  # (a decode rank posts no WRITEs: nothing of it is relaxed)
+        )
+        await tg.start(self.poller.run)
+        if cfg.path in ("auto", "staged", "host"):  # before any peer can wait on this loop
+            started = time.monotonic()
+            launches = warm_staging_kernels(self.pool, scatter=cfg.role == "decode")
+            if launches:
+                log.info(
+                    "staging kernels warmed: %d launches in %.2f s", launches, time.monotonic() - started
+                )
+        self.control = Control(
+            cfg.host, cfg.control_port, self._dispatch, name=f"{cfg.role}{cfg.tp_rank}", curve=self.curve
+        )
+        await tg.start(self.control.run)
+        self.introspect = Introspect(
+            cfg.host,
+            cfg.introspect_port,
+            lambda room: build_snapshot(self, room),
+            name=f"{cfg.role}{cfg.tp_rank}",
+            secure=None if self.curve is None else self.curve.server,
+        )
+        await tg.start(self.introspect.run)
+        if self.metrics is not None:
+            assert cfg.metrics_port is not None
+            self.metrics_server = MetricsServer(cfg.host, cfg.metrics_port, self.metrics)
+            await tg.start(self.metrics_server.run)
+        if cfg.hosts_bootstrap:
+            self.bootstrap = Bootstrap(cfg.bootstrap_host, cfg.bootstrap_port, curve=self.curve)
+            await tg.start(self.bootstrap.run)
+        if cfg.role == "prefill":
+            # default: two chunks, so a worker gathers the next chunk while the last one's WRITE runs
+            staging_bytes = cfg.staging_bytes or 2 * chunk_region_bytes(self.pool, cfg.staging_chunk_pages)
+            for i in range(cfg.num_workers):
+                worker = TransferWorker(
+                    i, self.me, self.pool, self.poller, self.board, self.control,
+                    staging_bytes=staging_bytes, capacity=ACTOR_MAILBOX, reserve=(JOBS_PER_ROOM + 1) * cfg.max_rooms,
+                    early_drive=cfg.early_drive,
+                )  # fmt: skip
+                self.workers.append(worker)
+                await tg.start(worker.run)
+            await self._register()
+        elif cfg.path in ("auto", "staged", "host"):
+            await self._start_ring(tg)
+        self.room_ports = RoomPorts(
+            self.me, self.pool, self.control, self.peers, self.board, self.poller, self.counters,
+            workers=WorkerShards([w.inbox for w in self.workers]) if self.workers else None,
+            ring=None if self.ring is None else self.ring.inbox,
+            ring_port=self.ring,
+            scatter=None if self.scatter is None else self.scatter.inbox,
+            chunk_cut=ChunkCut(cfg.host_pipeline_layers, cfg.pipeline_min_bytes),
+        )  # fmt: skip
+        tg.start_soon(self._heartbeat_loop)
+        log.info(
+            "%s rank %d/%d up: control %s agent %s",
+            cfg.role,
+            cfg.tp_rank,
+            cfg.tp_size,
+            self.endpoint,
+            self.agent_name,
+        )
+
+    async def _start_ring(self, tg: TaskGroup) -> None:
+        """Decode: allocate and register the staging ring, start the ring and scatter actors."""
+        cfg = self.config
+        size = cfg.ring_bytes
+        if size == 0:  # four chunks of `staging_chunk_pages`, but never more than the KV itself
+            chunk = chunk_region_bytes(self.pool, cfg.staging_chunk_pages)
+            size = max(chunk, min(4 * chunk, chunk_region_bytes(self.pool, self.pool.num_pages)))
+        memory = allocate_staging(self.pool, size, host=self.host_staging)
+        assert self._transport is not None
+        self._transport.register([memory.region()], memory.mem_type)
+        self.ring = RingActor(
+            self.me, self.pool, memory, self.peers, self.control, self.board,
+            capacity=ACTOR_MAILBOX, reserve=RING_POSTS_PER_ROOM * cfg.max_rooms,
+            grant_ahead=cfg.grant_with_request,
+        )  # fmt: skip
+        await tg.start(self.ring.run)
+        self.scatter = ScatterActor(
+            self.pool,
+            memory,
+            self.ring,
+            self.board,
+            capacity=ACTOR_MAILBOX,
+            reserve=SCATTERS_PER_ROOM * cfg.max_rooms,
+        )
+        await tg.start(self.scatter.run)
+        log.info("decode rank %d: %s staging ring of %d bytes", cfg.tp_rank, memory.mem_type, size)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._tg is not None
+        tg = self._tg
+        with anyio.CancelScope(shield=True):
+            for actor in list(self.rooms.values()):
+                try:
+                    actor.inbox.send_nowait(Shutdown())
+                except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    pass
+            with anyio.move_on_after(SHUTDOWN_DRAIN_S):
+                for actor in list(self.rooms.values()):
+                    if not actor.status.final or actor.side == "prefill":
+                        await actor.done.wait()
+            await self.poller.drain_posted(SHUTDOWN_DRAIN_S)
+            for worker in self.workers:
+                worker.inbox.close()
+            if self.ring is not None:
+                self.ring.inbox.close()
+            if self.scatter is not None:
+                self.scatter.inbox.close()
+            tg.cancel_scope.cancel()
+        try:
+            await tg.__aexit__(exc_type, exc, tb)
+        finally:
+            self._close_transport()
+
+    def _close_transport(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def worker_for(self, agent_name: str) -> TransferWorker:
+        return self.workers[zlib.crc32(agent_name.encode()) % len(self.workers)]
+
+    async def _register(self) -> None:
+        cfg = self.config
+        msg = m.RegisterRank(
+            rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            endpoint=self.endpoint,
+            layout=self._info,
+            compat=self._compat,
+        )
+        deadline = time.monotonic() + cfg.bootstrap_timeout
+        while True:
+            try:
+                reply = await self.control.request(cfg.bootstrap_endpoint, msg, min(cfg.connect_timeout, 1.0))
+                break
+            except PeerUnreachableError:
+                if time.monotonic() > deadline:
+                    raise
+        if not isinstance(reply, m.RegisterAck) or not reply.ok:
+            raise ConfigError(f"bootstrap {cfg.bootstrap_endpoint} refused rank {cfg.tp_rank}: {reply}")
