@@ -11,10 +11,12 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Literal
 
 import pytest
 import torch
 
+from transfer_engine import EngineConfig
 from transfer_engine.testing.cluster import free_port
 
 with warnings.catch_warnings():  # vLLM's own imports warn about torch APIs it uses (warnings are errors here)
@@ -39,13 +41,12 @@ def kv(seed: int | None) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g) for _ in range(LAYERS)]
 
 
-def thread(role: str, layers: list[torch.Tensor], port: int) -> EngineThread:
-    return EngineThread(
-        role=role, layers=layers, head_dim=HEAD_DIM, tp_size=1, tp_rank=0, host="127.0.0.1",
-        bootstrap_port=port, max_rooms=4, bootstrap_timeout=120.0, introspect_port=0,
-        heartbeat_interval=5.0, connect_timeout=30.0, cpus=frozenset(os.sched_getaffinity(0)),
-        layers_per_write=1,
+def thread(role: Literal["prefill", "decode"], layers: list[torch.Tensor], port: int) -> EngineThread:
+    config = EngineConfig(
+        role=role, host="127.0.0.1", bootstrap_host="127.0.0.1", bootstrap_port=port, max_rooms=4,
+        bootstrap_timeout=120.0, heartbeat_interval=5.0, connect_timeout=30.0, layers_per_write=1,
     )  # fmt: skip
+    return EngineThread(config, layers=layers, head_dim=HEAD_DIM, cpus=frozenset(os.sched_getaffinity(0)))
 
 
 @pytest.fixture
@@ -115,3 +116,36 @@ def test_a_decode_request_cancelled_before_its_room_opened_ends_the_prefills_roo
     assert finished(prefill, prefill=True) == {"p1"}
     assert prefill.engine is not None and prefill.engine.counters["failed_aborted"] == 1
     assert not any(t.any() for t in target)  # nothing was written
+
+
+def test_a_decode_with_a_cached_prefix_gets_only_the_blocks_past_it_and_stats_count_them(pair: Pair) -> None:
+    """The decode holds the first block already (prefix caching): it asks for blocks 1 and 2 of
+    the prompt only, and the prefill WRITEs those (``decode_prefix_len``), leaving block 0 alone."""
+    prefill, decode, source, target, bootstrap = pair
+    tid, blocks_p, blocks_d = "prefix-1", [1, 4, 6], [7, 2]
+    room, digest = room_of(tid), digest_of(tid)
+    prefill.take_stats(), decode.take_stats()
+    decode.receive("d1", room, tid, blocks_d, bootstrap, digest, prefix_len=BLOCK_SIZE)
+    prefill.send("p1", room, tid, blocks_p, digest)
+    assert finished(decode, prefill=False) == {"d1"}
+    assert finished(prefill, prefill=True) == {"p1"}
+    assert not decode.take_load_errors()
+    for layer in range(LAYERS):
+        assert torch.equal(target[layer][blocks_d], source[layer][blocks_p[1:]])
+        assert not target[layer][[b for b in range(BLOCKS) if b not in blocks_d]].any()
+    block_bytes = LAYERS * source[0][0].nbytes
+    for side in (prefill, decode):
+        stats = side.take_stats()
+        assert stats["transfers"] == 1 and stats["bytes"] == 2 * block_bytes and not stats["failures"]
+        assert len(stats["seconds"]) == 1 and 0 < stats["seconds"][0] < 30
+
+
+def test_a_bootstrap_nobody_answers_fails_the_load_and_counts_it(pair: Pair) -> None:
+    _, decode, _, _, _ = pair
+    tid = "unanswered-1"
+    decode.take_stats()
+    decode.receive("d1", room_of(tid), tid, [3], f"tcp://127.0.0.1:{free_port()}", digest_of(tid))
+    assert finished(decode, prefill=False) == {"d1"}
+    assert decode.take_load_errors() == {3}  # vLLM recomputes or fails it, per kv_load_failure_policy
+    stats = decode.take_stats()
+    assert stats["transfers"] == 0 and stats["failures"] == {"unreachable": 1}

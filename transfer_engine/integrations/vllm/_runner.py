@@ -13,16 +13,26 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from transfer_engine import EngineConfig, KVLayout, KVPool, TransferEngine
-from transfer_engine.engine import Receiver, Sender
+from transfer_engine import (
+    EngineConfig,
+    KVLayout,
+    KVPool,
+    PeerUnreachableError,
+    Receiver,
+    Sender,
+    TransferAborted,
+    TransferEngine,
+    TransferTimeout,
+    views_vllm_cpu,
+)
 from transfer_engine.errors import ConfigError, TransferError
-from transfer_engine.memory.layout import views_vllm_cpu
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,26 @@ class _Entry:
     block_ids: list[int]
     handle: Sender | Receiver | None = None
     aborted: bool = False
+    opened: float = field(default_factory=time.monotonic)
+    pages: int = 0
+    """Pages this rank moved for the room (set once known)."""
+    failure: str = "failed"
+    """The kind of failure, for :meth:`EngineThread.take_stats`."""
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The ``failures`` key of a room's error (``TransferStats``)."""
+    if isinstance(exc, TransferTimeout):
+        return "timeout"
+    if isinstance(exc, TransferAborted):
+        return "aborted"
+    if isinstance(exc, PeerUnreachableError):
+        return "unreachable"
+    return "failed"
+
+
+def _no_stats() -> dict[str, Any]:
+    return {"transfers": 0, "bytes": 0, "seconds": [], "failures": {}}
 
 
 @dataclass
@@ -73,46 +103,23 @@ class EngineThread:
     """A TransferEngine on an asyncio loop in a daemon thread, driven from synchronous code."""
 
     def __init__(
-        self,
-        *,
-        role: str,
-        layers: list[torch.Tensor],
-        head_dim: int,
-        tp_size: int,
-        tp_rank: int,
-        host: str,
-        bootstrap_port: int,
-        max_rooms: int,
-        bootstrap_timeout: float,
-        introspect_port: int,
-        heartbeat_interval: float,
-        connect_timeout: float,
-        layers_per_write: int = 4,
-        cpus: frozenset[int],
+        self, config: EngineConfig, *, layers: list[torch.Tensor], head_dim: int, cpus: frozenset[int]
     ) -> None:
         self._cpus = cpus
-        self._aux = torch.zeros(max_rooms, 16, dtype=torch.uint8)
-        self._free_aux = list(range(max_rooms))
-        self.pool = pool_from_vllm_cpu(layers, head_dim, tp_size, tp_rank, self._aux)
-        self.config = EngineConfig(
-            role=role,  # type: ignore[arg-type]
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            host=host,
-            bootstrap_host=host,
-            bootstrap_port=bootstrap_port,
-            bootstrap_timeout=bootstrap_timeout,
-            introspect_port=introspect_port + tp_rank if introspect_port else 0,
-            heartbeat_interval=heartbeat_interval,
-            connect_timeout=connect_timeout,
-            layers_per_write=layers_per_write,
-        )
+        self._aux = torch.zeros(config.max_rooms, 16, dtype=torch.uint8)
+        self._free_aux = list(range(config.max_rooms))
+        self.pool = pool_from_vllm_cpu(layers, head_dim, config.tp_size, config.tp_rank, self._aux)
+        self.config = config
+        self._page_bytes = sum(layer[0].nbytes for layer in layers)
+        """Bytes of one block of this rank's KV, every layer."""
         self.engine: TransferEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name=f"te-{role}-{tp_rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, name=f"te-{config.role}-{config.tp_rank}", daemon=True
+        )
         self._lock = threading.Lock()
         self._sent: set[str] = set()
         self._received: set[str] = set()
@@ -125,6 +132,8 @@ class EngineThread:
         """Set while a report waits to be taken (set and cleared under ``_lock``)."""
         self._live: dict[int, _Entry] = {}
         """Rooms of this rank, by room (loop thread only)."""
+        self._stats: dict[str, Any] = _no_stats()
+        """What ended since the last :meth:`take_stats` (under ``_lock``)."""
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -160,6 +169,10 @@ class EngineThread:
         try:
             async with TransferEngine(self.config, self.pool) as engine:
                 self.engine = engine
+                log.info(
+                    "transfer engine %s rank %d: transfer-engine dump --endpoint %s",
+                    self.config.role, self.config.tp_rank, engine.introspect_endpoint,
+                )  # fmt: skip
                 self._ready.set()
                 await self._stop.wait()
                 for entry in list(self._live.values()):
@@ -186,12 +199,20 @@ class EngineThread:
         self._submit(self._send(req_id, room, transfer_id, block_ids, digest))
 
     def receive(
-        self, req_id: str, room: int, transfer_id: str, block_ids: list[int], bootstrap: str, digest: bytes
+        self,
+        req_id: str,
+        room: int,
+        transfer_id: str,
+        block_ids: list[int],
+        bootstrap: str,
+        digest: bytes,
+        prefix_len: int = 0,
     ) -> None:
-        """Decode: open ``room`` into the request's blocks; report them loaded once the digest matched."""
+        """Decode: open ``room`` into the request's blocks (those of its tokens ``prefix_len`` on,
+        the earlier ones being cached here); report them loaded once the digest matched."""
         with self._lock:
             self._outstanding += 1
-        self._submit(self._receive(req_id, room, transfer_id, block_ids, bootstrap, digest))
+        self._submit(self._receive(req_id, room, transfer_id, block_ids, bootstrap, digest, prefix_len))
 
     def abort(self, req_id: str, room: int) -> None:
         """Abort the request's room; its task reports it once no WRITE can land (see the module doc)."""
@@ -247,6 +268,13 @@ class EngineThread:
                 return
         self._news.wait(timeout)
 
+    def take_stats(self) -> dict[str, Any]:
+        """What ended since the last call, as ``TransferStats.data``: rooms are counted on TP rank 0
+        only (every rank ends each room), bytes on every rank; rooms vLLM aborted are not counted."""
+        with self._lock:
+            stats, self._stats = self._stats, _no_stats()
+        return stats
+
     def take_load_errors(self) -> set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
@@ -275,6 +303,14 @@ class EngineThread:
         with self._lock:
             self._outstanding -= 1
             self._news.set()
+            stats = self._stats
+            if ok:
+                stats["bytes"] += entry.pages * self._page_bytes
+            if self.config.tp_rank == 0 and ok:
+                stats["transfers"] += 1
+                stats["seconds"].append(time.monotonic() - entry.opened)
+            elif self.config.tp_rank == 0 and not entry.aborted:
+                stats["failures"][entry.failure] = stats["failures"].get(entry.failure, 0) + 1
             if prefill:
                 self._sent.add(entry.req_id)
             else:
@@ -296,6 +332,7 @@ class EngineThread:
         assert self.engine is not None
         entry = _Entry(req_id, transfer_id, block_ids)
         if not self._claim(room, entry):
+            entry.failure = "refused"
             self._report(entry, False, prefill=True)
             return
         slot = self._free_aux.pop()
@@ -305,10 +342,14 @@ class EngineThread:
             sender = entry.handle = self.engine.sender(room)
             if entry.aborted:
                 await sender.abort("vLLM aborted the request")
+            # The decode's request says which blocks it lacks (its prefix cache holds the rest).
+            await sender.wait_bootstrapped()
+            pages = block_ids[sender.decode_prefix_len // self.pool.layout.page_size :]
+            entry.pages = len(pages)
             if layers is None:
-                await sender.send(block_ids, last=True, aux_slot=slot)
+                await sender.send(pages, last=True, aux_slot=slot)
             else:
-                await sender.begin_chunk(block_ids, last=True, aux_slot=slot)
+                await sender.begin_chunk(pages, last=True, aux_slot=slot)
                 end = 0
                 while end < self.pool.layout.num_layers:
                     start, end = await layers.get()
@@ -316,7 +357,9 @@ class EngineThread:
             await sender.wait()
             ok = True
         except TransferError as exc:
-            log.warning("request %s (room %d): send failed: %s", req_id, room, exc)
+            entry.failure = failure_kind(exc)
+            if not entry.aborted:
+                log.warning("request %s (room %d): send failed: %s", req_id, room, exc)
             if entry.handle is not None:  # returns once no WRITE of the room can still read the blocks
                 await entry.handle.abort(f"send failed: {exc}")
         finally:
@@ -325,27 +368,39 @@ class EngineThread:
             self._report(entry, ok, prefill=True)
 
     async def _receive(
-        self, req_id: str, room: int, transfer_id: str, block_ids: list[int], bootstrap: str, digest: bytes
+        self,
+        req_id: str,
+        room: int,
+        transfer_id: str,
+        block_ids: list[int],
+        bootstrap: str,
+        digest: bytes,
+        prefix_len: int,
     ) -> None:
         assert self.engine is not None
-        entry = _Entry(req_id, transfer_id, block_ids)
+        entry = _Entry(req_id, transfer_id, block_ids, pages=len(block_ids))
         if not self._claim(room, entry):
+            entry.failure = "refused"
             self._report(entry, False, prefill=False)
             return
         slot = self._free_aux.pop()
         ok = False
         try:
             self._aux[slot].zero_()
-            receiver = entry.handle = await self.engine.receiver(room, bootstrap, block_ids, aux_slot=slot)
+            receiver = entry.handle = await self.engine.receiver(
+                room, bootstrap, block_ids, aux_slot=slot, decode_prefix_len=prefix_len
+            )
             if entry.aborted:
                 await receiver.abort("vLLM aborted the request")
             await receiver.wait()
             ok = bytes(self._aux[slot].tolist()) == digest
             if not ok:
+                entry.failure = "digest"
                 log.error(
                     "request %s (room %d): the KV that landed is not transfer %r's", req_id, room, transfer_id
                 )
         except TransferError as exc:
+            entry.failure = failure_kind(exc)
             if not entry.aborted:
                 log.warning("request %s (room %d): receive failed: %s", req_id, room, exc)
         finally:
