@@ -4,8 +4,12 @@ The public API::
 
     from transfer_engine import EngineConfig, KVLayout, KVPool, TransferEngine
 
-Everything a caller needs is importable from here; submodules are implementation detail unless a
-docstring says otherwise (``transfer_engine.observe.Snapshot`` is the published dump format).
+Everything a caller needs is importable from here: the engine and its handles, the configuration,
+the errors, KV layouts and pools (with the builders of pools over a serving system's own memory),
+the control plane's CURVE keys. Threaded callers use :mod:`transfer_engine.facade` (BlockingEngine,
+the LoopThread bridge, BootstrapServer). Other submodules are implementation detail unless a
+docstring says otherwise (``transfer_engine.observe.Snapshot`` is the published dump format); the
+integrations import nothing else (an import-linter contract in pyproject.toml).
 """
 
 __version__ = "0.1.0"
@@ -26,13 +30,17 @@ from transfer_engine.errors import (
     TransferFailed,
     TransferTimeout,
 )
-from transfer_engine.memory.layout import KVLayout, KVPool
+from transfer_engine.memory.layout import KVLayout, KVPool, views_vllm_cpu
+from transfer_engine.memory.views import AuxBuffers, pool_from_pointers, pool_from_vllm
 from transfer_engine.protocol.room_ids import room_id
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.transport.security import Curve
 
 __all__ = [
     "__version__",
+    "AuxBuffers",
     "ConfigError",
+    "Curve",
     "EngineConfig",
     "FailureReason",
     "KVLayout",
@@ -51,5 +59,8 @@ __all__ = [
     "TransferError",
     "TransferFailed",
     "TransferTimeout",
+    "pool_from_pointers",
+    "pool_from_vllm",
     "room_id",
+    "views_vllm_cpu",
 ]

@@ -13,8 +13,9 @@ import time
 import numpy as np
 
 from tests.sglang.scheduler import SMALL, Memory, manager
-from transfer_engine import RoomStatus, patterns
+from transfer_engine import RoomStatus
 from transfer_engine.integrations.sglang import KVBootstrapServer, KVSender
+from transfer_engine.testing import patterns
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ class Memory:
         args.kv_data_lens = [t.numel() * t.element_size() for t in self.kv]
         page_bytes = layout.page_size * self.kv[0].shape[1] * layout.head_dim * self.kv[0].element_size()
         args.kv_item_lens = [page_bytes] * len(self.kv)
-        args.kv_cache_dtype_str = str(layout.dtype)
+        args.kv_cache_dtype_str = "auto"  # what SGLang passes by default; the backend never reads it
         args.kv_head_num = layout.heads_local(tp_size)
         args.total_kv_head_num = layout.num_heads
         args.page_size = layout.page_size

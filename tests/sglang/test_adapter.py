@@ -33,7 +33,6 @@ from transfer_engine.integrations.sglang import (
     KVSender,
     register,
 )
-from transfer_engine.integrations.sglang.conn import layout_from_kv_args
 from transfer_engine.integrations.sglang.plugin import extend_backends, get_kv_class_hook
 from transfer_engine.testing.cluster import free_port
 
@@ -45,23 +44,6 @@ def test_classes_subclass_sglang_and_status_values_match_kvpoll() -> None:
     assert issubclass(KVReceiver, BaseKVReceiver) and issubclass(KVBootstrapServer, BaseKVBootstrapServer)
     for name in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success"):
         assert getattr(KVPoll, name) == RoomStatus[name.upper().replace("FORINPUT", "_FOR_INPUT")]
-
-
-def test_layout_from_kv_args_and_its_errors() -> None:
-    memory = Memory.allocate(SMALL, 2, 8, 2)
-    args = memory.kv_args(SMALL, 2, 1)
-    assert layout_from_kv_args(args, False) == SMALL
-    args.kv_item_lens = [args.kv_item_lens[0] + 2] * len(args.kv_item_lens)
-    with pytest.raises(LayoutError, match="kv_item_lens\\[0\\]=258"):
-        layout_from_kv_args(args, False)
-    args = memory.kv_args(SMALL, 2, 1)
-    args.kv_data_ptrs = args.kv_data_ptrs[:5]
-    with pytest.raises(LayoutError, match="5 kv_data_ptrs"):
-        layout_from_kv_args(args, False)
-    args = memory.kv_args(SMALL, 2, 1)
-    args.kv_cache_dtype_str = "torch.float64"
-    with pytest.raises(LayoutError, match="float64"):
-        layout_from_kv_args(args, False)
 
 
 def test_overlapping_kv_buffers_are_refused_before_anything_starts() -> None:

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from tests.sglang.scheduler import SMALL, Memory, manager
-from transfer_engine import FailureReason, RoomStatus, patterns
+from transfer_engine import FailureReason, RoomStatus
 from transfer_engine.errors import TransferFailed
 from transfer_engine.integrations.sglang import KVBootstrapServer, KVReceiver, KVSender
+from transfer_engine.testing import patterns
 from transfer_engine.testing.cluster import free_port
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.slow]
