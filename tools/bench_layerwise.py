@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import math
 import multiprocessing as mp
 import pstats
@@ -102,7 +103,7 @@ from transfer_engine.testing import pagetables
 from transfer_engine.testing.cluster import free_port
 
 # tools/ is the script's folder, first on sys.path (also in the spawned children)
-from bench_transfer import RawPair, raw_wait_notifs  # isort: skip
+from bench_transfer import GcPauses, RawPair, gc_line, raw_wait_notifs  # isort: skip
 
 TRACE = 1 << 16
 ANCHOR_WITHIN_S = 50e-6
@@ -224,9 +225,14 @@ def decode_main(args: argparse.Namespace, port: int, pipe: Connection) -> None:
     pool = _pool(args, device)
     raw: RawGroup | None = None
     with BlockingEngine(_config(args, "decode", port), pool) as engine:
+        if args.gc_freeze:
+            gc.freeze()
+        pauses = GcPauses().start()
         while True:
             job = pipe.recv()
             if job is None:
+                pauses.stop()
+                print(f"gc, whole run (gc_freeze={args.gc_freeze}): {gc_line('decode', pauses.summary())}")
                 return
             if job[0] == "raw":
                 raw = raw or RawGroup(args, device, "raw-decode")
@@ -369,6 +375,9 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
     last_steps: dict[tuple[int, int], list[dict[str, float]]] = defaultdict(list)
     engine_cpu: dict[tuple[int, str, int], list[tuple[float, int]]] = defaultdict(list)
     with BlockingEngine(_config(args, "prefill", port), pool) as engine:
+        if args.gc_freeze:
+            gc.freeze()
+        pauses = GcPauses().start()
 
         def one_room(forward: Forward, tokens: int, mode: str, per_write: int, measured: bool) -> Sample:
             nonlocal room, profiled
@@ -455,6 +464,8 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
                     + ", ".join(f"{k} {v / writes / 1e3:.1f}" for k, v in sorted(used.items()))
                 )
         pipe.send(None)
+        pauses.stop()
+    print(f"gc, whole run (gc_freeze={args.gc_freeze}): {gc_line('prefill', pauses.summary())}", flush=True)
     print("prefill post_write, per mode (the transport's own clocks):", *posts, sep="\n  ", flush=True)
     _print_engine_cpu(engine_cpu, args.layers)
     if last_steps:
@@ -652,6 +663,9 @@ def main(argv: list[str] | None = None) -> int:
         "--steps",
         action="store_true",
         help="print the step marks of each layer-wise room's last group, ms after its layers completed",
+    )
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() in both processes once their engine has started"
     )
     parser.add_argument("--tiny", action="store_true", help="CPU, tiny sizes (checks that the script runs)")
     args = parser.parse_args(argv)

@@ -25,7 +25,10 @@ Each of the ``--concurrency`` room slots of a side holds one page table of ``--p
 so the direct path's descriptors are the runs consecutive on both sides); the pools are sized for
 that shape (at least 8 rooms for ``scattered`` and ``realistic``).
 
-It prints the engine's figure, the raw ceiling and their ratio, and descriptors posted per room.
+It prints the engine's figure, the raw ceiling and their ratio, and descriptors posted per room, and
+the CPython collections of prefill rank 0's and decode rank 0's processes over the timed phases
+(:class:`GcPauses`: count, total and longest pause, full collections apart); with ``--gc-freeze``
+each process calls ``gc.freeze()`` once its engine has started and run the warm-up rooms.
 With ``--device cuda`` prefill rank r uses GPU ``r % n`` and decode rank r GPU ``(P + r) % n`` (ranks
 share GPUs when P + D > n: the output says so), and a device peer copy of one room's bytes (GPU of
 prefill 0 -> GPU of decode 0) is printed as a second ceiling.
@@ -34,6 +37,7 @@ prefill 0 -> GPU of decode 0) is printed as a second ceiling.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -98,6 +102,52 @@ def step_table(marks: list[tuple[int, int, str]], rooms: set[int]) -> list[tuple
         (step, statistics.median(f), statistics.median(lst), len(f)) for step, (f, lst) in by_step.items()
     ]
     return sorted(rows, key=lambda row: row[1])
+
+
+class GcPauses:
+    """Every CPython collection of this process between :meth:`start` and :meth:`stop`, timed through
+    ``gc.callbacks``.
+
+    The callbacks run on whichever thread triggered the collection, with the GIL held; collections
+    never overlap, so one start time suffices.
+    """
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+
+    def start(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, float]:
+        """Collections, their total and longest pause in ms, and the same for full (generation 2) ones."""
+        full = [t for g, t in self.pauses if g == 2]
+        every = [t for _, t in self.pauses]
+        return {
+            "collections": len(every),
+            "total_ms": round(sum(every) * 1e3, 3),
+            "max_ms": round(max(every, default=0.0) * 1e3, 3),
+            "full": len(full),
+            "full_total_ms": round(sum(full) * 1e3, 3),
+        }
+
+
+def gc_line(side: str, got: dict[str, float]) -> str:
+    """One side's :meth:`GcPauses.summary` as printed."""
+    return (
+        f"{side} {got['collections']:.0f} collections {got['total_ms']:.1f} ms (longest {got['max_ms']:.1f}), "
+        f"full {got['full']:.0f} ({got['full_total_ms']:.1f} ms)"
+    )
 
 
 def _chunk_pages(args: argparse.Namespace) -> int:
@@ -265,6 +315,9 @@ async def _prefill(
                     tg.start_soon(one, room, args.chunks)
 
         await rooms(range(WARMUP_ROOM, WARMUP_ROOM + args.warmup))  # JIT, staging buffers, mappings
+        if args.gc_freeze:
+            gc.freeze()
+        pauses = GcPauses().start()
         for rnd in range(args.rounds):
             # Each round: the raw ceiling, then the engine's rooms, so both see the same machine.
             # Every rank waits at both barriers: no rank's rooms run while the ceiling is taken.
@@ -290,9 +343,16 @@ async def _prefill(
                 conn.send("ready")
             await sender.wait()
         if conn is not None:
+            pauses.stop()
             post_ns = dict(getattr(engine.poller.transport, "post_ns", {}))
             conn.send(
-                ("descriptors", engine.poller.counters["descriptors_posted"], engine.me.trace.take(), post_ns)
+                (
+                    "descriptors",
+                    engine.poller.counters["descriptors_posted"],
+                    engine.me.trace.take(),
+                    post_ns,
+                    pauses.summary(),
+                )  # fmt: skip
             )
             await anyio.to_thread.run_sync(conn.recv)
 
@@ -365,6 +425,9 @@ async def _decode(
             return time.perf_counter() - t0
 
         await rooms(range(WARMUP_ROOM, WARMUP_ROOM + args.warmup))  # off the clock
+        if args.gc_freeze:
+            gc.freeze()
+        pauses = GcPauses().start()
         room_lat.clear()
         engine_s = 0.0
         raw_rounds: list[float] = []
@@ -426,7 +489,9 @@ async def _decode(
                     }
                     for k, half in ((0, "on"), (1, "off"))
                 }
-            _, posted, prefill_marks, post_ns = await anyio.to_thread.run_sync(conn.recv)
+            pauses.stop()
+            _, posted, prefill_marks, post_ns, prefill_gc = await anyio.to_thread.run_sync(conn.recv)
+            result["gc"] = {"prefill": prefill_gc, "decode": pauses.summary()}
             result["post_us"] = {
                 k: round(v / 1e3 / max(post_ns.get("writes", 1), 1), 1)
                 for k, v in post_ns.items()
@@ -525,6 +590,11 @@ def main() -> int:
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() in every process once its engine has started and run the warm-up rooms",
+    )
+    parser.add_argument(
         "--trace",
         action="store_true",
         help="mark every room's steps (EngineConfig.trace_steps) and print, per step, the median time "
@@ -590,7 +660,7 @@ def main() -> int:
     if args.pin:
         pre, dec = _cpu_halves()
         placement += f" cpus prefill={pre[0]}-{pre[-1]} decode={dec[0]}-{dec[-1]}"
-    r.update(path=args.path, page_table=args.page_table, P=args.prefill_tp, D=args.decode_tp, tokens=args.tokens, rooms=args.rooms,
+    r.update(path=args.path, page_table=args.page_table, gc_freeze=args.gc_freeze, P=args.prefill_tp, D=args.decode_tp, tokens=args.tokens, rooms=args.rooms,
              concurrency=args.concurrency, chunks=args.chunks, device=args.device, peer_copy_gbps=peer_copy,
              placement=placement.strip(), loadavg=[round(x, 1) for x in os.getloadavg()],
              grant_with_request=_config(args, "decode", 0, 0).grant_with_request)  # fmt: skip
@@ -610,6 +680,10 @@ def main() -> int:
         f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added (median of pairs) "
         f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}; "
         f"grant_with_request={r['grant_with_request']}; load average {r['loadavg']}"
+    )
+    print(
+        f"  gc over the timed phases (page_table={args.page_table}, gc_freeze={args.gc_freeze}): "
+        f"{gc_line('prefill', r['gc']['prefill'])}; {gc_line('decode', r['gc']['decode'])}"
     )
     if "ab" in r:
         for half, got in r["ab"].items():
