@@ -29,15 +29,13 @@ import functools
 import logging
 import sys
 import threading
-from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
 import anyio
 import numpy as np
 import torch
-from anyio.abc import TaskGroup
 
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine, check_request, check_room
@@ -52,6 +50,7 @@ from transfer_engine.errors import (
     failure_error,
 )
 from transfer_engine.facade.bridge import LoopThread
+from transfer_engine.facade.mailer import Mailer
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol.room_ids import room_id
 from transfer_engine.protocol.rooms import RoomStatus
@@ -70,66 +69,6 @@ def _room(room: int | str) -> int:
     rid = room_id(room) if isinstance(room, str) else room
     check_room(rid)
     return rid
-
-
-class _Mailer:
-    """Loop side of the facade: delivers handles' mail to room actors in the order it was posted,
-    and starts the tasks callers ask for (a receiver's handshake).
-
-    ``post`` and ``start`` run as plain loop callbacks (:meth:`BlockingEngine._call_soon`), where no task is
-    current, so they start nothing themselves: they queue work and wake :meth:`run`, a task of the
-    facade's task group that starts it. Mail goes straight into the room's mailbox when there is
-    room and nothing is queued ahead of it; otherwise it waits in a backlog that one task drains in
-    order. Mail for a room that has ended is dropped: the room's final status already tells.
-    """
-
-    def __init__(self, tg: TaskGroup) -> None:
-        self._tg = tg
-        self._backlog: deque[tuple[Sender | Receiver, RoomMail]] = deque()
-        self._spawns: deque[tuple[Callable[..., Coroutine[Any, Any, None]], tuple[Any, ...]]] = deque()
-        self._draining = False
-        self._wake = anyio.Event()
-
-    def start(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
-        """Have ``fn(*args)`` started in the facade's task group (cancelled when the engine closes)."""
-        self._spawns.append((fn, args))
-        self._wake.set()
-
-    def post(self, handle: Sender | Receiver, mail: RoomMail) -> None:
-        if not self._backlog:
-            try:
-                handle.deliver_nowait(mail)
-                return
-            except anyio.WouldBlock:
-                pass
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                return
-        self._backlog.append((handle, mail))
-        self._wake.set()
-
-    async def run(self) -> None:
-        """Start queued tasks and the backlog's drain, each time a callback queued something."""
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            while self._spawns:
-                fn, args = self._spawns.popleft()
-                self._tg.start_soon(fn, *args)
-            if self._backlog and not self._draining:
-                self._draining = True
-                self._tg.start_soon(self._drain)
-
-    async def _drain(self) -> None:
-        try:
-            while self._backlog:
-                handle, mail = self._backlog[0]
-                try:
-                    await handle.deliver(mail)
-                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                    pass
-                self._backlog.popleft()
-        finally:
-            self._draining = False
 
 
 class _BlockingHandle:
@@ -379,7 +318,7 @@ class BlockingEngine:
         self._close_lock = threading.Lock()
         self._loop_thread = LoopThread(f"te-{config.role}-{config.tp_rank}")
         self._loop_thread.start()
-        opened: concurrent.futures.Future[tuple[TransferEngine, _Mailer]] = concurrent.futures.Future()
+        opened: concurrent.futures.Future[tuple[TransferEngine, Mailer]] = concurrent.futures.Future()
         self._served: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._loop_thread.spawn(self._serve, config, kv, transport, opened)
         try:
@@ -388,14 +327,14 @@ class BlockingEngine:
             self._loop_thread.close()
             raise
         self._engine: TransferEngine = engine
-        self._mailer: _Mailer = mailer
+        self._mailer: Mailer = mailer
 
     async def _serve(
         self,
         config: EngineConfig,
         kv: KVPool,
         transport: Transport | None,
-        opened: concurrent.futures.Future[tuple[TransferEngine, _Mailer]],
+        opened: concurrent.futures.Future[tuple[TransferEngine, Mailer]],
     ) -> None:
         """The engine's life on the loop: open it, report it to ``opened``, serve until close()."""
         try:
@@ -404,7 +343,7 @@ class BlockingEngine:
                 TransferEngine(config, kv, transport=transport) as engine,
                 anyio.create_task_group() as tg,
             ):
-                mailer = _Mailer(tg)
+                mailer = Mailer(tg)
                 tg.start_soon(mailer.run)
                 opened.set_result((engine, mailer))
                 await self._closing.wait()
