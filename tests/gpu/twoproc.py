@@ -3,9 +3,9 @@ GPU each when two are visible (both on ``cuda:0`` otherwise). Used by tests/gpu 
 
 The parent sends the decode process one command at a time on a pipe and waits for its answer:
 
-- ``("receive", requests)``: open every request's room (``receive``) and answer ``"asked"``; then,
+- ``("receive", requests, bootstrap, check)``: open every request's room (``receive``) and answer ``"asked"``; then,
   once every one was reported: ``("done", load_errors, wrong_bytes, loaded_ns)`` where
-  ``wrong_bytes`` is the count :func:`check` found (-1 when not checked) and ``loaded_ns`` the
+  ``wrong_bytes`` counts the decode ranks whose bytes were wrong (-1 when ``check`` is False) and ``loaded_ns`` the
   ``time.monotonic_ns()`` (one clock for every process of the host) at which the last was reported;
 - ``("stop",)``: close the cores and exit (answers ``"stopped"`` with the leak counters).
 """
@@ -31,11 +31,11 @@ def devices() -> tuple[str, str]:
     return ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
 
 
-def _decode_main(conn: Connection, side: Side, device: str, port: int, check_bytes: bool) -> None:
+def _decode_main(conn: Connection, side: Side, device: str, port: int, config: dict[str, Any]) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     caches = [allocate(side, device) for _ in range(side.tp)]
-    cores = [make_core("decode", side, r, caches[r], port, heartbeat_interval=5.0) for r in range(side.tp)]
+    cores = [make_core("decode", side, r, caches[r], port, **config) for r in range(side.tp)]
     try:
         for core in cores:
             core.start()
@@ -46,7 +46,7 @@ def _decode_main(conn: Connection, side: Side, device: str, port: int, check_byt
                 leaks = [{k: v for k, v in core.leaks().items() if v} for core in cores]
                 conn.send(("stopped", leaks))
                 return
-            _, requests, bootstrap = command
+            _, requests, bootstrap, check_bytes = command
             for core in cores:
                 for r in requests:
                     core.receive(r.transfer_id, r.transfer_id, r.decode_blocks, bootstrap)
@@ -90,11 +90,13 @@ def _decode_main(conn: Connection, side: Side, device: str, port: int, check_byt
 class DecodeProcess:
     """The decode side's cores in a spawned process (see the module docstring)."""
 
-    def __init__(self, side: Side, device: str, port: int, *, check_bytes: bool = True) -> None:
+    def __init__(self, side: Side, device: str, port: int, **config: Any) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_decode_main, args=(child, side, device, port, check_bytes), daemon=True
+            target=_decode_main,
+            args=(child, side, device, port, {"heartbeat_interval": 5.0, **config}),
+            daemon=True,
         )
         self._proc.start()
         self._expect("up", START_S)
@@ -109,9 +111,10 @@ class DecodeProcess:
             raise RuntimeError(f"the decode process answered {answer!r}, expected {what!r}")
         return answer
 
-    def ask(self, requests: Sequence[Request], bootstrap: str) -> None:
-        """Open the requests' rooms on every decode rank; returns once they were handed to the cores."""
-        self._conn.send(("receive", list(requests), bootstrap))
+    def ask(self, requests: Sequence[Request], bootstrap: str, *, check: bool = True) -> None:
+        """Open the requests' rooms on every decode rank; returns once they were handed to the cores.
+        ``check``: check every byte once they landed (then zero the caches)."""
+        self._conn.send(("receive", list(requests), bootstrap, check))
         self._expect("asked", 30)
 
     def result(self, timeout: float = 90) -> tuple[list[int], int, int]:

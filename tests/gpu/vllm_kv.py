@@ -164,8 +164,7 @@ def make_core(
         tp_size=side.tp,
         tp_rank=rank,
         bootstrap_port=port,
-        layers_per_write=2,
-        **config,  # type: ignore[arg-type]
+        **{"layers_per_write": 2, **config},  # type: ignore[arg-type]
     )
     return ConnectorCore(
         cfg,
