@@ -20,6 +20,7 @@ nvidia-smi -L | tee -a "$OUT/gpu.txt"
 
 phase=${1:-tests}
 shift || true
+[ "$phase" = vllm ] && exec tools/gpu_vllm.sh "$@"  # the vLLM connector core on CUDA KV caches (< 8 min)
 
 if [ "$phase" = onetest ]; then
   TE_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | grep -v "NIXL INFO" | grep -E "Error|error|assert|FAILED|passed|failed" | head -30
