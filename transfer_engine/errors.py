@@ -71,6 +71,8 @@ class FailureReason(enum.IntEnum):
     """The engine was closed while the room was live."""
     INPUT_TIMEOUT = 10
     """The room waited in WaitingForInput longer than its input deadline (the prefill never sent)."""
+    INTEGRITY = 11
+    """A chunk landed on the decode with bytes whose checksum differs from its writer's (docs/INTEGRITY.md)."""
 
 
 class TransferError(Exception):

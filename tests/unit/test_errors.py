@@ -66,6 +66,7 @@ FAILURES: dict[FailureReason, tuple[type[TransferFailed], str | None]] = {
     FailureReason.REMOTE: (TransferFailed, None),
     FailureReason.SHUTDOWN: (TransferFailed, None),
     FailureReason.INPUT_TIMEOUT: (TransferTimeout, "input"),
+    FailureReason.INTEGRITY: (TransferFailed, None),
 }
 
 
@@ -128,6 +129,7 @@ def test_failure_reasons_are_stable_wire_values() -> None:
         "REMOTE": 8,
         "SHUTDOWN": 9,
         "INPUT_TIMEOUT": 10,
+        "INTEGRITY": 11,
     }
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from transfer_engine.kernels.checksum import checksum_numpy
+from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.integrity import (
     MASK64,
     Run,
@@ -105,3 +106,12 @@ def test_mismatch_detail_names_what_and_whom() -> None:
         "the writer's was 0x0000000000000001"
     )
     assert "layers [2, 4) of chunk 0" in mismatch_detail(0, 0, (2, 4), 1, 2)
+
+
+@pytest.mark.parametrize("checksum", [None, 0, 1, MASK64])
+def test_a_chunk_notification_carries_any_64_bit_checksum(checksum: int | None) -> None:
+    landed = m.ChunkLanded(
+        room=1, chunk_id=2, last=True, sender=0, page_start=0, num_pages=3, region=-1, checksum=checksum
+    )
+    decoded = m.decode_notification(m.encode(landed))
+    assert decoded == landed and isinstance(decoded, m.ChunkLanded) and decoded.checksum == checksum

@@ -157,6 +157,7 @@ def test_a_layer_group_scatter_does_not_count_the_chunk() -> None:
     ("wire", "prefill", "decode"),
     [
         (FailureReason.STAGING, FailureReason.STAGING, FailureReason.STAGING),
+        (FailureReason.INTEGRITY, FailureReason.INTEGRITY, FailureReason.REMOTE),
         (FailureReason.ABORTED, FailureReason.ABORTED, FailureReason.ABORTED),
         (FailureReason.BOOTSTRAP_TIMEOUT, FailureReason.ABORTED, FailureReason.BOOTSTRAP_TIMEOUT),
         (FailureReason.TRANSPORT, FailureReason.ABORTED, FailureReason.REMOTE),

@@ -338,6 +338,9 @@ class ChunkLanded(Message, frozen=True, gc=False):
     layers: tuple[int, int] | None = None
     """Layer-wise chunks (``protocol/layers.py``): the WRITE carried layers ``[start, end)`` only,
     and the chunk has landed from ``sender`` once its groups cover every layer. None: every layer."""
+    checksum: int | None = None
+    """The writer's checksum of the bytes this WRITE carried, taken as it started (docs/INTEGRITY.md);
+    None: the writer's ``integrity`` is off (the decode counts the chunk unchecked)."""
 
 
 class AuxLanded(Message, frozen=True, gc=False):

@@ -356,10 +356,12 @@ class SenderRoom(Room):
 def abort_reason(wire_reason: int) -> FailureReason:
     """How a prefill room fails when a decode rank aborts it with ``wire_reason``.
 
-    A ring that could not place a chunk stays STAGING on this side too (it names ``ring_bytes``);
-    every other abort is ABORTED.
+    A ring that could not place a chunk stays STAGING on this side too (it names ``ring_bytes``), and
+    a chunk that landed corrupted stays INTEGRITY (docs/INTEGRITY.md); every other abort is ABORTED.
     """
-    return FailureReason.STAGING if wire_reason == FailureReason.STAGING else FailureReason.ABORTED
+    if wire_reason in (FailureReason.STAGING, FailureReason.INTEGRITY):
+        return FailureReason(wire_reason)
+    return FailureReason.ABORTED
 
 
 PASSED_ON = frozenset({FailureReason.ABORTED, FailureReason.STAGING, FailureReason.BOOTSTRAP_TIMEOUT})
