@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from tests.integration.harness import Cluster, run_room
-from transfer_engine.actors.room import LocalAbort
 from transfer_engine.engine import Receiver, Sender
 from transfer_engine.errors import FailureReason, LocalProtocolError, TransferFailed
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.runtime.mail import LocalAbort
 from transfer_engine.testing import patterns
 from transfer_engine.transport.faults import ControlFaults, Fault, FaultyTransport, Rule, matching
 
