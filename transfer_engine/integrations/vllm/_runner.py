@@ -30,9 +30,9 @@ from transfer_engine import (
     TransferAborted,
     TransferEngine,
     TransferTimeout,
-    views_vllm_cpu,
 )
 from transfer_engine.errors import ConfigError, TransferError
+from transfer_engine.memory.layout import views_vllm_cpu
 
 log = logging.getLogger(__name__)
 
