@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# GPU end to end (issue 8), on a machine with GPUs and, in ./.whl, the wheels it lacks (nixl, pyzmq, msgspec,
+# GPU end to end, on a machine with GPUs and, in ./.whl, the wheels it lacks (nixl, pyzmq, msgspec,
 # the test plugins). Usage, from the project root:
 #   tools/gpu_e2e.sh tests          # the whole suite with CUDA: gpu kernel tests + integration on CUDA pools
 #   tools/gpu_e2e.sh bench 1:1 2:1  # tools/bench_transfer.py sweeps for the listed P:D scenarios
 #   tools/gpu_e2e.sh strided        # paged KV layouts: compiled kernel tests, CUDA matrix, bench_kernels by layout
-#   tools/gpu_e2e.sh percall        # issue 17 on one GPU: direct/staged c1/c8 with --trace (< 8 min)
-#   tools/gpu_e2e.sh host-threads   # issue 17: the host path with and without NIXL's posting threads (< 8 min)
-#   tools/gpu_e2e.sh layer-window   # issue 16: the decode poller kept quick between layer groups, on / off (< 5 min)
-#   tools/gpu_e2e.sh goals          # issues 16 and 17 on TWO GPUs: the last group's steps, then the c1/c8 table (< 8 min)
+#   tools/gpu_e2e.sh percall        # per-room overhead on one GPU: direct/staged c1/c8 with --trace (< 8 min)
+#   tools/gpu_e2e.sh host-threads   # the host path with and without NIXL's posting threads (< 8 min)
+#   tools/gpu_e2e.sh goals          # the docs/PERF.md goals on TWO GPUs: the last group's steps, then the c1/c8 table (< 8 min)
+#   tools/gpu_e2e.sh pagetables     # TWO GPUs: the goal table's rows over realistic/scattered/contiguous page tables (< 8 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -26,7 +26,7 @@ if [ "$phase" = onetest ]; then
   TE_TEST_DEVICE=cuda python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | grep -v "NIXL INFO" | grep -E "Error|error|assert|FAILED|passed|failed" | head -30
   exit 0
 fi
-if [ "$phase" = layerwise ] || [ "$phase" = layer-calls ]; then  # issue 16 (one GPU is enough): the per-layer call
+if [ "$phase" = layerwise ] || [ "$phase" = layer-calls ]; then  # layer-wise sending (one GPU is enough): the per-layer call
   # against chunk-level and the CUDA calls it makes (< 2 min); then (layerwise) the tail and the forward (< 8 min in all)
   timeout 100 python3 tools/bench_layer_calls.py --device cuda --base none --rooms 20 --rounds 1 2>&1 | grep -v "NIXL INFO" \
     | tee "$OUT/layer-calls.txt" | tail -10
@@ -37,27 +37,7 @@ if [ "$phase" = layerwise ] || [ "$phase" = layer-calls ]; then  # issue 16 (one
   done
   exit 0
 fi
-if [ "$phase" = layer-window ]; then  # issue 16: poll_layer_window on / off, alternating, direct x1 (< 5 min)
-  for window in 0.05 0 0.05 0; do
-    echo "== TE_POLL_LAYER_WINDOW=$window"
-    TE_POLL_LAYER_WINDOW=$window timeout 70 python3 tools/bench_layerwise.py --device cuda --path direct \
-      --tokens 4096,16384 --per-write 1 --reps 5 --room-timeout 20 2>&1 | grep -v "NIXL INFO" \
-      | tee "$OUT/layer-window-$window.txt" | grep -E "tokens|layers x1"
-  done
-  exit 0
-fi
-if [ "$phase" = layerwise-ab ]; then  # issue 16: serving TTFT with --layerwise, issue 17's completion waiter on / off (< 3 min)
-  SB="--device cuda --model-hidden 2048 --model-layers 16 --model-heads 16 --model-kv-heads 8 --model-head-dim 128
-      --model-ffn 5632 --long 4096 --chunk-tokens 512 --max-batch-tokens 1024 --samples 8 --phases ttft"
-  for thread in 1 0; do
-    echo "== path=direct --layerwise completion_thread=$thread"
-    timeout 80 python3 tools/serving_bench.py $SB --engine path=direct --engine completion_thread=$thread --layerwise \
-      --json-out "$OUT/serving-direct--layerwise-thread$thread.json" 2>&1 | grep -v "NIXL INFO" \
-      | grep -iE "ttft|prompt|tail|error|failed|Traceback" | head -12
-  done
-  exit 0
-fi
-if [ "$phase" = host-threads ]; then  # issue 17: host WRITEs spread over NIXL's posting threads, A/B against one (< 8 min)
+if [ "$phase" = host-threads ]; then  # host WRITEs spread over NIXL's posting threads, A/B against one (< 8 min)
   QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"
   for v in "" "num_threads=0"; do
     for c in 1 8; do
@@ -71,7 +51,7 @@ if [ "$phase" = host-threads ]; then  # issue 17: host WRITEs spread over NIXL's
   done
   exit 0
 fi
-if [ "$phase" = layerwise-pairs ]; then  # issue 16: TTFT chunk-level vs layer-wise, request by request (< 6 min)
+if [ "$phase" = layerwise-pairs ]; then  # TTFT chunk-level vs layer-wise, request by request (< 6 min)
   SB="--device cuda --model-hidden 2048 --model-layers 16 --model-heads 16 --model-kv-heads 8 --model-head-dim 128
       --model-ffn 5632 --long 4096 --chunk-tokens 512 --max-batch-tokens 1024 --samples ${SAMPLES:-9} --phases ttft --layerwise-ab"
   for path in ${PATHS:-direct host}; do
@@ -81,7 +61,7 @@ if [ "$phase" = layerwise-pairs ]; then  # issue 16: TTFT chunk-level vs layer-w
   done
   exit 0
 fi
-if [ "$phase" = layerwise-serving ]; then  # issue 16: TTFT with and without --layerwise, host and device path (< 8 min)
+if [ "$phase" = layerwise-serving ]; then  # TTFT with and without --layerwise, host and device path (< 8 min)
   SB="--device cuda --model-hidden 2048 --model-layers 16 --model-heads 16 --model-kv-heads 8 --model-head-dim 128
       --model-ffn 5632 --long 4096 --chunk-tokens 512 --max-batch-tokens 1024 --samples 8 --window 1 --rounds 1"
   for path in host direct; do
@@ -93,7 +73,81 @@ if [ "$phase" = layerwise-serving ]; then  # issue 16: TTFT with and without --l
   done
   exit 0
 fi
-if [ "$phase" = goals ]; then  # issues 16 and 17, for a machine with two GPUs (prefill on 0, decode on 1)
+if [ "$phase" = pagetables ]; then  # page tables as serving hands them out: TWO GPUs, one call (< 8 min)
+  # Every row of docs/PERF.md's goal table the code produces, each from its own run with the raw NIXL
+  # ceiling of that run and the page-table shape named: the layer-wise tail first, then bench_transfer
+  # rows (Qwen3-32B-shaped 1.07 GB rooms) in order of importance until BUDGET s are spent; direct with
+  # NIXL_UCX_SGL_ENABLE=1 (UCX's batched copies) beside unset. One markdown row per line in
+  # $OUT/pagetables.md, every run's JSON in $OUT/pagetables.jsonl, every log as $OUT/pt-*.log.
+  # (PT_ARGS / PT_LAYERWISE replace the sizes and device: a dry run on CPU with small rooms)
+  QWEN=${PT_ARGS:-"--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"}
+  QWEN="$QWEN --json"
+  LW=${PT_LAYERWISE:-"--device cuda --tokens 1024,4096,16384"}
+  export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
+  start=$SECONDS
+  budget=${BUDGET:-360}
+  : >"$OUT/pagetables.md"
+  echo "| measure | page table | tokens | tail ms | raw group WRITE ms | over ms |" | tee -a "$OUT/pagetables.md"
+  timeout 150 python3 tools/bench_layerwise.py $LW --path auto --page-table realistic \
+    --per-write 1 --reps 4 --room-timeout 20 >"$OUT/pt-layerwise.log" 2>&1 \
+    || echo "bench_layerwise rc=$? (see $OUT/pt-layerwise.log)"
+  awk '$3 == "layers" { printf "| layer-wise tail, %s %s | %s | %s | %s | %s | %s |\n", $3, $4, $NF, $1, $5, $8, $9 }' \
+    "$OUT/pt-layerwise.log" | tee -a "$OUT/pagetables.md"
+  echo "| row | path asked (taken) | page table | P->D | in flight | NIXL_UCX_SGL_ENABLE | engine / raw (rounds) | engine GB/s | raw GB/s | descriptors/room | small room added ms (raw p50) | GC full collections ms (prefill, decode) | mismatches |" \
+    | tee -a "$OUT/pagetables.md"
+  row() {  # row NAME SGL ARGS...: one bench_transfer run, one markdown row
+    local name=$1 sgl=$2
+    shift 2
+    if [ $((SECONDS - start)) -gt "$budget" ]; then
+      echo "| $name | skipped: the phase's $budget s were spent |" | tee -a "$OUT/pagetables.md"
+      return
+    fi
+    if [ "$sgl" = 1 ]; then
+      NIXL_UCX_SGL_ENABLE=1 timeout 90 python3 tools/bench_transfer.py $QWEN "$@" >"$OUT/pt-$name.log" 2>&1
+    else
+      env -u NIXL_UCX_SGL_ENABLE timeout 90 python3 tools/bench_transfer.py $QWEN "$@" >"$OUT/pt-$name.log" 2>&1
+    fi
+    local rc=$?
+    grep '^{' "$OUT/pt-$name.log" >>"$OUT/pagetables.jsonl"
+    python3 - "$name" "$sgl" "$rc" "$OUT/pt-$name.log" <<'EOF' | tee -a "$OUT/pagetables.md"
+import json, sys
+name, sgl, rc, log = sys.argv[1:]
+lines = [line for line in open(log) if line.startswith("{")]
+if not lines:
+    tail = [line.strip() for line in open(log) if "NIXL INFO" not in line][-3:]
+    print(f"| {name} | failed, rc {rc}: {' / '.join(tail)} |")
+    sys.exit(0)
+r = json.loads(lines[-1])
+gc = r.get("gc", {})
+full = ", ".join(f"{gc[s]['full']} / {gc[s]['full_total_ms']:.1f}" for s in ("prefill", "decode") if s in gc)
+print(
+    f"| {name} | {r['path']} ({r['engine_path']}) | {r['page_table']} | {r['P']}->{r['D']} | {r['concurrency']} "
+    f"| {'1' if sgl == '1' else 'unset'} | {r['throughput_ratio']:.2f} ({', '.join(map(str, r['round_ratios']))}) "
+    f"| {r['engine_gbps']:.1f} | {r['raw_gbps']:.1f} | {r['descriptors_per_room']:.0f} "
+    f"| {r['added_latency_p50_ms']:.3f} ({r['raw_lat_p50_ms']:.3f}) | {full} | {r['mismatches']} |"
+)
+EOF
+  }
+  C1="--concurrency 1 --rooms 4 --rounds 2 --lat-rooms 20"
+  C8="--concurrency 8 --rooms 16 --rounds 2 --lat-rooms 8"
+  row auto-realistic-c8 0 --path auto --page-table realistic $C8
+  row auto-realistic-c1 0 --path auto --page-table realistic $C1
+  row direct-contiguous-c1 0 --path direct --page-table contiguous $C1
+  row direct-contiguous-c8 0 --path direct --page-table contiguous $C8
+  row staged-realistic-c1 0 --path staged --page-table realistic $C1
+  row staged-realistic-c8 0 --path staged --page-table realistic $C8
+  row direct-contiguous-c1-sgl 1 --path direct --page-table contiguous $C1
+  row direct-contiguous-c8-sgl 1 --path direct --page-table contiguous $C8
+  row p1d2-staged-realistic-c1 0 --path staged --page-table realistic --prefill-tp 1 --decode-tp 2 \
+    --concurrency 1 --rooms 2 --rounds 1 --lat-rooms 20
+  row direct-realistic-c8-sgl 1 --path direct --page-table realistic $C8
+  row direct-realistic-c8 0 --path direct --page-table realistic $C8
+  row auto-scattered-c8 0 --path auto --page-table scattered $C8
+  row auto-scattered-c1 0 --path auto --page-table scattered $C1
+  echo "pagetables: $((SECONDS - start)) s"
+  exit 0
+fi
+if [ "$phase" = goals ]; then  # the docs/PERF.md goals, for a machine with two GPUs (prefill on 0, decode on 1)
   # 16: the tail's `over` and every step of the last layer group (--steps), at 1K, 4K and 16K tokens
   timeout 200 python3 tools/bench_layerwise.py --device cuda --path direct --tokens 1024,4096,16384 --per-write 1,4 \
     --reps 6 --room-timeout 20 --steps 2>&1 | grep -v "NIXL INFO" | grep -v "peer copy" | tee "$OUT/goals-16.txt" | tail -40
@@ -106,7 +160,7 @@ if [ "$phase" = goals ]; then  # issues 16 and 17, for a machine with two GPUs (
   done; done
   exit 0
 fi
-if [ "$phase" = trace ]; then  # issue 17: where a room's time goes (bench_transfer.py --trace)
+if [ "$phase" = trace ]; then  # where a room's time goes (bench_transfer.py --trace)
   QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"
   for a in "${@:-direct 1 6}"; do
     set -- $a
@@ -115,7 +169,7 @@ if [ "$phase" = trace ]; then  # issue 17: where a room's time goes (bench_trans
   done
   exit 0
 fi
-if [ "$phase" = strided ]; then  # issue 20: paged KV views in the compiled kernels, then contiguous vs paged rates
+if [ "$phase" = strided ]; then  # paged KV views in the compiled kernels, then contiguous vs paged rates
   python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tail -3 | tee -a "$OUT/strided.txt"
   TE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/integration/test_matrix_strided.py 2>&1 \
     | tail -3 | tee -a "$OUT/strided.txt"
@@ -124,7 +178,7 @@ if [ "$phase" = strided ]; then  # issue 20: paged KV views in the compiled kern
     | grep -v "^  pass" | tee -a "$OUT/strided.txt"
   exit 0
 fi
-if [ "$phase" = percall ]; then  # issue 17 on ONE GPU (both processes on cuda:0): direct and staged, c1 and c8,
+if [ "$phase" = percall ]; then  # per-room overhead on ONE GPU (both processes on cuda:0): direct and staged, c1 and c8,
   # with --trace, each run an A/B in the same processes (bench_transfer --ab: even rounds and small-room
   # samples on, odd ones off): the completion waiter's thread (else polls), and for staged the region
   # granted with the request. The ring holds four rooms (a room is granted ahead only within half of it).
