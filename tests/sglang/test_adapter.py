@@ -1,9 +1,7 @@
 """The adapter's contract with SGLang's real base classes: types, call order errors, the plugin.
 
-Budget: about 3 s. The plugin test reads the installed entry points with SGLang's own loader;
-applying the hooks needs ``sglang.srt.disaggregation.utils``, which a full SGLang install imports
-(it needs transformers and torchvision, which this CPU set-up leaves out), so the hook functions
-are checked on their own here.
+Budget: about 3 s. The plugin is loaded by SGLang's own loader (``load_plugins``) and its hooks
+applied to the real ``sglang.srt.disaggregation.utils`` (importable through ``conftest.py``).
 """
 
 from __future__ import annotations
@@ -137,3 +135,37 @@ def test_backend_enum_is_extended_and_get_kv_class_routes_it() -> None:
     assert get_kv_class_hook(original, te, Kind("kvargs")) == ("sglang", te, Kind("kvargs"))
     nixl = extended("nixl")
     assert get_kv_class_hook(original, nixl, Kind("sender")) == ("sglang", nixl, Kind("sender"))
+
+
+def test_plugin_applied_to_sglangs_real_utils_routes_its_own_lookup() -> None:
+    """SGLang's own loader runs the entry point and applies the hooks to the real module."""
+    from sglang.srt.disaggregation import decode, prefill, utils
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.fake import FakeKVSender
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    backend = utils.TransferBackend(BACKEND)
+    assert backend.name == "TRANSFER_ENGINE" and utils.TransferBackend("nixl").name == "NIXL"
+    kinds = utils.KVClassType
+    assert utils.get_kv_class(backend, kinds.MANAGER) is KVManager
+    assert utils.get_kv_class(backend, kinds.SENDER) is KVSender
+    assert utils.get_kv_class(backend, kinds.RECEIVER) is KVReceiver
+    assert utils.get_kv_class(backend, kinds.BOOTSTRAP_SERVER) is KVBootstrapServer
+    assert utils.get_kv_class(backend, kinds.KVARGS) is KVArgs
+    assert utils.get_kv_class(utils.TransferBackend.FAKE, kinds.SENDER) is FakeKVSender
+    # the scheduler modules' own bindings (``from ..utils import get_kv_class``) were patched too
+    assert prefill.get_kv_class(prefill.TransferBackend(BACKEND), kinds.SENDER) is KVSender
+    assert decode.get_kv_class(decode.TransferBackend(BACKEND), kinds.RECEIVER) is KVReceiver
+    args = prepare_server_args(
+        [
+            "--model-path",
+            "unused",
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-transfer-backend",
+            BACKEND,
+        ]
+    )
+    assert utils.TransferBackend(args.disaggregation_transfer_backend) is backend
