@@ -9,6 +9,7 @@ import pytest
 
 from transfer_engine.protocol.cost import (
     MIN_SAMPLE_S,
+    CostBook,
     PeerCost,
     PeerLoad,
     choose,
@@ -176,3 +177,22 @@ def test_choose(estimates: dict[str, float] | list[tuple[str, float]], chosen: s
 def test_choose_refuses(estimates: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         choose(estimates)
+
+
+def test_the_book_keeps_each_instance_apart() -> None:
+    book = CostBook(prior_rate=100.0)
+    book.queued(1, "slow", 100)
+    book.queued(2, "fast", 100)
+    book.moved(1, 100, now=0.0)  # starts room 1
+    book.moved(2, 100, now=0.0)
+    book.queued(3, "slow", 300)
+    book.ended(1, now=10.0, ok=True)  # 100 bytes in 10 s
+    book.ended(2, now=0.5, ok=True)  # 100 bytes in 0.5 s
+    assert book.loads()["slow"] == PeerLoad(1, 300, 0, 0, pytest.approx(100 * math.exp(-5) / 10))
+    assert book.loads()["fast"].rate == pytest.approx(100 * math.exp(-0.25) / 0.5)
+    assert choose({name: book.estimate(name, 1000) for name in ("slow", "fast")}) == "fast"
+    assert book.estimate("never-seen", 1000) == pytest.approx(10.0)  # the prior, no backlog
+    book.moved(99, 5, now=1.0)  # a room the book does not hold: ignored
+    book.ended(99, now=1.0, ok=False)
+    with pytest.raises(ValueError, match="room 3 is already counted"):
+        book.queued(3, "fast", 1)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 __all__ = [
     "DEFAULT_HORIZON_S",
     "MIN_SAMPLE_S",
+    "CostBook",
     "PeerCost",
     "PeerLoad",
     "Phase",
@@ -179,6 +180,55 @@ class PeerCost:
             return self._rooms[room]
         except KeyError:
             raise ValueError(f"room {room} is not counted for this peer") from None
+
+
+class CostBook:
+    """An engine's :class:`PeerCost` per peer instance, and which instance each of its rooms is with.
+
+    ``instance`` is how the engine names a peer instance (a decode rank: the prefill instance's
+    bootstrap address). Calls for a room the book does not hold are ignored, except :meth:`queued`
+    twice (ValueError): a room ends once, and its chunks may land after it failed.
+    """
+
+    def __init__(self, *, prior_rate: float, horizon_s: float = DEFAULT_HORIZON_S) -> None:
+        self.prior_rate = prior_rate
+        self.horizon_s = horizon_s
+        self.peers: dict[str, PeerCost] = {}
+        self._rooms: dict[int, str] = {}
+
+    def peer(self, instance: str) -> PeerCost:
+        """The instance's cost (made on first use: a peer never seen costs its backlog-free prior)."""
+        cost = self.peers.get(instance)
+        if cost is None:
+            cost = self.peers[instance] = PeerCost(prior_rate=self.prior_rate, horizon_s=self.horizon_s)
+        return cost
+
+    def queued(self, room: int, instance: str, nbytes: int) -> None:
+        """``room`` of ``nbytes`` opened with ``instance``."""
+        if room in self._rooms:
+            raise ValueError(f"room {room} is already counted (with {self._rooms[room]!r})")
+        self.peer(instance).queued(room, nbytes)
+        self._rooms[room] = instance
+
+    def moved(self, room: int, nbytes: int, now: float) -> None:
+        """``nbytes`` of ``room`` landed."""
+        instance = self._rooms.get(room)
+        if instance is not None:
+            self.peers[instance].moved(room, nbytes, now)
+
+    def ended(self, room: int, now: float, ok: bool) -> None:
+        """``room`` ended (``ok``: successfully)."""
+        instance = self._rooms.pop(room, None)
+        if instance is not None:
+            self.peers[instance].ended(room, now, ok)
+
+    def estimate(self, instance: str, nbytes: int) -> float:
+        """Seconds a new room of ``nbytes`` with ``instance`` would take now."""
+        return self.peer(instance).estimate(nbytes)
+
+    def loads(self) -> dict[str, PeerLoad]:
+        """Every instance's load, by name."""
+        return {name: cost.load() for name, cost in sorted(self.peers.items())}
 
 
 def choose(estimates: Mapping[str, float] | Sequence[tuple[str, float]]) -> str:
