@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.gpu.twoproc import DecodeProcess, devices  # noqa: E402
-from tests.gpu.vllm_kv import Request, Side, allocate, make_core, wait_reported, write_layer  # noqa: E402
+from tests.gpu.vllm_kv import Request, Side, allocate, layer_writes, make_core, wait_reported  # noqa: E402
 from transfer_engine.testing.cluster import free_port  # noqa: E402
 
 
@@ -94,13 +94,14 @@ def main() -> None:
                 check = rep == 0 and tokens == sizes[0]
                 request = Request(f"bench-{tokens}-{rep}", 3, p_blocks, d_blocks, tokens)
                 decoder.ask([request], core.bootstrap, check=check)
+                writes = layer_writes(caches, side, 0, request.number, p_blocks, tokens) if check else []
                 begin = time.monotonic_ns()
                 with torch.cuda.stream(forward):
                     core.begin_layers(request.transfer_id, request.transfer_id, p_blocks)
                     for layer, name in enumerate(names):
                         torch.cuda._sleep(compute)
                         if check:
-                            write_layer(caches, side, 0, layer, request.number, p_blocks, tokens)
+                            writes[layer]()
                         else:
                             caches[name].view(torch.uint8)[page[:, None], heads[None, :], within[:, None]] = (
                                 data

@@ -28,6 +28,7 @@ from .vllm_kv import (
     Side,
     allocate,
     check_decode,
+    layer_writes,
     make_core,
     mismatches,
     requests_for,
@@ -165,10 +166,14 @@ def test_whole_request_send_waits_for_the_current_stream() -> None:
     with cores(side, side, p_dev, d_dev) as (p_cores, d_cores, p_caches, d_caches):
         r = replace(requests_for(side, side, [300])[0], layerwise=False)
         d_cores[0].receive(r.transfer_id, r.transfer_id, r.decode_blocks, p_cores[0].bootstrap)
+        writes = layer_writes(p_caches[0], side, 0, r.number, r.prefill_blocks, r.tokens)
         forward = torch.cuda.Stream()
         with torch.cuda.stream(forward):
             torch.cuda._sleep(SLEEP_CYCLES)
-            run_prefill(p_cores[0], p_caches[0], side, 0, [r])
+            for write in writes:
+                write()
+            p_cores[0].send(r.transfer_id, r.transfer_id, r.prefill_blocks)
+        assert not forward.query(), "the kernels ended before send() returned: the test proves nothing"
         wait_reported(p_cores[0], {r.transfer_id}, prefill=True, timeout=60)
         assert wait_reported(d_cores[0], {r.transfer_id}, prefill=False, timeout=60) == set()
         torch.cuda.synchronize()

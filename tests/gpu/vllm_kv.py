@@ -114,23 +114,25 @@ def _slots(cache: torch.Tensor, side: Side, blocks: Sequence[int], tokens: int) 
     return page.to(cache.device), (within % per).to(cache.device)
 
 
-def write_layer(
-    caches: dict[str, torch.Tensor],
-    side: Side,
-    rank: int,
-    layer: int,
-    request: int,
-    blocks: Sequence[int],
-    tokens: int,
-) -> None:
-    """Write a request's layer as attention's cache update would: on the current stream, through
-    vLLM's ``[num_blocks, H, block_size, C]`` view, every head this rank holds."""
-    cache = caches[side.layer_names()[layer]]
-    u8 = cache.view(torch.uint8)
-    page, n = _slots(cache, side, blocks, tokens)
-    heads = global_heads(side, rank)
-    data = expected(request, layer, tokens, heads, u8.shape[3]).to(cache.device, non_blocking=True)
-    u8[page[:, None], torch.arange(len(heads), device=cache.device)[None, :], n[:, None]] = data
+def layer_writes(
+    caches: dict[str, torch.Tensor], side: Side, rank: int, request: int, blocks: Sequence[int], tokens: int
+) -> list[Callable[[], None]]:
+    """Per layer, a function that writes the request's layer as attention's cache update does: one
+    kernel on the current stream, through vLLM's ``[num_blocks, H, block_size, C]`` view, every head
+    this rank holds. What it needs is on the device already: a copy from pageable host memory would
+    first wait for the stream, so the host would wait for the forward's kernels."""
+    writes = []
+    for layer, name in enumerate(side.layer_names()):
+        cache = caches[name]
+        u8 = cache.view(torch.uint8)
+        page, n = _slots(cache, side, blocks, tokens)
+        heads = global_heads(side, rank)
+        data = expected(request, layer, tokens, heads, u8.shape[3]).to(cache.device)
+        index = (page[:, None], torch.arange(len(heads), device=cache.device)[None, :], n[:, None])
+        writes.append(lambda u8=u8, index=index, data=data: u8.index_put_(index, data))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies above are done before any forward starts
+    return writes
 
 
 def mismatches(
@@ -189,13 +191,16 @@ def prefill_step(
     (``bind_connector_metadata``), each layer is written and then ``save_kv_layer`` reports it,
     and ``wait_for_save`` ends the step. ``write(layer)`` runs before each layer's writes (a test's
     long kernel)."""
+    writes = [
+        layer_writes(caches, side, rank, number, blocks, tokens) for _, number, blocks, tokens in requests
+    ]
     for transfer_id, _, blocks, _ in requests:
         core.begin_layers(transfer_id, transfer_id, blocks)
     for layer in range(side.num_layers):
         if write is not None:
             write(layer)
-        for _, number, blocks, tokens in requests:
-            write_layer(caches, side, rank, layer, number, blocks, tokens)
+        for request_writes in writes:
+            request_writes[layer]()
         core.layer_written(core.layer_index(side.layer_names()[layer]))
     core.step_written()
 
@@ -256,12 +261,16 @@ def run_prefill(
     """The prefill rank's step: the layer-wise requests through ``prefill_step``, then the others
     written and sent whole (vLLM's ``request_finished`` path)."""
     layerwise = [(r.transfer_id, r.number, r.prefill_blocks, r.tokens) for r in requests if r.layerwise]
+    whole = [
+        (r, layer_writes(caches, side, rank, r.number, r.prefill_blocks, r.tokens))
+        for r in requests
+        if not r.layerwise
+    ]
     prefill_step(core, caches, side, rank, layerwise, write)
-    for r in requests:
-        if not r.layerwise:
-            for layer in range(side.num_layers):
-                write_layer(caches, side, rank, layer, r.number, r.prefill_blocks, r.tokens)
-            core.send(r.transfer_id, r.transfer_id, r.prefill_blocks)
+    for r, writes in whole:
+        for write_one in writes:
+            write_one()
+        core.send(r.transfer_id, r.transfer_id, r.prefill_blocks)
 
 
 def check_decode(caches: dict[str, torch.Tensor], side: Side, rank: int, requests: Sequence[Request]) -> None:
