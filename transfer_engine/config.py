@@ -19,39 +19,72 @@ _ENV_PREFIX = "TE_"
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Everything one rank's engine needs to know. Defaults suit a single-machine deployment."""
+    """Everything one rank's engine needs to know. Defaults suit a single-machine deployment.
 
+    Two groups, in this order (docs/CONFIGURATION.md has every field in one table): what a user sets
+    to deploy the engine (:data:`USER_FIELDS`: role, ranks, addresses, paths, timeouts, security),
+    and what a tuner sets to trade latency, CPU and memory (:data:`TUNER_FIELDS`: sizes, poll
+    cadences, threads). Every field is also a ``TE_<FIELD>`` variable and a ``--<field>`` flag.
+    """
+
+    # --- what users set: role and ranks ---------------------------------------------------------
     role: Role
     tp_size: int = 1
     tp_rank: int = 0
+    # --- what users set: addresses --------------------------------------------------------------
     host: str = "127.0.0.1"
     """Address the control ROUTER binds to and that peers are told to connect to."""
     control_port: int = 0
     """0 picks a free port (the real one is what the bootstrap registry hands out)."""
+    bootstrap_host: str = "127.0.0.1"
+    bootstrap_port: int = 8998
+    host_bootstrap: bool | None = None
+    """Run the bootstrap registry in this engine; None means: on prefill rank 0."""
     introspect_port: int = 0
     """Port of the introspection endpoint (``transfer-engine dump``), bound on ``host``; 0 picks a free
     port (``engine.introspect_endpoint`` says which)."""
     metrics_port: int | None = None
     """Serve Prometheus metrics over HTTP at ``http://{host}:{metrics_port}/metrics`` (0 picks a free
     port); None turns them off. Needs the ``metrics`` extra (prometheus-client)."""
-    bootstrap_host: str = "127.0.0.1"
-    bootstrap_port: int = 8998
-    host_bootstrap: bool | None = None
-    """Run the bootstrap registry in this engine; None means: on prefill rank 0."""
-    num_workers: int = 4
+    agent_name: str = ""
+    """NIXL agent name; empty derives a unique one from role, rank and process id."""
+    # --- what users set: paths and transport ----------------------------------------------------
+    path: PathPolicy = "auto"
+    """How KV moves: ``auto`` picks per decode rank from the two layouts (:mod:`transfer_engine.protocol.paths`);
+    ``direct``, ``slice``, ``staged`` and ``host`` force one."""
+    staging_memory: StagingMemory = "device"
+    """Where staging buffers and the decode's ring live on the staged paths."""
+    nixl_backend: str = "UCX"
     max_rooms: int = 4096
     """Rooms live at once on this rank; ``sender()``/``receiver()`` raise RoomLimitError beyond it.
     It bounds what rooms can have outstanding at the workers, ring and scatter actor
     (docs/ARCHITECTURE.md, "Mail without deadlock")."""
-    path: PathPolicy = "auto"
-    staging_memory: StagingMemory = "device"
+    # --- what users set: timeouts ---------------------------------------------------------------
+    bootstrap_timeout: float = 30.0
+    waiting_timeout: float | None = None
+    transfer_timeout: float = 60.0
+    heartbeat_interval: float = 1.0
+    connect_timeout: float = 5.0
+    """How long a single control request (topology, handshake) may wait for its answer."""
+    # --- what users set: security ---------------------------------------------------------------
+    curve_secret_key_file: str = ""
+    """Control-plane CURVE (see ``transfer_engine.transport.security``): the deployment's shared certificate,
+    the ``NAME.key_secret`` file ``zmq.auth.create_certificates`` wrote. Empty: no CURVE, plain TCP."""
+    curve_public_keys_dir: str = ""
+    """Directory of the ``*.key`` certificates whose holders the control and bootstrap sockets
+    accept. Set together with ``curve_secret_key_file``, or neither."""
+
+    # --- what tuners set: sizes -----------------------------------------------------------------
+    num_workers: int = 4
+    """Prefill: transfer workers; jobs are sharded over them by destination decode agent."""
+    staging_chunk_pages: int = 64
+    """Pages of one staged chunk: the unit the default ring and staging buffer sizes are counted in."""
     ring_bytes: int = 0
     """Decode staging ring size per rank; 0 sizes it to 4 chunks of ``staging_chunk_pages`` pages
     (capped at the size of the KV pool)."""
     staging_bytes: int = 0
     """Prefill staging buffer per worker; 0 sizes it to two chunks of ``staging_chunk_pages`` pages
     (double buffering: the next chunk is gathered while the previous one's WRITE is in flight)."""
-    staging_chunk_pages: int = 64
     grant_with_request: bool = True
     """Decode, staged paths: the ring may grant a room's first-chunk region when the room opens, so
     that chunk's writers skip the StagingRequest/Grant round trip
@@ -61,69 +94,37 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     one WRITE per decode rank until a group holds at least this many (the chunk's last layer always
     flushes). Fewer layers per WRITE shorten the tail after the forward; more cost fewer WRITEs
     (``tools/bench_layerwise.py`` measures both)."""
-    pipeline_layers: int = 0
-    """A chunk given whole to ``Sender.send()`` whose KV on this rank is at least ``pipeline_min_bytes``
-    goes out as layer groups of this many layers, as if its layers had been reported ready one group
-    after another: on a staged path the gather of one group, the WRITE of the one before and the
-    decode's scatter of the one before that overlap instead of running one after the other
-    (docs/PERF.md, "A whole chunk sent as layer groups"). 0: whole."""
-    pipeline_min_bytes: int = 64 << 20
     host_pipeline_layers: int = 4
-    """Prefill: a whole chunk (``send()``, not cut by ``pipeline_layers``) whose KV on this rank is at
-    least ``pipeline_min_bytes`` is written to a decode rank that asked for the host path as groups of
-    this many layers, so that the gather of one group, the slow host WRITE of the one before and the
-    decode's scatter overlap (1.1-1.3x at one room in flight on one H100: docs/PERF.md, "Session 13").
-    0: whole. Other paths are not cut (a loss there: same section)."""
-    bootstrap_timeout: float = 30.0
-    waiting_timeout: float | None = None
-    transfer_timeout: float = 60.0
-    heartbeat_interval: float = 1.0
-    connect_timeout: float = 5.0
-    """How long a single control request (topology, handshake) may wait for its answer."""
+    """Prefill: a whole chunk (``send()``) whose KV on this rank is at least ``pipeline_min_bytes`` is
+    written to a decode rank that asked for the host path as groups of this many layers, so that the
+    gather of one group, the slow host WRITE of the one before and the decode's scatter overlap
+    (docs/DECISIONS.md, "Host-path chunks cut by the prefill room"). 0: whole. Other paths are not
+    cut: there a group's control work costs more than its copy saves."""
+    pipeline_min_bytes: int = 64 << 20
+    """The smallest chunk (bytes of KV on this rank) that ``host_pipeline_layers`` cuts."""
+    # --- what tuners set: poll cadences ---------------------------------------------------------
     poll_interval: float = 0.0002
-    """Sleep between NIXL polls while WRITEs or rooms are live; idle polling backs off to 20x this."""
+    """Sleep between NIXL polls while WRITEs or rooms are live: a quarter of it just after activity,
+    50x it when nothing can come (``actors.nixl_poller.poll_delay``)."""
     poll_spin: float = 0.0
     """After NIXL activity (a WRITE posted, a room started, a notification) poll without sleeping for
     this long: a sleep costs at least 1 ms (epoll's resolution) and a small WRITE and its notification
     need several progress calls on both sides. 0 turns spinning off (for machines short of cores)."""
-    poll_layer_window: float = 0.0
-    """A decode rank's poller stays at its quick cadence (``poll_interval / 4``) this long after a
-    layer group's notification that is not its chunk's last layers, instead of backing off to
-    ``poll_interval`` and 2.5x that: the next group is one layer's forward away, and a backed-off poll
-    adds up to 0.5 ms to the room's tail. 0 (the default): off. Off by default because on the 2-core
-    CPU box the polls slowed the forward by 25% (docs/PERF.md, "the decode poller kept quick between
-    layer groups"); for A/B on a GPU machine (``TE_POLL_LAYER_WINDOW=0.05``)."""
     poll_relaxed: float = 0.001
     """A prefill rank's poller looks at the WRITEs of layer groups before their chunk's closing group
-    (relaxed WRITEs: nobody waits for their ends yet) every this many seconds, and their posts and ends
-    do not put it in its quick window (``poll_interval / 4`` for 2 ms). Each look takes the GIL,
-    from a forward that holds it too. The closing group's coming to its worker makes the chunk's WRITEs
-    urgent again (docs/DECISIONS.md, "Relaxed looks at the layer groups before the last"). 0: every
-    WRITE is urgent, as before session 14 (``TE_POLL_RELAXED=0``, for A/B)."""
-    poll_group_cadence: bool = True
-    """A decode rank's poller predicts when a layer-wise room's next group lands, from the spacing
-    of that sender's groups so far, and is at its quick cadence in a window around that moment
-    (a tenth of the spacing either side, at least 0.3 ms), backing off in between
-    (:mod:`transfer_engine.protocol.cadence`): the chunk's last group is drained within a quick poll
-    of its landing, while the polls cost a fraction of ``poll_layer_window``'s. False: off
-    (``TE_POLL_GROUP_CADENCE=0``, for A/B)."""
-    completion_thread: bool = True
-    """Workers and the scatter actor observe CUDA events (and layer-wise ``threading.Event``s) with one
-    waiting thread each, which wakes the loop when one completes (:mod:`transfer_engine.runtime.completion`).
-    False polls them on the loop every 100 us instead (the behaviour before issue 17, for A/B)."""
-    early_start: bool = True
-    """A WRITE made while the KV it reads is being computed (a layer group, a chunk whose ready event
-    has not completed) is started by the worker's completion waiter thread the moment that KV is
-    written, instead of by the loop once the waiter's wake-up reaches it (docs/DECISIONS.md, "A held
-    WRITE is started by the completion waiter's thread"). False: the loop starts it (for A/B,
-    ``TE_EARLY_START=0``)."""
+    (relaxed WRITEs: nobody waits for their ends yet) every this many seconds (> 0), and their posts
+    and ends do not put it in its quick window (``poll_interval / 4`` for 2 ms). Each look takes the
+    GIL, from a forward that holds it too; a longer period takes it less often and tells the decode
+    of those groups later. The closing group's coming to its worker makes the chunk's WRITEs urgent
+    again (docs/DECISIONS.md, "Relaxed looks at the layer groups before the last")."""
     early_drive: float = 0.002
-    """With ``early_start``: after starting the WRITE of the layer group that closes its chunk, the
-    waiter's thread asks NIXL for its state until it has ended, for this many seconds at most. NIXL
+    """After starting the WRITE of the layer group that closes its chunk, the worker's completion
+    waiter thread asks NIXL for its state until it has ended, for this many seconds at most. NIXL
     sends a WRITE's notification from that call, so the decode hears of the room's last group without
-    waiting for the poller's look on the loop (docs/PERF.md, "Session 11"). Earlier groups and whole
-    chunks are not driven: a thread looking at one woke late for the next group (docs/PERF.md,
-    "Session 13"), and a chunk's copy takes milliseconds. 0: off (``TE_EARLY_DRIVE=0``)."""
+    waiting for the poller's look on the loop (docs/DECISIONS.md, "A held WRITE is started by the
+    completion waiter's thread"). Earlier groups and whole chunks are not driven: a thread looking at
+    one woke late for the next group, and a chunk's copy takes milliseconds. 0: off."""
+    # --- what tuners set: threads ---------------------------------------------------------------
     gil_switch_interval: float = 0.0005
     """The blocking facade (:class:`~transfer_engine.facade.BlockingEngine`) lowers the process's
     ``sys.setswitchinterval`` to this (never raises it) when it starts; 0 leaves it alone. The engine's
@@ -133,24 +134,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     0.5 ms, against 1.64 ms with no busy thread (CPU box, ``tools/bench_facade.py --busy``; docs/PERF.md,
     "The loop's GIL hand-overs"). A thread is only made to drop the GIL when another waits for it, so
     an idle engine costs the scheduler nothing."""
-    trace_steps: int = 0
-    """Keep the last this many step marks of rooms (:mod:`transfer_engine.runtime.steptrace`), for
-    benchmarks; 0 (the default) records nothing."""
-    nixl_backend: str = "UCX"
     nixl_params: dict[str, str] = msgspec.field(default_factory=dict)
     """Backend parameters (``TE_NIXL_PARAMS="a=1,b=2"``). With KV in GPU memory and no ``num_threads``
-    here, UCX gets posting threads (``transport.nixl.default_params``); ``num_threads=0`` keeps one."""
+    here, UCX gets posting threads (``transport.posting.default_params``); ``num_threads=0`` keeps one."""
     nixl_progress_thread: bool = False
     """NIXL's own progress thread. Off by default: the NixlPoller already drives progress, and on
     few cores the extra spinning thread costs latency (2.2 vs 3.3 ms p50 per small room on 2 cores)."""
-    agent_name: str = ""
-    """NIXL agent name; empty derives a unique one from role, rank and process id."""
-    curve_secret_key_file: str = ""
-    """Control-plane CURVE (see ``transfer_engine.transport.security``): the deployment's shared certificate,
-    the ``NAME.key_secret`` file ``zmq.auth.create_certificates`` wrote. Empty: no CURVE, plain TCP."""
-    curve_public_keys_dir: str = ""
-    """Directory of the ``*.key`` certificates whose holders the control and bootstrap sockets
-    accept. Set together with ``curve_secret_key_file``, or neither."""
+    trace_steps: int = 0
+    """Keep the last this many step marks of rooms (:mod:`transfer_engine.runtime.steptrace`), for
+    benchmarks; 0 (the default) records nothing."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -174,10 +166,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"trace_steps={self.trace_steps} must be >= 0")
         if self.poll_spin < 0:
             raise ConfigError(f"poll_spin={self.poll_spin} must be >= 0")
-        if self.poll_relaxed < 0:
-            raise ConfigError(f"poll_relaxed={self.poll_relaxed} must be >= 0")
-        if self.poll_layer_window < 0:
-            raise ConfigError(f"poll_layer_window={self.poll_layer_window} must be >= 0")
+        if self.poll_relaxed <= 0:
+            raise ConfigError(f"poll_relaxed={self.poll_relaxed} must be > 0 (the period of a relaxed look)")
         if self.early_drive < 0:
             raise ConfigError(f"early_drive={self.early_drive} must be >= 0")
         if self.gil_switch_interval < 0:
@@ -189,8 +179,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("ring_bytes", "staging_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 sizes it automatically)")
-        if not isinstance(self.pipeline_layers, int) or self.pipeline_layers < 0:
-            raise ConfigError(f"pipeline_layers={self.pipeline_layers!r} must be an integer >= 0 (0: off)")
         if not isinstance(self.host_pipeline_layers, int) or self.host_pipeline_layers < 0:
             raise ConfigError(
                 f"host_pipeline_layers={self.host_pipeline_layers!r} must be an integer >= 0 (0: off)"
@@ -257,6 +245,26 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         """Environment first, then the flags that were given, then ``overrides``."""
         given = {k: v for k, v in vars(args).items() if k in cls.__struct_fields__ and v is not None}
         return cls.from_env(**{**given, **overrides})
+
+
+USER_FIELDS: tuple[str, ...] = (
+    "role", "tp_size", "tp_rank",
+    "host", "control_port", "bootstrap_host", "bootstrap_port", "host_bootstrap", "introspect_port",
+    "metrics_port", "agent_name",
+    "path", "staging_memory", "nixl_backend", "max_rooms",
+    "bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "connect_timeout",
+    "curve_secret_key_file", "curve_public_keys_dir",
+)  # fmt: skip
+"""The fields a user sets to deploy the engine, in the order of :class:`EngineConfig`."""
+
+TUNER_FIELDS: tuple[str, ...] = (
+    "num_workers", "staging_chunk_pages", "ring_bytes", "staging_bytes", "grant_with_request",
+    "layers_per_write", "host_pipeline_layers", "pipeline_min_bytes",
+    "poll_interval", "poll_spin", "poll_relaxed", "early_drive",
+    "gil_switch_interval", "nixl_params", "nixl_progress_thread", "trace_steps",
+)  # fmt: skip
+"""The fields a tuner sets (sizes, poll cadences, threads), in the order of :class:`EngineConfig`;
+defaults measured in docs/PERF.md."""
 
 
 def _parse_params(text: str) -> dict[str, str]:

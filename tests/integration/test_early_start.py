@@ -1,5 +1,5 @@
 """A held WRITE is started by the worker's completion waiter thread the moment its KV is written
-(``EngineConfig.early_start``; docs/DECISIONS.md, "A held WRITE is started by the completion waiter's
+(docs/DECISIONS.md, "A held WRITE is started by the completion waiter's
 thread"), and the loop adopts it afterwards. Every test checks the bytes or the failure on both sides,
 and that nothing leaked.
 
@@ -38,13 +38,10 @@ def _record_starts(poller: object, starts: list[str]) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("early", [True, False])
-async def test_held_group_is_started_by_the_waiter_thread(early: bool) -> None:
-    """Direct, layer-wise: the group held for its layers is started on the waiter's thread (on), or
-    on the loop's (off); every byte lands either way."""
-    async with cluster(
-        small_layout(), 1, 1, path="direct", layers_per_write=1, early_start=early, trace_steps=4096
-    ) as c:
+async def test_held_group_is_started_by_the_waiter_thread() -> None:
+    """Direct, layer-wise: the group held for its layers is started on the waiter's thread, which then
+    looks at its WRITE until it ended; every byte lands."""
+    async with cluster(small_layout(), 1, 1, path="direct", layers_per_write=1, trace_steps=4096) as c:
         pages = np.arange(4)
         senders, receivers, later = await _first_layer_landed(c, 80, pages)
         prefill = c.prefill[0]
@@ -73,23 +70,18 @@ async def test_held_group_is_started_by_the_waiter_thread(early: bool) -> None:
         early_starts = sum(w.counters["early_starts"] for w in prefill.workers)
         marks = prefill.me.trace.take()
         steps = [step for _, room, step in marks if room == 80]
-        if early:
-            assert starts[0].startswith("te-completion-worker-"), starts
-            assert early_starts == 1
-            # then the same thread looked at the group's WRITE until it ended (early_drive), so that
-            # NIXL sent its notification from there (within the limit or not: timing, not checked)
-            assert [(name, limit) for name, limit, _ in drives] == [(starts[0], prefill.config.early_drive)]
-            assert steps.count("p.driven") == sum(ended for _, _, ended in drives), steps
-            # the thread's start, split by the transport's own times: the lock held, transfer() back
-            at = {step: ns for ns, room, step in marks if room == 80}
-            # and the thread's CPU time inside transfer(), which is part of that call's wall time
-            assert at["p.woken"] <= at["p.started"] <= at["p.locked"] <= at["p.transfer_cpu"], at
-            assert at["p.transfer_cpu"] <= at["p.transferred"], at
-            assert at["p.transferred"] <= at["p.posted"], at
-        else:
-            assert starts[0] == threading.current_thread().name, starts  # the loop's
-            assert early_starts == 0 and drives == [] and "p.driven" not in steps
-            assert not {"p.locked", "p.transfer_cpu", "p.transferred"} & set(steps)  # the thread's marks
+        assert starts[0].startswith("te-completion-worker-"), starts
+        assert early_starts == 1
+        # then the same thread looked at the group's WRITE until it ended (early_drive), so that
+        # NIXL sent its notification from there (within the limit or not: timing, not checked)
+        assert [(name, limit) for name, limit, _ in drives] == [(starts[0], prefill.config.early_drive)]
+        assert steps.count("p.driven") == sum(ended for _, _, ended in drives), steps
+        # the thread's start, split by the transport's own times: the lock held, transfer() back
+        at = {step: ns for ns, room, step in marks if room == 80}
+        # and the thread's CPU time inside transfer(), which is part of that call's wall time
+        assert at["p.woken"] <= at["p.started"] <= at["p.locked"] <= at["p.transfer_cpu"], at
+        assert at["p.transfer_cpu"] <= at["p.transferred"], at
+        assert at["p.transferred"] <= at["p.posted"], at
         c.assert_no_leaks()
 
 

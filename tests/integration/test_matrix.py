@@ -53,14 +53,6 @@ LAYERWISE = [
 layers per WRITE, on every path of a few shapes (hetero TP both ways, MLA)."""
 
 
-PIPELINED = [
-    pytest.param(h, mla, p, d, path, id=f"{'mla' if mla else f'H{h}'}-P{p}-D{d}-{path}")
-    for h, mla, p, d in LAYERWISE_CASES
-    for path in paths_for(h, mla, p, d)
-]
-"""Plain ``send()`` of chunks that the engine cuts into layer groups (``EngineConfig.pipeline_layers``)."""
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize(("heads", "mla", "P", "D", "path"), PARAMS)
 async def test_matrix(heads: int, mla: bool, P: int, D: int, path: str) -> None:
@@ -73,29 +65,6 @@ async def test_matrix_layerwise(
     heads: int, mla: bool, P: int, D: int, path: str, layers: int, per_write: int
 ) -> None:
     await _matrix(heads, mla, P, D, path, layers=layers, layers_per_write=per_write)
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize(("heads", "mla", "P", "D", "path"), PIPELINED)
-async def test_matrix_pipelined(heads: int, mla: bool, P: int, D: int, path: str) -> None:
-    """Every chunk of every room goes out as groups of one layer: the decode sees whole rooms."""
-    await _matrix(heads, mla, P, D, path, pipeline_layers=1, pipeline_min_bytes=0)
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("path", ["direct", "staged", "host"])
-async def test_pipelined_chunk_goes_out_as_one_write_per_group(path: str) -> None:
-    """A 3-layer chunk cut into groups of 2 layers: two WRITEs (layers 0-1, 2), then the aux item;
-    a chunk under ``pipeline_min_bytes`` goes whole."""
-    layout = small_layout()
-    three_pages = 3 * layout.page_size * layout.heads_local(1) * layout.head_dim * 2 * layout.num_kv_tensors
-    async with cluster(layout, 1, 1, path=path, pipeline_layers=2, pipeline_min_bytes=three_pages) as c:
-        await run_room(c, 5, np.arange(3), np.arange(10, 13), [3], aux_slot=1)
-        posted = c.prefill[0].poller.counters["writes_posted"]
-        assert posted == 2 + 1
-        await run_room(c, 6, np.arange(2), np.arange(20, 22), [2], aux_slot=2)  # 2 pages: under the bar
-        assert c.prefill[0].poller.counters["writes_posted"] - posted == 1 + 1
-        c.assert_no_leaks()
 
 
 @pytest.mark.anyio
@@ -115,7 +84,11 @@ async def test_host_path_writes_a_whole_chunk_as_layer_groups(path: str) -> None
         c.assert_no_leaks()
 
 
-HOST_CUT = [p for p in PIPELINED if p.values[-1] == "host"]
+HOST_CUT = [
+    pytest.param(h, mla, p, d, "host", id=f"{'mla' if mla else f'H{h}'}-P{p}-D{d}-host")
+    for h, mla, p, d in LAYERWISE_CASES
+    if "host" in paths_for(h, mla, p, d)
+]
 """Host-path cases of the matrix, for chunks the prefill room cuts itself (``host_pipeline_layers``)."""
 
 

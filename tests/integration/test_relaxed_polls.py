@@ -1,6 +1,6 @@
 """A prefill's poller looks at the WRITEs of layer groups before their chunk's closing group only every
 ``poll_relaxed`` (relaxed WRITEs), and their ends still reach both sides: the decode counts the groups
-before the closing one has even been reported ready. ``poll_relaxed=0`` relaxes none."""
+before the closing one has even been reported ready."""
 
 from __future__ import annotations
 
@@ -14,22 +14,21 @@ from .harness import cluster, layers_landed, open_layerwise, run_room, small_lay
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("relaxed", [0.001, 0.0])
-async def test_groups_before_the_closing_one_are_relaxed_and_still_land(relaxed: float) -> None:
-    async with cluster(small_layout(), 1, 1, path="direct", layers_per_write=1, poll_relaxed=relaxed) as c:
+async def test_groups_before_the_closing_one_are_relaxed_and_still_land() -> None:
+    async with cluster(small_layout(), 1, 1, path="direct", layers_per_write=1) as c:
         prefill, decode = c.prefill[0], c.decode[0]
         pages = np.arange(4)
         sender, receiver = await open_layerwise(c, 60, pages, 2)
         await layers_landed(c, 60, 2)  # no closing group yet: nothing hurried them
         counters = prefill.poller.counters
-        assert counters["writes_relaxed"] == (2 if relaxed else 0)
+        assert counters["writes_relaxed"] == 2
         assert counters["writes_hurried"] == 0
         await sender.layers_ready(2, 3)  # the closing group
         with anyio.fail_after(10):
             await sender.wait()
             await receiver.wait()
         assert counters["writes_posted"] == 3 and counters["writes_done"] == 3
-        assert counters["writes_relaxed"] == (2 if relaxed else 0)  # the closing group's is urgent
+        assert counters["writes_relaxed"] == 2  # the closing group's is urgent
         assert decode.poller.counters["writes_relaxed"] == 0
         tokens = patterns.received_tokens(len(pages), 4, len(pages), 4)
         assert patterns.mismatches(decode.pool, 60, pages, tokens) == 0

@@ -117,35 +117,17 @@ async def test_a_layerwise_room_prepares_lists_once_per_chunk_and_decode_rank(
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("window", [0.0, 0.05])
-async def test_the_decode_poller_stays_quick_between_layer_groups_only_when_asked(window: float) -> None:
-    """``poll_layer_window``: each group that leaves more of its chunk to come opens the window on the
-    decode's poller; off by default. Rooms are byte-checked either way."""
-    async with cluster(small_layout(), 1, 1, layers_per_write=1, poll_layer_window=window) as c:
-        rng = np.random.default_rng(3)
-        src, dst = rng.permutation(64)[:4], rng.permutation(64)[:4]
-        await run_room(c, 72, src, dst, [1, 3], layers=1)  # two chunks of three one-layer groups
-        opened = c.decode[0].poller.counters["layer_windows"]
-        assert opened == (4 if window else 0)  # groups [0, 1) and [1, 2) of each chunk
-        c.assert_no_leaks()
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize("cadence", [True, False])
-async def test_the_decode_poller_predicts_each_senders_next_layer_group(cadence: bool) -> None:
-    """``poll_group_cadence`` (on by default): from a sender's second group of a chunk on, the decode's
-    poller opens a quick window around the next one's expected landing; the chunk's last group
+async def test_the_decode_poller_predicts_each_senders_next_layer_group() -> None:
+    """From a sender's second group of a chunk on, the decode's poller opens a quick window around the
+    next one's expected landing (:mod:`transfer_engine.protocol.cadence`); the chunk's last group
     forgets the sender's room. Two prefill ranks: each has its own spacing. Rooms are byte-checked."""
-    async with cluster(small_layout(), 2, 1, layers_per_write=1, poll_group_cadence=cadence) as c:
+    async with cluster(small_layout(), 2, 1, layers_per_write=1) as c:
         rng = np.random.default_rng(5)
         src, dst = rng.permutation(64)[:4], rng.permutation(64)[:4]
         await run_room(c, 73, src, dst, [1, 3], layers=1)  # two chunks of three one-layer groups
         poller = c.decode[0].poller
         # per chunk and prefill rank: group [1, 2) opens the window for [2, 3), which closes the chunk
-        assert poller.counters["cadence_windows"] == (2 * 2 if cadence else 0)
-        assert poller.counters["layer_windows"] == 0
-        if cadence:
-            assert poller._cadence is not None and poller._cadence.keys == 0
-        else:
-            assert poller._cadence is None
+        assert poller.counters["cadence_windows"] == 2 * 2
+        assert poller.cadence is not None and poller.cadence.keys == 0
+        assert c.prefill[0].poller.cadence is None  # a prefill rank hears no layer groups
         c.assert_no_leaks()

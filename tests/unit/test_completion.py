@@ -193,29 +193,3 @@ async def test_cuda_events_of_one_stream_wake_in_order_while_the_loop_runs() -> 
         assert waiter.counters["handed"] == 4
     finally:
         waiter.close()
-
-
-async def test_without_a_thread_completions_are_polled_on_the_loop() -> None:
-    """``threaded=False`` (EngineConfig.completion_thread, the A/B switch): no thread; wait() and
-    notify() poll on the loop, and a callback still runs on the loop's thread."""
-    waiter = CompletionWaiter("t", threaded=False)
-    waiter.start()
-    try:
-        assert waiter.running and not _waiter_threads()
-        done = threading.Event()
-        setter = _set_later(done, 0.02)
-        with anyio.fail_after(10):
-            await waiter.wait(done)
-        setter.join()
-        later = threading.Event()
-        called = anyio.Event()
-        seen: list[int] = []
-        waiter.notify(later, lambda: (seen.append(threading.get_ident()), called.set()))
-        later.set()
-        with anyio.fail_after(10):
-            await called.wait()
-        assert seen == [threading.get_ident()]
-        assert waiter.counters["polled"] == 2 and waiter.counters["handed"] == 0
-    finally:
-        waiter.close()
-    assert not waiter.running

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
-from transfer_engine.config import EngineConfig
+from transfer_engine.config import TUNER_FIELDS, USER_FIELDS, EngineConfig
 from transfer_engine.errors import ConfigError
-from transfer_engine.transport.nixl import default_params
+from transfer_engine.transport.posting import default_params
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +156,7 @@ def test_unknown_override_is_named() -> None:
         ({"transfer_timeout": 0.0}, "transfer_timeout"),
         ({"waiting_timeout": -1.0}, "waiting_timeout"),
         ({"poll_interval": 0.0}, "poll_interval"),
-        ({"poll_layer_window": -0.01}, "poll_layer_window"),
+        ({"poll_relaxed": 0.0}, "poll_relaxed"),
         ({"ring_bytes": -1}, "ring_bytes"),
         ({"staging_bytes": -1}, "staging_bytes"),
         ({"staging_chunk_pages": 0}, "staging_chunk_pages"),
@@ -288,3 +289,45 @@ def test_posting_threads_by_default_on_gpu_pools_only(
     given = dict(params)
     assert default_params(backend, params, device) == expected
     assert params == given  # the config's own dict is not changed
+
+
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "CONFIGURATION.md"
+
+
+def _table_rows() -> list[list[str]]:
+    """The rows of docs/CONFIGURATION.md's field table (the one whose header starts ``| Field |``)."""
+    lines = CONFIGURATION.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| Field |"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return rows
+
+
+def _default_cell(info: msgspec.structs.FieldInfo) -> str:
+    if info.default is not msgspec.NODEFAULT:
+        return f"`{info.default!r}`"
+    if info.default_factory is not msgspec.NODEFAULT:
+        return f"`{info.default_factory()!r}`"
+    return "(required)"
+
+
+def test_fields_are_users_or_tuners_in_the_class_order() -> None:
+    """A new field goes into USER_FIELDS or TUNER_FIELDS (config.py) and into docs/CONFIGURATION.md."""
+    assert USER_FIELDS + TUNER_FIELDS == EngineConfig.__struct_fields__
+
+
+def test_configuration_doc_has_one_row_per_field_with_its_variable_default_and_group() -> None:
+    rows = _table_rows()
+    fields = msgspec.structs.fields(EngineConfig)
+    documented, declared = [row[0] for row in rows], [f"`{info.name}`" for info in fields]
+    assert documented == declared, f"docs/CONFIGURATION.md's table lacks or misplaces a field of {declared}"
+    for row, info in zip(rows, fields, strict=True):
+        assert len(row) == 5, row
+        name, variable, default, who, meaning = row
+        assert variable == f"`TE_{info.name.upper()}`", row
+        assert default == _default_cell(info), row
+        assert who == ("user" if info.name in USER_FIELDS else "tuner"), row
+        assert meaning, row

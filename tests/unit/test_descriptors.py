@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer_engine.actors.write_plan import group_index
+from transfer_engine.actors.worker.plan import group_index
 from transfer_engine.errors import ConfigError
 from transfer_engine.protocol.descriptors import (
     chunk_tokens,

@@ -1,4 +1,4 @@
-"""Host-memory WRITEs cut into pieces for NIXL's posting threads (transport.nixl.spread)."""
+"""Host-memory WRITEs cut into pieces for NIXL's posting threads (transport.posting.spread)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer_engine.transport.nixl import HOST_PIECE_MIN, host_pieces, spread
+from transfer_engine.transport.posting import HOST_PIECE_MIN, host_pieces, spread
 
 U64 = np.uint64
 

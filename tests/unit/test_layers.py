@@ -225,32 +225,6 @@ def test_block_runs_put_each_group_tensor_where_the_whole_block_has_it(mla, num_
     assert (placed[mask] == block[mask]).all() and mask.sum() == gathered.size
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 80), st.integers(1, 90), st.integers(1, 8))
-def test_ready_in_groups_tiles_the_chunk_in_groups_of_the_given_size(num_layers, per_group, per_write):
-    chunks = LayerChunks(num_layers, per_write)
-    chunks.open(0)
-    groups = chunks.ready_in_groups(per_group)
-    assert [(g.start, g.end) for g in groups] == [
-        (a, min(a + per_group, num_layers)) for a in range(0, num_layers, per_group)
-    ]
-    assert [g.closes for g in groups] == [False] * (len(groups) - 1) + [True]
-    assert not chunks.is_open and 0 in chunks.closed
-    chunks.open(1)  # the next chunk opens at layer 0
-
-
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, None])
-def test_ready_in_groups_refuses_a_bad_size_or_no_open_chunk_and_changes_nothing(bad):
-    chunks = LayerChunks(4, 1)
-    chunks.open(0)
-    with pytest.raises(ConfigError, match=f"per_group={bad!r}"):
-        chunks.ready_in_groups(bad)
-    assert chunks.is_open and chunks.next_layer == 0
-    assert [(g.start, g.end) for g in chunks.ready_in_groups(3)] == [(0, 3), (3, 4)]
-    with pytest.raises(LocalProtocolError, match="no layer-wise chunk is open"):
-        chunks.ready_in_groups(2)
-
-
 @pytest.mark.parametrize(
     ("cut", "num_layers", "nbytes", "path", "expected"),
     [

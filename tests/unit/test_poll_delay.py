@@ -43,7 +43,6 @@ def delay(**kw: object) -> tuple[float, bool]:
         ),
         ("relaxed and urgent WRITEs", {"posted": 3, "urgent": 1}, (IV, True)),
         ("relaxed WRITEs on a busy rank", {"posted": 3, "busy": True}, (IV, True)),
-        ("relaxing off (poll_relaxed=0)", {"posted": 3, "relaxed": 0.0}, (IV, True)),
         ("a relaxed period below poll_interval", {"posted": 3, "relaxed": IV / 10}, (IV, False)),
         ("a decode rank waiting, nothing posted", {"busy": True, "quick": True}, (IV / QUICK_DIVISOR, False)),
     ],

@@ -30,7 +30,13 @@ import anyio.lowlevel
 import numpy as np
 from anyio.abc import TaskStatus
 
-from transfer_engine.errors import AddressRangeError, RemoteProtocolError, TransferError, TransportError
+from transfer_engine.errors import (
+    AddressRangeError,
+    ConfigError,
+    RemoteProtocolError,
+    TransferError,
+    TransportError,
+)
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.cadence import GroupCadence
 from transfer_engine.protocol.messages import MemRegion
@@ -39,7 +45,7 @@ from transfer_engine.runtime.mail import Drained, Mailbox, WriteEnded
 from transfer_engine.runtime.ports import RoomBoard
 from transfer_engine.runtime.steptrace import StepTrace
 from transfer_engine.runtime.ticker import fine_timers
-from transfer_engine.transport.nixl import RemotePeer, Transport, WriteSpec, XferState
+from transfer_engine.transport.interface import RemotePeer, Transport, WriteSpec, XferState
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +71,14 @@ def poll_delay(
     relaxed: layer groups that do not close their chunk, docs/DECISIONS.md, "Relaxed looks at the
     layer groups before the last"); ``busy``: rooms wait for notifications (decode); ``quick``: in a
     quick window (activity, or a predicted layer group); ``idle``: back-off steps since the last
-    activity; ``relaxed``: ``EngineConfig.poll_relaxed`` (0: every WRITE is urgent).
+    activity; ``relaxed``: ``EngineConfig.poll_relaxed``, the period of a look while only relaxed
+    WRITEs are out (> 0).
     """
     if not (posted or busy):  # nothing can come
         return interval * IDLE_FACTOR, False
     if quick:
         return interval / QUICK_DIVISOR, False
-    if relaxed > 0 and urgent == 0 and not busy:  # only relaxed WRITEs out
+    if urgent == 0 and not busy:  # only relaxed WRITEs out
         return max(relaxed, interval), False
     return (interval if idle < BACKOFF_POLLS else interval * 2.5), True
 
@@ -100,11 +107,11 @@ class NixlPoller:
         busy: Callable[[], bool] = lambda: False,
         spin: float = 0.0,
         trace: StepTrace | None = None,
-        layer_window: float = 0.0,
         num_layers: int = 0,
-        cadence: GroupCadence | None = None,
-        relaxed: float = 0.0,
+        relaxed: float = 0.001,
     ) -> None:
+        if relaxed <= 0:
+            raise ConfigError(f"relaxed={relaxed} must be > 0 (the period of a look at relaxed WRITEs)")
         self.transport = transport
         self._trace = trace or StepTrace()
         self._rooms = rooms
@@ -115,14 +122,14 @@ class NixlPoller:
         self._interval = poll_interval
         self._busy = busy
         self._spin = spin
-        self._layer_window = layer_window
-        """``EngineConfig.poll_layer_window``: quick polling this long after a layer group with more to come."""
         self._num_layers = num_layers
         """The KV pool's layers: a layer group's notification ending below it has more to come."""
-        self._cadence = cadence
-        """``EngineConfig.poll_group_cadence``: quick windows around each sender's next layer group."""
+        self.cadence = GroupCadence() if notifications else None
+        """A decode rank's quick windows around each sender's next layer group (docs/DECISIONS.md,
+        "The decode poller predicts a writer's next layer group"); None on a prefill rank, which hears
+        no layer groups."""
         self._relaxed = relaxed
-        """``EngineConfig.poll_relaxed``: the look's period while only relaxed WRITEs are out (0: none is)."""
+        """``EngineConfig.poll_relaxed``: the look's period while only relaxed WRITEs are out."""
         self._hot_until = 0.0
         self._quick_until = 0.0
         self._idle = 0
@@ -245,7 +252,6 @@ class NixlPoller:
     def _track(
         self, handle: int, spec: WriteSpec, reply_to: Mailbox[Any], token: object, relaxed: bool = False
     ) -> None:
-        relaxed = relaxed and self._relaxed > 0
         self._posted.append(_Posted(handle, spec.peer, spec.nbytes, reply_to, token, relaxed))
         self.counters["writes_posted"] += 1
         self.counters["descriptors_posted"] += len(spec.src)
@@ -275,22 +281,17 @@ class NixlPoller:
         self._heat()
         self._wake.set()
 
-    def _expect_more(self, agent: str, notif: m.ChunkLanded | m.AuxLanded) -> None:
-        """A layer group: with more of its chunk to come, stay quick for ``layer_window``; tell the
-        cadence (it predicts that sender's next group)."""
+    def _expect_more(self, cadence: GroupCadence, agent: str, notif: m.ChunkLanded | m.AuxLanded) -> None:
+        """A layer group: tell the cadence (it predicts that sender's next group while more of its
+        chunk is to come)."""
         if not (isinstance(notif, m.ChunkLanded) and notif.layers is not None):
             return
         more = notif.layers[1] < self._num_layers
-        now = time.monotonic()
-        if more and self._layer_window:
-            self._quick_until = max(self._quick_until, now + self._layer_window)
-            self.counters["layer_windows"] += 1
-        if self._cadence is not None and self._cadence.landed((agent, notif.room), now, more):
+        if cadence.landed((agent, notif.room), time.monotonic(), more):
             self.counters["cadence_windows"] += 1
 
     def _heat(self) -> None:
-        """Poll without sleeping for the next ``spin`` seconds, then quickly until QUICK_S is over
-        (or a longer window already set: ``poll_layer_window``)."""
+        """Poll without sleeping for the next ``spin`` seconds, then quickly until QUICK_S is over."""
         now = time.monotonic()
         self._hot_until = now + self._spin
         self._quick_until = max(self._quick_until, now + QUICK_S)
@@ -331,12 +332,12 @@ class NixlPoller:
                 posted=len(self._posted),
                 urgent=sum(not p.relaxed for p in self._posted),
                 busy=self._busy(),
-                quick=now < self._quick_until or (self._cadence is not None and self._cadence.quick(now)),
+                quick=now < self._quick_until or (self.cadence is not None and self.cadence.quick(now)),
                 idle=self._idle,
                 relaxed=self._relaxed,
             )
             self._idle += backoff
-            if self._cadence is not None and (ahead := self._cadence.next_start(now)) is not None:
+            if self.cadence is not None and (ahead := self.cadence.next_start(now)) is not None:
                 delay = min(delay, ahead - now)  # be quick from a predicted group's window on
             self._sleep_until = now + delay
             timers = fine_timers()
@@ -383,8 +384,8 @@ class NixlPoller:
                     continue
                 self.counters["notifs"] += 1
                 self._trace.mark(notif.room, "notif")
-                if self._layer_window or self._cadence is not None:
-                    self._expect_more(agent, notif)
+                if self.cadence is not None:
+                    self._expect_more(self.cadence, agent, notif)
                 if not (self._notifications and await self._rooms.deliver(notif.room, notif)):
                     self.counters["notifs_unrouted"] += 1
                     self.book.note(

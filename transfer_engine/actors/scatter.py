@@ -43,7 +43,6 @@ class ScatterActor(Actor[ScatterJob]):
         *,
         capacity: int = 4096,
         reserve: int = 0,
-        completion_thread: bool = True,
     ) -> None:
         super().__init__(capacity, reserve)
         self.pool = pool
@@ -55,7 +54,7 @@ class ScatterActor(Actor[ScatterJob]):
         """KV tables of the tensor runs ``(first, count)`` of layer-wise jobs, each made once."""
         self._cuda = pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.device) if self._cuda else None
-        self.completions = CompletionWaiter("scatter", threaded=completion_thread)
+        self.completions = CompletionWaiter("scatter")
         """Wakes this actor when its stream reached the end of a scatter."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:

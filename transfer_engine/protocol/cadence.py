@@ -5,7 +5,8 @@ hardly changes within a chunk: the same layers computed over the same tokens. So
 second group of a chunk has landed, the next one is expected one spacing after it. The poller
 stays quick in a window around that moment and backs off in between: the group that closes the
 chunk is drained within a quick poll of its landing, without quick polls through the whole forward
-(which cost a small machine's forward its CPU: docs/DECISIONS.md, "poll_layer_window").
+(a fixed quick window after every group cost a small machine's forward its CPU: docs/DECISIONS.md,
+"The decode poller predicts a writer's next layer group").
 
 Keys are ``(sender, room)``: with several prefill ranks the groups of one room come from each,
 close together, and only one sender's own spacing predicts its next group. Times are the caller's

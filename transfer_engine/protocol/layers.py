@@ -180,29 +180,6 @@ class LayerChunks:
             self.chunk_id = None
         return group
 
-    def ready_in_groups(self, per_group: int) -> list[LayerGroup]:
-        """Every layer of the open chunk not reported yet is ready: its groups of ``per_group``
-        layers (the last one shorter), whatever ``layers_per_write`` says; the chunk is closed.
-
-        How ``Sender.send()`` cuts a whole chunk (``EngineConfig.pipeline_layers``). ConfigError for
-        a ``per_group`` below 1, LocalProtocolError when no chunk is open; nothing changes then.
-        """
-        if not _is_int(per_group) or per_group < 1:
-            raise ConfigError(f"per_group={per_group!r} must be an integer >= 1")
-        chunk_id = self.chunk_id
-        if chunk_id is None:
-            raise LocalProtocolError("every layer is ready, but no layer-wise chunk is open")
-        groups = []
-        start = self.group_start
-        while start < self.num_layers:
-            end = min(max(start + per_group, self.next_layer), self.num_layers)
-            groups.append(LayerGroup(chunk_id, start, end, end == self.num_layers))
-            start = end
-        self.next_layer = self.group_start = self.num_layers
-        self.closed.add(chunk_id)
-        self.chunk_id = None
-        return groups
-
 
 @dataclass
 class LayerTally:

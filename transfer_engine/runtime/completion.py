@@ -18,8 +18,7 @@ thread also wakes every younger completion that is already reached.
 :meth:`notify` calls back on the loop, for an actor that keeps serving its mail meanwhile (a worker
 holding layer-wise jobs whose layers are not written yet). Started by its actor's ``run`` and closed
 when the actor ends (:meth:`close` joins the thread). Without an asyncio loop (another anyio
-backend) :meth:`wait` polls on the loop's fine timers, as before issue 17; so does a waiter made with
-``threaded=False`` (``EngineConfig.completion_thread``), the switch for before/after benchmarks.
+backend) :meth:`wait` polls on the loop's fine timers.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ Completion = torch.cuda.Event | threading.Event
 """What a waiter waits for: a recorded CUDA event, or an Event a CPU thread sets."""
 
 POLL_S = 0.0001
-"""Poll period of :func:`poll_reached`, the path without a waiter thread."""
+"""Poll period of :func:`poll_reached`, the path without an asyncio loop."""
 
 JOIN_S = 5.0
 """How long :meth:`CompletionWaiter.close` waits for the thread (it is blocked on a completion)."""
@@ -100,25 +99,19 @@ def _wake(future: asyncio.Future[None]) -> None:
 class CompletionWaiter:
     """One thread that wakes the loop's tasks when their completions are reached; see the module."""
 
-    def __init__(self, name: str, *, threaded: bool = True) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.threaded = threaded
-        """False (``EngineConfig.completion_thread``, for A/B): no thread; completions are polled on
-        the loop every POLL_S (its fine timers), as before issue 17. A waiter made threaded may be
-        switched to False and back while it runs (``tools/bench_transfer.py --ab completion``)."""
         self._started = False
         self._queue: queue.SimpleQueue[_Wait | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.counters: Counter[str] = Counter()
         """``reached`` at once (no thread hop), ``handed`` to the thread, ``woken`` by it, ``polled``
-        on the loop (no thread, or no asyncio loop)."""
+        on the loop (no asyncio loop)."""
 
     @property
     def running(self) -> bool:
-        """Started and not closed (with ``threaded``: its thread is alive)."""
-        if not self.threaded:
-            return self._started and not self._stopping.is_set()
+        """Started and not closed: its thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
@@ -126,8 +119,6 @@ class CompletionWaiter:
         if self._started:
             raise RuntimeError(f"completion waiter {self.name} started twice")
         self._started = True
-        if not self.threaded:
-            return
         self._thread = threading.Thread(target=self._run, name=f"te-completion-{self.name}", daemon=True)
         self._thread.start()
 
@@ -158,7 +149,7 @@ class CompletionWaiter:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if loop is None or not self.running or not self.threaded:
+        if loop is None or not self.running:
             self.counters["polled"] += 1
             await poll_reached(done)
             return
@@ -183,33 +174,7 @@ class CompletionWaiter:
             return
         if not self.running:
             raise RuntimeError(f"completion waiter {self.name} is not running")
-        if self.threaded:
-            self._hand(_Wait(done, asyncio.get_running_loop(), callback, first))
-        else:
-            self.counters["polled"] += 1
-            self._poll_later(done, callback, first)
-
-    def _poll_later(
-        self, done: Completion, callback: Callable[[], object], first: Callable[[], object] | None
-    ) -> None:
-        """Without the thread: query ``done`` every POLL_S on the loop until reached (or closed)."""
-        timers = ticker.fine_timers()
-        loop = asyncio.get_running_loop()
-
-        def check() -> None:
-            if reached(done):
-                _run_first(first, self.name)
-                callback()
-            elif not self._stopping.is_set():
-                later(POLL_S, check)
-
-        def later(delay: float, fn: Callable[[], None]) -> None:
-            if timers is not None and timers.open:
-                timers.call_later(delay, fn)
-            else:
-                loop.call_later(delay, fn)
-
-        later(POLL_S, check)
+        self._hand(_Wait(done, asyncio.get_running_loop(), callback, first))
 
     def _hand(self, wait: _Wait) -> None:
         self.counters["handed"] += 1

@@ -1,4 +1,4 @@
-"""The narrow interface the engine uses to talk to NIXL, and its one implementation.
+"""The one implementation of the engine's NIXL interface (:mod:`transfer_engine.transport.interface`).
 
 Only the NixlPoller actor holds a :class:`Transport`; every NIXL call goes through it (one owner
 keeps the bookkeeping of handles in one place). The agent runs in NIXL's thread-sync mode NONE (no
@@ -20,7 +20,6 @@ own. Remote ranges are checked against the regions the peer registered *before* 
 
 from __future__ import annotations
 
-import enum
 import functools
 import itertools
 import logging
@@ -28,13 +27,18 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from transfer_engine.errors import AddressRangeError, TransportError
+from transfer_engine.errors import TransportError
 from transfer_engine.protocol.messages import MemRegion
+from transfer_engine.transport.interface import RemotePeer, Transport, WriteSpec, XferState
+from transfer_engine.transport.posting import default_params, host_pieces, spread
+
+__all__ = ["NixlTransport", "RemotePeer", "Transport", "WriteSpec", "XferState", "default_params"]
+"""The interface's names and ``default_params`` are importable from here too, with the transport."""
 
 log = logging.getLogger(__name__)
 
@@ -53,190 +57,6 @@ def _serialized(
             return method(self, *args, **kwargs)
 
     return call
-
-
-class XferState(enum.Enum):
-    """State of a posted WRITE, as NIXL reports it."""
-
-    PROC = "PROC"
-    DONE = "DONE"
-    ERR = "ERR"
-
-
-@dataclass(frozen=True, slots=True)
-class WriteSpec:
-    """One WRITE: uint64 ``(src, dst, length)`` descriptor arrays from local memory into ``peer``'s.
-
-    ``local_devices`` is one device id for every descriptor or one per descriptor; ``notif`` is the
-    encoded notification NIXL delivers to the peer once the bytes have landed.
-    """
-
-    peer: str
-    local_mem: str
-    src: np.ndarray
-    dst: np.ndarray
-    length: np.ndarray
-    local_devices: np.ndarray | int
-    notif: bytes
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
-
-
-@dataclass
-class RemotePeer:
-    """A remote agent this side may WRITE into: its name, memory type and registered regions.
-
-    ``mem_types`` gives each region its own NIXL memory type (a host-staging ring is DRAM while the
-    KV is VRAM); when empty every region is ``mem_type``.
-    """
-
-    agent_name: str
-    mem_type: str
-    regions: list[MemRegion]
-    mem_types: list[str] = field(default_factory=list)
-    _starts: np.ndarray = field(init=False, repr=False)
-    _ends: np.ndarray = field(init=False, repr=False)
-    _devices: np.ndarray = field(init=False, repr=False)
-    _kinds: list[str] = field(init=False, repr=False)
-    _only_kind: str | None = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        kinds = self.mem_types or [self.mem_type] * len(self.regions)
-        if len(kinds) != len(self.regions):
-            raise TransportError(
-                f"peer {self.agent_name}: {len(self.regions)} regions but {len(kinds)} memory types"
-            )
-        order = sorted(range(len(self.regions)), key=lambda i: self.regions[i].addr)
-        self._starts = np.array([self.regions[i].addr for i in order], dtype=np.uint64)
-        self._ends = np.array([self.regions[i].end for i in order], dtype=np.uint64)
-        self._devices = np.array([self.regions[i].device for i in order], dtype=np.uint64)
-        self._kinds = [kinds[i] for i in order]
-        self._only_kind = kinds[0] if len(set(kinds)) == 1 else None
-
-    def check(self, addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, str]:
-        """``(device id of each range, memory type)``; AddressRangeError naming the first bad range.
-
-        A range is bad when it lies outside every registered region; a WRITE is refused whole when
-        its ranges span regions of different memory types.
-        """
-        if len(self._starts) == 0:
-            raise AddressRangeError(f"peer {self.agent_name} registered no memory")
-        idx = np.searchsorted(self._starts, addr, side="right").astype(np.int64) - 1
-        safe = np.maximum(idx, 0)
-        ok = (idx >= 0) & (addr + length <= self._ends[safe])
-        if not ok.all():
-            bad = int(np.flatnonzero(~ok)[0])
-            raise AddressRangeError(
-                f"WRITE of {int(length[bad])} bytes at {int(addr[bad]):#x} lies outside every region "
-                f"registered by peer {self.agent_name}"
-            )
-        if self._only_kind is not None:  # the usual case: every region is VRAM (or every one DRAM)
-            return self._devices[safe], self._only_kind
-        kinds = {self._kinds[i] for i in np.unique(safe).tolist()}
-        if len(kinds) != 1:
-            raise AddressRangeError(
-                f"WRITE to peer {self.agent_name} spans regions of memory types {sorted(kinds)}"
-            )
-        return self._devices[safe], kinds.pop()
-
-
-class Transport(Protocol):
-    """What the engine needs from a transfer library. Implemented by :class:`NixlTransport`."""
-
-    name: str
-
-    def metadata(self) -> bytes: ...
-    def register(self, regions: Sequence[MemRegion], mem_type: str) -> int: ...
-    def deregister(self, reg: int) -> None: ...
-    def add_peer(self, peer: RemotePeer, metadata: bytes) -> None: ...
-    def remove_peer(self, agent_name: str) -> None: ...
-    def post_write(self, spec: WriteSpec) -> int: ...
-    def prepare_write(self, spec: WriteSpec) -> int: ...
-    def prepare_lists(self, spec: WriteSpec) -> int: ...
-    def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int: ...
-    def close_lists(self, lists: int) -> None: ...
-    def start_write(self, handle: int) -> int: ...
-    def state(self, handle: int) -> XferState: ...
-    def release(self, handle: int) -> None: ...
-    def drain_notifs(self) -> dict[str, list[bytes]]: ...
-    def live_handles(self) -> int: ...
-    def close(self) -> None: ...
-
-
-POST_THREADS = 4
-"""UCX posting threads of an agent whose KV is in GPU memory (NIXL's ``num_threads``). UCX's cuda_ipc
-pays about 8 us per descriptor inside ``transfer()`` on an H100 host, so a one-page room of 128 KV
-tensors (128 descriptors) posted for 1.06 ms; four threads that each post a batch cut it to 0.33 ms
-and the small room's latency by 0.57 ms (docs/PERF.md, "Posting on threads"). Idle threads cost
-nothing (measured: no CPU while no transfer is out)."""
-POST_SPLIT = 16
-"""Descriptors per batch handed to a posting thread (NIXL's ``split_batch_size``). Its own default
-is far above a room's descriptors, so without it no WRITE of ours was ever split."""
-
-
-def default_params(backend: str, params: dict[str, str], device_type: str) -> dict[str, str]:
-    """The backend parameters an engine's agent is made with: ``params`` as given, plus, for UCX with
-    KV in GPU memory and no ``num_threads`` given, POST_THREADS threads splitting WRITEs in batches of
-    POST_SPLIT descriptors. ``num_threads=0`` in ``params`` (``TE_NIXL_PARAMS``) keeps one thread.
-    CPU pools keep NIXL's defaults: there UCX copies the bytes inside ``transfer()`` and the engine's
-    CPU figures were measured without threads."""
-    if backend != "UCX" or device_type != "cuda" or "num_threads" in params:
-        return dict(params)
-    return {**params, "num_threads": str(POST_THREADS), "split_batch_size": str(POST_SPLIT)}
-
-
-HOST_PIECE_MIN = 256 << 10
-"""Smallest piece a host-memory WRITE is cut into for the posting threads (:func:`spread`)."""
-
-
-def host_pieces(params: dict[str, str]) -> int:
-    """How many pieces a host-memory (DRAM) WRITE is spread over: NIXL's ``num_threads`` x
-    ``split_batch_size`` when the backend has both, else 0 (never cut).
-
-    UCX copies a DRAM -> DRAM WRITE between processes on one host inside ``transfer()``, on the
-    caller's thread, unless the WRITE has more descriptors than one posting batch, and NIXL merges
-    descriptors that follow each other in memory. Measured on the GPU machine with this transport
-    (docs/PERF.md, "Host WRITEs spread over the posting threads"), 1 GiB of pinned memory: one
-    descriptor, or 64 adjacent pieces, posted for 190-290 ms at 3.7-5.6 GB/s; 64 pieces listed
-    as :func:`spread` lists them posted in 0.3-0.6 ms and were DONE at 9.8-15.7 GB/s."""
-    try:
-        threads, batch = int(params.get("num_threads", 0)), int(params.get("split_batch_size", 0))
-    except ValueError:
-        return 0  # NIXL itself refuses such params when the agent is made
-    return threads * batch if threads > 0 and batch > 0 else 0
-
-
-def spread(
-    src: np.ndarray,
-    dst: np.ndarray,
-    length: np.ndarray,
-    devices: np.ndarray | int,
-    pieces: int,
-    min_piece: int = HOST_PIECE_MIN,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | int]:
-    """The same bytes as about ``pieces`` descriptors of equal size (each at least ``min_piece``,
-    the last of each descriptor shorter): every descriptor is cut at multiples of that size, and the
-    pieces are listed so that no two neighbours in the list are neighbours in memory. Returns the
-    inputs unchanged when nothing needs cutting."""
-    total = int(length.sum())
-    if pieces <= 1 or total == 0:
-        return src, dst, length, devices
-    size = np.uint64(max(min_piece, -(-total // pieces)))
-    counts = np.maximum((length + size - np.uint64(1)) // size, np.uint64(1)).astype(np.int64)
-    if (counts == 1).all():
-        return src, dst, length, devices
-    which = np.repeat(np.arange(len(length)), counts)
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    offset = (np.arange(len(which)) - first).astype(np.uint64) * size
-    # The odd pieces, then the even ones: NIXL merges a descriptor that starts where the one before
-    # it in the list ends back into one (which one thread copies inside transfer()); here none does.
-    order = np.concatenate([np.arange(1, len(which), 2), np.arange(0, len(which), 2)])
-    which, offset = which[order], offset[order]
-    cut = np.minimum(size, length[which] - offset)
-    cut_devices = devices[which] if isinstance(devices, np.ndarray) else devices
-    return src[which] + offset, dst[which] + offset, cut, cut_devices
 
 
 @dataclass

@@ -1,0 +1,129 @@
+"""The narrow interface the engine uses to talk to NIXL: what a WRITE is (:class:`WriteSpec`), what a
+peer registered (:class:`RemotePeer`, which range-checks a WRITE's remote side before it is posted),
+a posted WRITE's state (:class:`XferState`) and the calls the NixlPoller makes (:class:`Transport`).
+
+:class:`~transfer_engine.transport.nixl.NixlTransport` is its one implementation; the fault-injecting
+wrapper of the chaos tests (:mod:`transfer_engine.transport.faults`) wraps it. No NIXL import here.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from transfer_engine.errors import AddressRangeError, TransportError
+from transfer_engine.protocol.messages import MemRegion
+
+
+class XferState(enum.Enum):
+    """State of a posted WRITE, as NIXL reports it."""
+
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+
+
+@dataclass(frozen=True, slots=True)
+class WriteSpec:
+    """One WRITE: uint64 ``(src, dst, length)`` descriptor arrays from local memory into ``peer``'s.
+
+    ``local_devices`` is one device id for every descriptor or one per descriptor; ``notif`` is the
+    encoded notification NIXL delivers to the peer once the bytes have landed.
+    """
+
+    peer: str
+    local_mem: str
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+    local_devices: np.ndarray | int
+    notif: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
+@dataclass
+class RemotePeer:
+    """A remote agent this side may WRITE into: its name, memory type and registered regions.
+
+    ``mem_types`` gives each region its own NIXL memory type (a host-staging ring is DRAM while the
+    KV is VRAM); when empty every region is ``mem_type``.
+    """
+
+    agent_name: str
+    mem_type: str
+    regions: list[MemRegion]
+    mem_types: list[str] = field(default_factory=list)
+    _starts: np.ndarray = field(init=False, repr=False)
+    _ends: np.ndarray = field(init=False, repr=False)
+    _devices: np.ndarray = field(init=False, repr=False)
+    _kinds: list[str] = field(init=False, repr=False)
+    _only_kind: str | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        kinds = self.mem_types or [self.mem_type] * len(self.regions)
+        if len(kinds) != len(self.regions):
+            raise TransportError(
+                f"peer {self.agent_name}: {len(self.regions)} regions but {len(kinds)} memory types"
+            )
+        order = sorted(range(len(self.regions)), key=lambda i: self.regions[i].addr)
+        self._starts = np.array([self.regions[i].addr for i in order], dtype=np.uint64)
+        self._ends = np.array([self.regions[i].end for i in order], dtype=np.uint64)
+        self._devices = np.array([self.regions[i].device for i in order], dtype=np.uint64)
+        self._kinds = [kinds[i] for i in order]
+        self._only_kind = kinds[0] if len(set(kinds)) == 1 else None
+
+    def check(self, addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, str]:
+        """``(device id of each range, memory type)``; AddressRangeError naming the first bad range.
+
+        A range is bad when it lies outside every registered region; a WRITE is refused whole when
+        its ranges span regions of different memory types.
+        """
+        if len(self._starts) == 0:
+            raise AddressRangeError(f"peer {self.agent_name} registered no memory")
+        idx = np.searchsorted(self._starts, addr, side="right").astype(np.int64) - 1
+        safe = np.maximum(idx, 0)
+        ok = (idx >= 0) & (addr + length <= self._ends[safe])
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise AddressRangeError(
+                f"WRITE of {int(length[bad])} bytes at {int(addr[bad]):#x} lies outside every region "
+                f"registered by peer {self.agent_name}"
+            )
+        if self._only_kind is not None:  # the usual case: every region is VRAM (or every one DRAM)
+            return self._devices[safe], self._only_kind
+        kinds = {self._kinds[i] for i in np.unique(safe).tolist()}
+        if len(kinds) != 1:
+            raise AddressRangeError(
+                f"WRITE to peer {self.agent_name} spans regions of memory types {sorted(kinds)}"
+            )
+        return self._devices[safe], kinds.pop()
+
+
+class Transport(Protocol):
+    """What the engine needs from a transfer library. Implemented by :class:`NixlTransport`."""
+
+    name: str
+
+    def metadata(self) -> bytes: ...
+    def register(self, regions: Sequence[MemRegion], mem_type: str) -> int: ...
+    def deregister(self, reg: int) -> None: ...
+    def add_peer(self, peer: RemotePeer, metadata: bytes) -> None: ...
+    def remove_peer(self, agent_name: str) -> None: ...
+    def post_write(self, spec: WriteSpec) -> int: ...
+    def prepare_write(self, spec: WriteSpec) -> int: ...
+    def prepare_lists(self, spec: WriteSpec) -> int: ...
+    def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int: ...
+    def close_lists(self, lists: int) -> None: ...
+    def start_write(self, handle: int) -> int: ...
+    def state(self, handle: int) -> XferState: ...
+    def release(self, handle: int) -> None: ...
+    def drain_notifs(self) -> dict[str, list[bytes]]: ...
+    def live_handles(self) -> int: ...
+    def close(self) -> None: ...
