@@ -121,7 +121,13 @@ class ConnectorCore:
         if cpus is not None and not cpus:
             raise ConfigError("cpus is empty; give the CPU ids the engine may run on, or None")
         self.config = config
-        self._aux = torch.zeros(max_requests, DIGEST_BYTES, dtype=torch.uint8)
+        first = next(iter(kv_caches.values()), None)
+        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+        # the aux item travels with the KV and lives in the same kind of memory (one memory type a rank)
+        self._aux = torch.zeros(max_requests, DIGEST_BYTES, dtype=torch.uint8, device=device)
+        self._aux_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        """CUDA: where the loop thread copies digests in and out (a stream of its own: no wait on
+        the forward's work)."""
         self.kv: VllmKV = pool_from_vllm(
             kv_caches,
             layout=layout,
@@ -197,6 +203,8 @@ class ConnectorCore:
 
     async def _serve(self) -> None:
         self._stop = anyio.Event()
+        if self._cuda:  # the loop thread's CUDA calls (events, streams) are on the caches' device
+            torch.cuda.set_device(self.pool.device)
         try:
             async with TransferEngine(self.config, self.pool) as engine:
                 self._engine = engine
@@ -357,6 +365,22 @@ class ConnectorCore:
 
     # ---- on the loop ---------------------------------------------------------------------------------
 
+    def _set_aux(self, slot: int, data: bytes) -> None:
+        """Write aux slot ``slot``; done when this returns (CUDA: on the aux stream, waited for)."""
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if self._aux_stream is None:
+            self._aux[slot] = src
+            return
+        with torch.cuda.stream(self._aux_stream):
+            self._aux[slot].copy_(src)
+        self._aux_stream.synchronize()
+
+    def _get_aux(self, slot: int) -> bytes:
+        if self._aux_stream is None:
+            return bytes(self._aux[slot].tolist())
+        with torch.cuda.stream(self._aux_stream):
+            return bytes(self._aux[slot].cpu().tolist())
+
     def _claim(self, request: _Request) -> int | None:
         """Register ``request`` for its room and give it an aux slot; None (logged) when another
         request holds the room or no slot is free."""
@@ -403,7 +427,7 @@ class ConnectorCore:
             return
         ok = False
         try:
-            self._aux[slot] = torch.frombuffer(bytearray(digest_of(request.transfer_id)), dtype=torch.uint8)
+            self._set_aux(slot, digest_of(request.transfer_id))
             pages = self.kv.pages_of(request.block_ids)
             sender = request.handle = engine.sender(request.room)
             if request.aborted:
@@ -435,13 +459,13 @@ class ConnectorCore:
             return
         ok = False
         try:
-            self._aux[slot].zero_()
+            self._set_aux(slot, bytes(DIGEST_BYTES))
             pages = self.kv.pages_of(request.block_ids)
             receiver = request.handle = await engine.receiver(request.room, bootstrap, pages, aux_slot=slot)
             if request.aborted:
                 await receiver.abort("vLLM aborted the request")
             await receiver.wait()
-            ok = bytes(self._aux[slot].tolist()) == digest_of(request.transfer_id)
+            ok = self._get_aux(slot) == digest_of(request.transfer_id)
             if not ok:
                 log.error(
                     "request %s (room %d): the KV that landed is not transfer %r's",
