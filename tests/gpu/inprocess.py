@@ -42,9 +42,10 @@ def run_case(
     *,
     decode_device: str | None = None,
     write: Callable[[int], None] | None = None,
-) -> None:
+) -> int:
     """Decode ranks ask for every request, prefill ranks run one forward step as vLLM does; both
-    sides report every request, every byte lands where it belongs, nothing leaks."""
+    sides report every request, every byte lands where it belongs, nothing leaks. Returns the
+    prefill's staged WRITEs (0: every WRITE went direct, from the caches to the decode's)."""
     with cores(prefill, decode, device, decode_device) as (p_cores, d_cores, p_caches, d_caches):
         ids = {r.transfer_id for r in requests}
         for core in d_cores:
@@ -62,3 +63,4 @@ def run_case(
             check_decode(caches, decode, rank, requests)
         for core in (*p_cores, *d_cores):
             assert not {k: v for k, v in core.leaks().items() if v}, f"{core.config.role} leaked"
+        return sum(w.counters["staged_writes"] for core in p_cores for w in core._engine.workers)  # type: ignore[union-attr]

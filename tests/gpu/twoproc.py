@@ -77,7 +77,7 @@ def _decode_main(conn: Connection, side: Side, device: str, port: int, config: d
                         wrong += 1
                         print(f"decode rank {rank}: {exc}", flush=True)
                     for cache in rank_caches.values():  # the next command starts from zeros
-                        cache.zero_()
+                        cache.view(torch.uint8).zero_()
             conn.send(("done", sorted(errors), wrong, loaded_ns))
     except BaseException:
         conn.send(("error", traceback.format_exc()))

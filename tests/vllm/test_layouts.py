@@ -205,38 +205,44 @@ def test_bad_input_names_the_value() -> None:
         _pool({first: torch.zeros(4, 16)}, side)
 
 
-# (prefill, decode, prefill TP, decode TP, tokens): every layout, hetero TP, MLA, fp8, block sizes.
+# (prefill, decode, prefill TP, decode TP, staged): every layout, hetero TP, MLA, fp8, kernel blocks.
+# ``staged``: whether the decode's path=auto takes the staged path (hetero TP, other page sizes); equal
+# TP (or MLA) and page sizes go direct, from one layout's strides to the other's; BHLNC to HND over
+# hetero TP takes the slice path (few descriptors per page: each head's tokens are contiguous).
 TRANSFERS = [
-    ("flash-nhd", "flash-nhd", 1, 1),
-    ("flash-hnd", "flash-nhd", 2, 1),
-    ("flash-nhd", "flashinfer-blackwell", 1, 2),
-    ("lhbnc", "blnhc", 1, 1),
-    ("bhlnc", "flash-hnd", 2, 1),
-    ("fp8", "fp8", 1, 2),
-    ("fp8-inc", "fp8-inc", 2, 1),
-    ("kernel-blocks", "flash-hnd", 1, 1),
-    ("mla", "mla", 2, 1),
-    ("mla", "mla", 1, 2),
-    ("mla-fp8", "mla-fp8", 1, 1),
+    ("flash-nhd", "flash-nhd", 1, 1, False),
+    ("flash-hnd", "flash-nhd", 2, 1, True),
+    ("flash-nhd", "flashinfer-blackwell", 1, 2, True),
+    ("lhbnc", "blnhc", 1, 1, False),
+    ("bhlnc", "flash-hnd", 2, 1, False),
+    ("fp8", "fp8", 1, 2, True),
+    ("fp8-inc", "fp8-inc", 2, 1, True),
+    ("kernel-blocks", "flash-hnd", 1, 1, True),
+    ("mla", "mla", 2, 1, False),
+    ("mla", "mla", 1, 2, False),
+    ("mla-fp8", "mla-fp8", 1, 1, False),
 ]
 
 
 @pytest.mark.parametrize(
-    ("src", "dst", "P", "D"), TRANSFERS, ids=[f"{s}-P{p}-to-{d}-D{q}" for s, d, p, q in TRANSFERS]
+    ("src", "dst", "P", "D", "staged"),
+    TRANSFERS,
+    ids=[f"{s}-P{p}-to-{d}-D{q}" for s, d, p, q, _ in TRANSFERS],
 )
-def test_transfer(src: str, dst: str, P: int, D: int) -> None:
+def test_transfer(src: str, dst: str, P: int, D: int, staged: bool) -> None:
     """Real engines (NIXL over UCX, ZMQ) in this process, driven as vLLM's runner drives the
     connector; every byte of every request checked on every decode rank."""
     prefill = _with_tp(SIDES[src], P)
     decode = _with_tp(SIDES[dst], D)
-    run_case(prefill, decode, requests_for(prefill, decode, [40, 23, 16]))
+    staged_writes = run_case(prefill, decode, requests_for(prefill, decode, [40, 23, 16]))
+    assert (staged_writes > 0) == staged, f"{staged_writes} staged WRITEs"
 
 
 def test_transfer_between_block_sizes() -> None:
     """A decode of another block size (and layout) than the prefill's: the staged path."""
     prefill = Side(layout="LBNHC", block_size=16, tp=2)
     decode = Side(layout="LBHNC", block_size=8, num_blocks=24)
-    run_case(prefill, decode, requests_for(prefill, decode, [40, 16]))
+    assert run_case(prefill, decode, requests_for(prefill, decode, [40, 16])) > 0
 
 
 def _with_tp(side: Side, tp: int) -> Side:
