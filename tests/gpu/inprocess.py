@@ -15,11 +15,16 @@ from .vllm_kv import Request, Side, allocate, check_decode, make_core, run_prefi
 
 @contextlib.contextmanager
 def cores(
-    prefill: Side, decode: Side, device: str, decode_device: str | None = None
+    prefill: Side,
+    decode: Side,
+    device: str,
+    decode_device: str | None = None,
+    prefill_caches: list[dict[str, torch.Tensor]] | None = None,
 ) -> Iterator[tuple[list[ConnectorCore], list[ConnectorCore], list[dict], list[dict]]]:
-    """Started cores over fresh vLLM-shaped caches: (prefill cores, decode cores, their caches)."""
+    """Started cores over fresh vLLM-shaped caches (or the prefill's given ones): (prefill cores,
+    decode cores, their caches)."""
     port = free_port()
-    p_caches = [allocate(prefill, device) for _ in range(prefill.tp)]
+    p_caches = prefill_caches or [allocate(prefill, device) for _ in range(prefill.tp)]
     d_caches = [allocate(decode, decode_device or device) for _ in range(decode.tp)]
     started: list[ConnectorCore] = []
     try:
@@ -42,11 +47,17 @@ def run_case(
     *,
     decode_device: str | None = None,
     write: Callable[[int], None] | None = None,
+    prefill_caches: list[dict[str, torch.Tensor]] | None = None,
 ) -> int:
     """Decode ranks ask for every request, prefill ranks run one forward step as vLLM does; both
     sides report every request, every byte lands where it belongs, nothing leaks. Returns the
     prefill's staged WRITEs (0: every WRITE went direct, from the caches to the decode's)."""
-    with cores(prefill, decode, device, decode_device) as (p_cores, d_cores, p_caches, d_caches):
+    with cores(prefill, decode, device, decode_device, prefill_caches) as (
+        p_cores,
+        d_cores,
+        p_caches,
+        d_caches,
+    ):
         ids = {r.transfer_id for r in requests}
         for core in d_cores:
             for r in requests:

@@ -67,15 +67,18 @@ def vllm_alloc():
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.worker.utils import allocate_kv_cache
 
-    def alloc(side: Side) -> dict[str, torch.Tensor]:
+    def alloc(side: Side, alignment: int | None = None) -> dict[str, torch.Tensor]:
         """vLLM's allocation of ``side``'s caches: one KVCacheTensor of its layers, as
-        ``vllm/v1/core/kv_cache_utils.py`` describes one cache group, given to vLLM's allocator."""
+        ``vllm/v1/core/kv_cache_utils.py`` describes one cache group, given to vLLM's allocator.
+        ``alignment``: MLA pages padded to it (``MLAAttentionSpec.alignment``)."""
         spec_cls = MLAAttentionSpec if side.mla else FullAttentionSpec
+        extra = {} if alignment is None else {"alignment": alignment}
         spec = spec_cls(
             block_size=side.block_size,
             num_kv_heads=side.heads_local,
             head_size=side.head_size,
             dtype=side.dtype,
+            **extra,
         )
         layout = KVCacheLayout[side.layout]
         names = side.layer_names()
@@ -138,6 +141,19 @@ def test_allocation_is_vllms(kind: str, vllm_alloc) -> None:
         else:
             v = pool.kv_views[L + layer][page, n, head].view(torch.uint8)
             assert torch.equal(torch.cat([k, v]), content)
+
+
+def test_padded_mla_pages(vllm_alloc) -> None:
+    """MLA pages padded to an alignment (``MLAAttentionSpec.alignment``, ``_apply_alignment_padding``):
+    blocks sit ``page_size_padded`` bytes apart; the pool follows, and moves them to an unpadded decode."""
+    side = Side(layout="LBNHC", mla=True, head_size=72)
+    caches = vllm_alloc(side, alignment=4096)
+    first = next(iter(caches.values()))
+    assert first.stride(0) * first.element_size() == 4096 > 16 * 72 * 2
+    kv = _pool(caches, side, head_size=None)
+    assert kv.pool.strides is not None and kv.pool.strides[0].block == 4096
+    decode = replace(side, layout="LBHNC")
+    assert run_case(side, decode, requests_for(side, decode, [40, 16]), prefill_caches=[caches]) == 0
 
 
 def test_layout_names() -> None:
