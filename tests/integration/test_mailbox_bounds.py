@@ -16,8 +16,10 @@ import anyio
 import numpy as np
 import pytest
 
-from transfer_engine import engine as engine_module
-from transfer_engine.actors import room as room_module
+from transfer_engine.actors.room import common as room_common
+from transfer_engine.actors.room import receiver as room_receiver
+from transfer_engine.actors.room import sender as room_sender
+from transfer_engine.engine import supervisor as engine_supervisor
 from transfer_engine.errors import FailureReason, TransferTimeout
 from transfer_engine.runtime.mail import Mailbox
 from transfer_engine.runtime.ports import ROOM_RESERVE
@@ -42,10 +44,10 @@ async def test_tiny_mailboxes_do_not_deadlock(
         made.append(self)
 
     monkeypatch.setattr(Mailbox, "__init__", recording)
-    monkeypatch.setattr(room_module, "ROOM_MAILBOX", 2)
-    monkeypatch.setattr(room_module, "JOBS_PER_ROOM", 2)
-    monkeypatch.setattr(room_module, "SCATTERS_PER_ROOM", 1)
-    monkeypatch.setattr(engine_module, "ACTOR_MAILBOX", 2)
+    monkeypatch.setattr(room_common, "ROOM_MAILBOX", 2)
+    monkeypatch.setattr(room_sender, "JOBS_PER_ROOM", 2)
+    monkeypatch.setattr(room_receiver, "SCATTERS_PER_ROOM", 1)
+    monkeypatch.setattr(engine_supervisor, "ACTOR_MAILBOX", 2)
     layout = small_layout()
     async with cluster(layout, P, D, num_pages=ROOMS * CHUNKS + 8, path=path, max_rooms=ROOMS + 1,
                        waiting_timeout=2.0) as c:  # fmt: skip

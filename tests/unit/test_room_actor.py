@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from transfer_engine.actors.room import SenderRoomActor
+from transfer_engine.actors.room import ReceiverRoomActor, SenderRoomActor
 from transfer_engine.errors import FailureReason
 from transfer_engine.memory.layout import KVLayout, KVPool
+from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.rooms import Deadlines, RoomStatus
 from transfer_engine.runtime.mail import (
@@ -23,6 +24,7 @@ from transfer_engine.runtime.mail import (
     LocalAbort,
     Mailbox,
     QueueChunk,
+    RequestPages,
     WriteDone,
     WriteJob,
 )
@@ -80,7 +82,7 @@ def _request(room: int) -> m.TransferRequest:
 
 
 def _jobs(box: Mailbox[object]) -> list[WriteJob]:
-    out = []
+    out: list[WriteJob] = []
     while True:
         try:
             mail = box.receive_nowait()
@@ -180,3 +182,61 @@ async def test_mailbox_next_gives_queued_mail_before_a_nudge_and_the_nudge_once(
         assert got == []  # the nudge was used: it waits
         box.nudge()
     assert got == [None]
+
+
+def _decode_room(request: RequestPages | None) -> tuple[ReceiverRoomActor, Outbox, list[Peer]]:
+    """A decode room of rank 0 (TP 1) over a prefill instance of TP 2: both prefill ranks write here."""
+    layout = KVLayout(num_layers=1, num_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
+    pool = KVPool.allocate(layout, 1, 0, 64)
+    prefill = [Peer(f"prefill-{r}", f"tcp://prefill:{r}", r, 2, pool.info()) for r in range(2)]
+    outbox = Outbox()
+    ports = RoomPorts(
+        RankIdentity("decode-0", "decode", 0, 1), pool, outbox, PeerBook({p.agent_name: p for p in prefill}),
+        RoomBoard(), NoDrain(), Counter(),
+    )  # fmt: skip
+    writers = heads.writers_of(layout.num_heads, 2, 1, 0)
+    room = ReceiverRoomActor(
+        ports, 9, Deadlines(5.0, None, 5.0), {w.prefill_rank: prefill[w.prefill_rank] for w in writers},
+        everyone=prefill, slices=list(writers), path="direct", request=request,
+    )  # fmt: skip
+    ports.rooms.open(9, room.inbox)
+    return room, outbox, prefill
+
+
+def _requests(outbox: Outbox) -> list[tuple[str, m.TransferRequest]]:
+    return [(endpoint, msg) for endpoint, msg in outbox.sent if isinstance(msg, m.TransferRequest)]
+
+
+@pytest.mark.parametrize("at_creation", [False, True])
+async def test_a_decode_room_sends_its_requests_once_it_has_its_pages(at_creation: bool) -> None:
+    """Pages given by mail, or when the room is made (then sent once it runs): one TransferRequest
+    per prefill rank, the aux slot to the first writer only; pages given again are ignored."""
+    pages = RequestPages(np.array([3, 1, 2], dtype=np.int64), aux_slot=5, decode_prefix_len=8)
+    room, outbox, prefill = _decode_room(pages if at_creation else None)
+    assert room.status is RoomStatus.WAITING_FOR_INPUT and room.requested is at_creation
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(room.run)
+        await anyio.wait_all_tasks_blocked()
+        if not at_creation:
+            assert _requests(outbox) == []
+            await room.inbox.send(pages)
+            await anyio.wait_all_tasks_blocked()
+        sent = _requests(outbox)
+        assert [endpoint for endpoint, _ in sent] == [p.endpoint for p in prefill]
+        for (_, req), writer in zip(sent, room.slices, strict=True):
+            assert (req.room, req.agent, req.decode_rank, req.decode_tp, req.path) == (
+                9,
+                "decode-0",
+                0,
+                1,
+                "direct",
+            )
+            assert req.dst_pages == [3, 1, 2] and req.decode_prefix_len == 8
+            spec = (writer.prefill_rank, writer.src_head_start, writer.dst_head_start, writer.num_heads)
+            assert req.slices == [m.SliceSpec(*spec)]
+        assert [req.aux_slot for _, req in sent] == [5, None]
+        assert room.core.wants_aux_from == room.slices[0].prefill_rank
+        await room.inbox.send(RequestPages(np.array([4], dtype=np.int64), None, 0))
+        await anyio.wait_all_tasks_blocked()
+        assert len(_requests(outbox)) == 2 and room.pages.tolist() == [3, 1, 2]
+        tg.cancel_scope.cancel()

@@ -6,21 +6,14 @@ those for rooms that ended are answered from the tombstones (:mod:`transfer_engi
 
 from __future__ import annotations
 
-import logging
 import time
 
 from transfer_engine.engine.state import EngineState
-from transfer_engine.errors import (
-    FailureReason,
-)
+from transfer_engine.errors import FailureReason
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.retransmit import Ended, Late, answer_late_request
 from transfer_engine.protocol.rooms import RoomStatus
-from transfer_engine.runtime.mail import (
-    RoomMail,
-)
-
-log = logging.getLogger("transfer_engine.engine")
+from transfer_engine.runtime.mail import RoomMail
 
 
 class Dispatch(EngineState):

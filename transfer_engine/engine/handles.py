@@ -7,7 +7,6 @@ what the caller asks for; the room actor alone changes the room.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -17,13 +16,7 @@ import numpy as np
 import torch
 
 from transfer_engine.actors.room import ReceiverRoomActor, RoomActor, SenderRoomActor
-from transfer_engine.errors import (
-    ConfigError,
-    FailureReason,
-    LayoutError,
-    LocalProtocolError,
-    TransferFailed,
-)
+from transfer_engine.errors import ConfigError, FailureReason, LayoutError, LocalProtocolError, TransferFailed
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol.layers import LayerChunks
 from transfer_engine.protocol.polling import polled
@@ -37,9 +30,6 @@ from transfer_engine.runtime.mail import (
     RequestPages,
     RoomMail,
 )
-
-log = logging.getLogger("transfer_engine.engine")
-
 
 MAX_ROOM_ID = (1 << 63) - 1
 

@@ -10,17 +10,10 @@ import time
 import anyio
 
 from transfer_engine.engine.state import EngineState
-from transfer_engine.errors import (
-    LayoutError,
-    PeerUnreachableError,
-    RemoteProtocolError,
-    TransferError,
-)
+from transfer_engine.errors import LayoutError, PeerUnreachableError, RemoteProtocolError, TransferError
 from transfer_engine.protocol import handshake, heads
 from transfer_engine.protocol import messages as m
-from transfer_engine.runtime.mail import (
-    Subscribe,
-)
+from transfer_engine.runtime.mail import Subscribe
 from transfer_engine.runtime.peers import Peer, PrefillInstance
 from transfer_engine.transport.nixl import RemotePeer
 

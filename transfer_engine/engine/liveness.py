@@ -11,11 +11,7 @@ import anyio
 from transfer_engine.engine.state import EngineState
 from transfer_engine.protocol import leases
 from transfer_engine.protocol import messages as m
-from transfer_engine.runtime.mail import (
-    PeerDead,
-    RepeatStaging,
-    Subscribe,
-)
+from transfer_engine.runtime.mail import PeerDead, RepeatStaging, Subscribe
 from transfer_engine.runtime.peers import Peer
 
 log = logging.getLogger("transfer_engine.engine")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,24 +25,14 @@ from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.retransmit import Tombstones
 from transfer_engine.protocol.rooms import Deadlines
 from transfer_engine.protocol.stash import EarlyRequests
-from transfer_engine.runtime.mail import (
-    RoomMail,
-)
+from transfer_engine.runtime.mail import RoomMail
 from transfer_engine.runtime.peers import PrefillInstance
-from transfer_engine.runtime.ports import (
-    PeerBook,
-    RankIdentity,
-    RoomBoard,
-    RoomPorts,
-)
+from transfer_engine.runtime.ports import PeerBook, RankIdentity, RoomBoard, RoomPorts
 from transfer_engine.transport.nixl import Transport
 from transfer_engine.transport.security import Curve
 
 if TYPE_CHECKING:
     from transfer_engine.observe.metrics import Metrics
-
-
-log = logging.getLogger("transfer_engine.engine")
 
 
 class EngineState:

@@ -8,26 +8,10 @@ import time
 
 import anyio
 
-from transfer_engine.errors import (
-    FailureReason,
-    ProtocolError,
-    TransferFailed,
-    failure_error,
-)
-from transfer_engine.protocol.rooms import (
-    Room,
-    RoomStatus,
-)
-from transfer_engine.runtime.mail import (
-    Drained,
-    Mailbox,
-    RoomMail,
-)
-from transfer_engine.runtime.ports import (
-    ROOM_MAILBOX,
-    ROOM_RESERVE,
-    RoomPorts,
-)
+from transfer_engine.errors import FailureReason, ProtocolError, TransferFailed, failure_error
+from transfer_engine.protocol.rooms import Room, RoomStatus
+from transfer_engine.runtime.mail import Drained, Mailbox, RoomMail
+from transfer_engine.runtime.ports import ROOM_MAILBOX, ROOM_RESERVE, RoomPorts
 
 log = logging.getLogger("transfer_engine.room")
 

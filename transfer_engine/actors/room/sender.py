@@ -10,26 +10,13 @@ import numpy as np
 import torch
 
 from transfer_engine.actors.room.common import RoomActor
-from transfer_engine.errors import (
-    FailureReason,
-    LocalProtocolError,
-    ProtocolError,
-)
+from transfer_engine.errors import FailureReason, LocalProtocolError, ProtocolError
 from transfer_engine.memory.staging import chunk_region_bytes
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import LayerGroup, LayerTally
 from transfer_engine.protocol.requests import Asker, Writer, check_request
-from transfer_engine.protocol.retransmit import (
-    RequestAnswer,
-    answer_request,
-)
-from transfer_engine.protocol.rooms import (
-    Deadlines,
-    RoomStatus,
-    SenderRoom,
-    abort_reason,
-    reason_name,
-)
+from transfer_engine.protocol.retransmit import RequestAnswer, answer_request
+from transfer_engine.protocol.rooms import Deadlines, RoomStatus, SenderRoom, abort_reason, reason_name
 from transfer_engine.runtime.mail import (
     CancelRoom,
     JobKey,
@@ -45,10 +32,7 @@ from transfer_engine.runtime.mail import (
     WriteJob,
 )
 from transfer_engine.runtime.peers import Peer
-from transfer_engine.runtime.ports import (
-    JOBS_PER_ROOM,
-    RoomPorts,
-)
+from transfer_engine.runtime.ports import JOBS_PER_ROOM, RoomPorts
 
 log = logging.getLogger("transfer_engine.room")
 
