@@ -331,6 +331,7 @@ async def _prefill(
             _ab(args, engine, rnd)
             await rooms(_round_rooms(args, rnd))
         lat_page = _room_pages(args, 0, "prefill")[:1]
+        rooms_posted = engine.poller.counters["descriptors_posted"]  # the warm-up's and the rounds'
         for i in range(args.lat_rooms):
             # One raw sample, then one engine sample, alternating; the decode times both.
             if raw is not None and conn is not None:
@@ -347,8 +348,7 @@ async def _prefill(
             post_ns = dict(getattr(engine.poller.transport, "post_ns", {}))
             conn.send(
                 (
-                    "descriptors",
-                    engine.poller.counters["descriptors_posted"],
+                    (rooms_posted, engine.poller.counters["descriptors_posted"] - rooms_posted),
                     engine.me.trace.take(),
                     post_ns,
                     pauses.summary(),
@@ -403,6 +403,7 @@ async def _decode(
         slots = list(range(args.concurrency))
         room_lat: list[float] = []
         paths: set[str] = set()
+        reasons: set[str] = set()  # why each room took its path (the decode's choice under auto)
         used: set[int] = {0}  # slot 0 also takes the small rooms
 
         async def one(room: int) -> None:
@@ -413,6 +414,7 @@ async def _decode(
                 t1 = time.perf_counter()
                 receiver = await engine.receiver(room, bootstrap, pages)
                 paths.add(receiver._actor.path)  # type: ignore[attr-defined]
+                reasons.add(getattr(receiver._actor, "path_reason", ""))
                 await receiver.wait()
                 room_lat.append(time.perf_counter() - t1)
                 slots.append(slot)
@@ -469,6 +471,7 @@ async def _decode(
             engine_lat_p50_ms=statistics.median(lat) * 1e3,
             engine_lat_p99_ms=_p(lat, 0.99) * 1e3,
             engine_path=",".join(sorted(paths)),
+            engine_path_reasons=sorted(reasons),
         )
         if conn is not None:
             result.update(
@@ -490,7 +493,7 @@ async def _decode(
                     for k, half in ((0, "on"), (1, "off"))
                 }
             pauses.stop()
-            _, posted, prefill_marks, post_ns, prefill_gc = await anyio.to_thread.run_sync(conn.recv)
+            posted, prefill_marks, post_ns, prefill_gc = await anyio.to_thread.run_sync(conn.recv)
             result["gc"] = {"prefill": prefill_gc, "decode": pauses.summary()}
             result["post_us"] = {
                 k: round(v / 1e3 / max(post_ns.get("writes", 1), 1), 1)
@@ -501,8 +504,9 @@ async def _decode(
                 marks = prefill_marks + engine.me.trace.take()
                 result["trace_rooms"] = step_table(marks, set(range(args.rooms)))
                 result["trace_small"] = step_table(marks, set(range(SMALL_ROOM, SMALL_ROOM + args.lat_rooms)))
-            # descriptors posted by prefill rank 0 per room, times the writers of decode rank 0
-            result["descriptors_per_room"] = posted / (args.warmup + args.rooms + args.lat_rooms)
+            # descriptors posted by prefill rank 0 per room of the rounds (and warm-up), and per small room
+            result["descriptors_per_room"] = posted[0] / (args.warmup + args.rooms)
+            result["descriptors_per_small_room"] = posted[1] / max(args.lat_rooms, 1)
             conn.send("bye")
     # verified after the engine is closed: a long check would stall its heartbeats
     bad = 0
@@ -676,7 +680,7 @@ def main() -> int:
         f"room={r['room_bytes'] / 1e6:.1f} MB x{args.rooms} conc={args.concurrency} chunks={args.chunks}: "
         f"engine {r['engine_gbps']:.2f} GB/s, raw NIXL {r['raw_gbps']:.2f} GB/s, ratio "
         f"{r['throughput_ratio']:.2f} (rounds {r['round_ratios']}){copy}; room p50 {r['room_p50_ms']:.2f} ms p99 {r['room_p99_ms']:.2f} ms; "
-        f"descriptors/room {r['descriptors_per_room']:.0f}; small room p50 {r['engine_lat_p50_ms']:.3f} ms "
+        f"descriptors/room {r['descriptors_per_room']:.0f} (small room {r['descriptors_per_small_room']:.0f}); small room p50 {r['engine_lat_p50_ms']:.3f} ms "
         f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added (median of pairs) "
         f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}; "
         f"grant_with_request={r['grant_with_request']}; load average {r['loadavg']}"

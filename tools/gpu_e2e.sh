@@ -93,7 +93,7 @@ if [ "$phase" = pagetables ]; then  # page tables as serving hands them out: TWO
     || echo "bench_layerwise rc=$? (see $OUT/pt-layerwise.log)"
   awk '$3 == "layers" { printf "| layer-wise tail, %s %s | %s | %s | %s | %s | %s |\n", $3, $4, $NF, $1, $5, $8, $9 }' \
     "$OUT/pt-layerwise.log" | tee -a "$OUT/pagetables.md"
-  echo "| row | path asked (taken) | page table | P->D | in flight | NIXL_UCX_SGL_ENABLE | engine / raw (rounds) | engine GB/s | raw GB/s | descriptors/room | small room added ms (raw p50) | GC full collections ms (prefill, decode) | mismatches |" \
+  echo "| row | path asked (taken) | page table | P->D | in flight | NIXL_UCX_SGL_ENABLE | engine / raw (rounds) | engine GB/s | raw GB/s | descriptors/room | small room added ms (raw p50) | GC full collections ms (prefill, decode) | mismatches | why (the decode's choice) |" \
     | tee -a "$OUT/pagetables.md"
   row() {  # row NAME SGL ARGS...: one bench_transfer run, one markdown row
     local name=$1 sgl=$2
@@ -124,7 +124,8 @@ print(
     f"| {name} | {r['path']} ({r['engine_path']}) | {r['page_table']} | {r['P']}->{r['D']} | {r['concurrency']} "
     f"| {'1' if sgl == '1' else 'unset'} | {r['throughput_ratio']:.2f} ({', '.join(map(str, r['round_ratios']))}) "
     f"| {r['engine_gbps']:.1f} | {r['raw_gbps']:.1f} | {r['descriptors_per_room']:.0f} "
-    f"| {r['added_latency_p50_ms']:.3f} ({r['raw_lat_p50_ms']:.3f}) | {full} | {r['mismatches']} |"
+    f"| {r['added_latency_p50_ms']:.3f} ({r['raw_lat_p50_ms']:.3f}) | {full} | {r['mismatches']} "
+    f"| {'; '.join(r.get('engine_path_reasons', []))} |"
 )
 EOF
   }
