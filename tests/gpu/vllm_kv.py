@@ -136,9 +136,16 @@ def layer_writes(
 
 
 def mismatches(
-    caches: dict[str, torch.Tensor], side: Side, rank: int, request: int, blocks: Sequence[int], tokens: int
+    caches: dict[str, torch.Tensor],
+    side: Side,
+    rank: int,
+    request: int,
+    blocks: Sequence[int],
+    tokens: int,
+    start: int = 0,
 ) -> int:
-    """Bytes of the request's tokens, every layer and head of this rank, that differ from ``expected``."""
+    """Bytes of the request's tokens ``[start, start + tokens)`` (in ``blocks``), every layer and
+    head of this rank, that differ from ``expected``."""
     bad = 0
     for layer, name in enumerate(side.layer_names()):
         cache = caches[name]
@@ -146,7 +153,8 @@ def mismatches(
         page, n = _slots(cache, side, blocks, tokens)
         heads = global_heads(side, rank)
         got = u8[page[:, None], torch.arange(len(heads), device=cache.device)[None, :], n[:, None]]
-        bad += int((got.cpu() != expected(request, layer, tokens, heads, u8.shape[3])).sum())
+        want = expected(request, layer, start + tokens, heads, u8.shape[3])[start:]
+        bad += int((got.cpu() != want).sum())
     return bad
 
 

@@ -16,7 +16,16 @@ from dataclasses import replace
 import pytest
 
 from tests.gpu.inprocess import cores
-from tests.gpu.vllm_kv import Side, allocate, make_core, requests_for, run_prefill, wait_reported
+from tests.gpu.vllm_kv import (
+    Side,
+    allocate,
+    make_core,
+    mismatches,
+    requests_for,
+    run_prefill,
+    wait_reported,
+    written_bytes,
+)
 from transfer_engine.errors import ConfigError, LayoutError, LocalProtocolError
 from transfer_engine.integrations.vllm.core import ConnectorCore, digest_of
 
@@ -128,6 +137,51 @@ def test_prefill_abort_fails_the_decode() -> None:
         d.receive("r1", "t-fail", [4, 5], p_cores[0].bootstrap)
         p_cores[0].abort("r1", "t-fail")
         assert wait_reported(d, {"r1"}, prefill=False, timeout=10) == {"4", "5"}
+
+
+def test_decode_prefix_cache() -> None:
+    """A decode that holds a request's first block already (its prefix cache) asks for the rest
+    (``prefix_len``): the prefill sends only those blocks' KV, the cached block is not written."""
+    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, p_caches, d_caches):
+        p, d = p_cores[0], d_cores[0]
+        (r,) = requests_for(SIDE, SIDE, [50])
+        d.receive(r.transfer_id, r.transfer_id, r.decode_blocks[1:], p.bootstrap, prefix_len=16)
+        run_prefill(p, p_caches[0], SIDE, 0, [r])
+        wait_reported(p, {r.transfer_id}, prefill=True)
+        assert wait_reported(d, {r.transfer_id}, prefill=False) == set()
+        assert mismatches(d_caches[0], SIDE, 0, r.number, r.decode_blocks[1:], 34, start=16) == 0
+        item = 2  # bf16
+        assert written_bytes(d_caches[0]) == 34 * SIDE.heads_local * SIDE.content * item * SIDE.num_layers
+        assert p.take_stats()["bytes"] == 3 * p.pool.page_bytes * 2 * SIDE.num_layers  # 3 of 4 blocks
+        with pytest.raises(ConfigError, match="prefix_len=8"):
+            d.receive("r2", "t2", [0], p.bootstrap, prefix_len=8)
+
+
+def test_stats() -> None:
+    """Rank 0 counts transfers and their seconds, every rank its bytes; failures by kind."""
+    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, p_caches, d_caches):
+        p, d = p_cores[0], d_cores[0]
+        reqs = requests_for(SIDE, SIDE, [16, 33])
+        for r in reqs:
+            d.receive(r.transfer_id, r.transfer_id, r.decode_blocks, p.bootstrap)
+        run_prefill(p, p_caches[0], SIDE, 0, reqs)
+        ids = {r.transfer_id for r in reqs}
+        wait_reported(p, ids, prefill=True)
+        wait_reported(d, ids, prefill=False)
+        page_bytes = p.pool.page_bytes * 2 * SIDE.num_layers
+        for core in (p, d):
+            stats = core.take_stats()
+            assert (stats["transfers"], stats["bytes"], len(stats["seconds"]), stats["failures"]) == (
+                2,
+                (1 + 3) * page_bytes,
+                2,
+                {},
+            )
+            assert core.take_stats()["transfers"] == 0
+        d.receive("r3", "t-fails", [9], p.bootstrap)
+        p.abort("r3", "t-fails")
+        assert wait_reported(d, {"r3"}, prefill=False, timeout=10) == {"9"}
+        assert d.take_stats()["failures"] == {"aborted": 1}
 
 
 def test_requests_in_steps_and_news() -> None:

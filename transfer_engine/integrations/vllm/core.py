@@ -30,6 +30,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +38,22 @@ from typing import Any
 import anyio
 import torch
 
-from transfer_engine import EngineConfig, Receiver, Sender, TransferEngine, room_id
+from transfer_engine import (
+    EngineConfig,
+    PeerUnreachableError,
+    Receiver,
+    Sender,
+    TransferAborted,
+    TransferEngine,
+    TransferTimeout,
+    room_id,
+)
 from transfer_engine.errors import ConfigError, LocalProtocolError, TransferError
 from transfer_engine.facade import LoopThread
 
 from .layouts import VllmKV, pool_from_vllm
 
-__all__ = ["DIGEST_BYTES", "ConnectorCore", "digest_of"]
+__all__ = ["DIGEST_BYTES", "ConnectorCore", "digest_of", "failure_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +69,17 @@ def digest_of(transfer_id: str) -> bytes:
     return hashlib.blake2b(transfer_id.encode(), digest_size=DIGEST_BYTES, person=b"te-vllm").digest()
 
 
+def failure_kind(exc: BaseException) -> str:
+    """The kind of a room's failure, as :meth:`ConnectorCore.take_stats` counts it."""
+    if isinstance(exc, TransferTimeout):
+        return "timeout"
+    if isinstance(exc, TransferAborted):
+        return "aborted"
+    if isinstance(exc, PeerUnreachableError):
+        return "unreachable"
+    return "failed"
+
+
 @dataclass
 class _Request:
     """One request's room on this rank (loop thread only, once handed over)."""
@@ -69,6 +90,10 @@ class _Request:
     block_ids: tuple[int, ...]
     handle: Sender | Receiver | None = None
     aborted: bool = False
+    opened: float = field(default_factory=time.monotonic)
+    pages: int = 0
+    """Pool pages this rank moved for the room (set once known)."""
+    failure: str = "failed"
 
 
 @dataclass
@@ -91,6 +116,11 @@ class _Reports:
     sent: set[str] = field(default_factory=set)
     received: set[str] = field(default_factory=set)
     load_errors: set[int] = field(default_factory=set)
+    stats: dict[str, Any] = field(default_factory=lambda: _no_stats())
+
+
+def _no_stats() -> dict[str, Any]:
+    return {"transfers": 0, "bytes": 0, "seconds": [], "failures": {}}
 
 
 class ConnectorCore:
@@ -99,8 +129,9 @@ class ConnectorCore:
     ``config``: the rank's engine configuration (role, TP, addresses, ``layers_per_write``...).
     ``kv_caches``, ``layout``, ``block_size``, ``head_size`` (None for MLA), ``num_kv_heads``: as
     :func:`~transfer_engine.integrations.vllm.layouts.pool_from_vllm` takes them. ``max_requests``:
-    requests live at once on this rank (each holds an aux slot). ``cpus``: the CPUs the engine's
-    threads may run on (None: the caller's mask; vLLM's CPU worker pins its thread to one core).
+    requests live at once on this rank (each holds an aux slot; default ``config.max_rooms``).
+    ``cpus``: the CPUs the engine's threads may run on (None: the caller's; vLLM's CPU worker pins its
+    thread to one core before it registers the caches, and threads inherit their creator's mask).
     Raises LayoutError/ConfigError naming a bad value; nothing is started then.
     """
 
@@ -113,9 +144,11 @@ class ConnectorCore:
         block_size: int,
         head_size: int | None,
         num_kv_heads: int | None = None,
-        max_requests: int,
+        max_requests: int | None = None,
         cpus: frozenset[int] | None = None,
     ) -> None:
+        if max_requests is None:
+            max_requests = config.max_rooms
         if not isinstance(max_requests, int) or max_requests < 1:
             raise ConfigError(f"max_requests={max_requests!r} must be a positive integer")
         if cpus is not None and not cpus:
@@ -140,6 +173,8 @@ class ConnectorCore:
         )
         self.pool = self.kv.pool
         self.num_layers = self.pool.layout.num_layers
+        self._page_bytes = self.pool.page_bytes * self.pool.layout.num_kv_tensors
+        """Bytes of one pool page, every layer."""
         self._cuda = self.pool.device.type == "cuda"
         self._cpus = cpus
         self._loop = LoopThread(f"te-vllm-{config.role}-{config.tp_rank}")
@@ -164,16 +199,13 @@ class ConnectorCore:
 
     def start(self) -> None:
         """Start the loop thread and the engine; returns once the engine is up, or raises its error."""
-        mask = os.sched_getaffinity(0) if self._cpus is not None else None
-        try:
-            if self._cpus is not None:  # the loop thread, and the threads the engine starts, inherit it
-                os.sched_setaffinity(0, self._cpus)
-            self._loop.start()
-        except OSError as exc:
-            raise ConfigError(f"cpus={sorted(self._cpus or ())}: cannot run the engine there: {exc}") from exc
-        finally:
-            if mask is not None:
-                os.sched_setaffinity(0, mask)
+        self._loop.start()
+        if self._cpus is not None:  # set before the engine exists: the threads it starts inherit it
+            try:
+                self._loop.call(os.sched_setaffinity, 0, self._cpus)
+            except OSError as exc:
+                self._loop.close()
+                raise ConfigError(f"cpus={sorted(self._cpus)}: cannot run the engine there: {exc}") from None
         self._loop.spawn(self._serve)
         if not self._up.wait(START_TIMEOUT_S):
             self._loop.close()
@@ -208,6 +240,10 @@ class ConnectorCore:
         try:
             async with TransferEngine(self.config, self.pool) as engine:
                 self._engine = engine
+                log.info(
+                    "transfer engine %s rank %d: transfer-engine dump --endpoint %s",
+                    self.config.role, self.config.tp_rank, engine.introspect_endpoint,
+                )  # fmt: skip
                 self._up.set()
                 await self._stop.wait()
                 for request in list(self._live.values()):
@@ -298,11 +334,19 @@ class ConnectorCore:
         for req_id, layers in list(self._layerwise.items()):
             self.layers_ready(req_id, layers.end, self.num_layers)
 
-    def receive(self, req_id: str, transfer_id: str, block_ids: Sequence[int], bootstrap: str) -> None:
+    def receive(
+        self, req_id: str, transfer_id: str, block_ids: Sequence[int], bootstrap: str, prefix_len: int = 0
+    ) -> None:
         """Decode: open the request's room into its blocks; it is reported once its KV landed (its
-        blocks count as failed unless the digest matched). Never blocks."""
+        blocks count as failed unless the digest matched). ``prefix_len``: tokens this instance
+        holds already (its prefix cache), a multiple of the block size; ``block_ids`` are the
+        blocks of the tokens after them, and the prefill sends only those. Never blocks."""
+        if not isinstance(prefix_len, int) or prefix_len < 0 or prefix_len % self.kv.block_size:
+            raise ConfigError(
+                f"request {req_id!r}: prefix_len={prefix_len!r} is not a multiple of block_size={self.kv.block_size}"
+            )
         request = self._request(req_id, transfer_id, block_ids)
-        self._hand(self._receive, request, bootstrap)
+        self._hand(self._receive, request, bootstrap, prefix_len)
 
     def abort(self, req_id: str, transfer_id: str) -> None:
         """End the request's room; it is reported once no WRITE of it can land. A prefill request
@@ -318,9 +362,17 @@ class ConnectorCore:
         """Requests whose room ended since the last call: (prefill side, decode side)."""
         with self._lock:
             reports = self._reports
-            self._reports = _Reports(load_errors=reports.load_errors)
+            self._reports = _Reports(load_errors=reports.load_errors, stats=reports.stats)
             self._news.clear()
         return reports.sent, reports.received
+
+    def take_stats(self) -> dict[str, Any]:
+        """What ended since the last call: ``bytes`` this rank moved, and (TP rank 0 only: every
+        rank ends each room) ``transfers`` that succeeded, their ``seconds`` from hand-over to end,
+        and ``failures`` by kind (:func:`failure_kind`; requests vLLM aborted are not counted)."""
+        with self._lock:
+            stats, self._reports.stats = self._reports.stats, _no_stats()
+        return stats
 
     def take_load_errors(self) -> set[int]:
         """vLLM blocks of decode requests that failed since the last call (vLLM recomputes them)."""
@@ -407,6 +459,14 @@ class ConnectorCore:
         with self._lock:
             self._outstanding -= 1
             self._news.set()
+            stats = self._reports.stats
+            if ok:
+                stats["bytes"] += request.pages * self._page_bytes
+            if self.config.tp_rank == 0 and ok:
+                stats["transfers"] += 1
+                stats["seconds"].append(time.monotonic() - request.opened)
+            elif self.config.tp_rank == 0 and not request.aborted:
+                stats["failures"][request.failure] = stats["failures"].get(request.failure, 0) + 1
             if prefill:
                 self._reports.sent.add(request.req_id)
                 return
@@ -423,15 +483,21 @@ class ConnectorCore:
         assert engine is not None
         slot = self._claim(request)
         if slot is None:
+            request.failure = "refused"
             self._report(request, False, prefill=True)
             return
         ok = False
         try:
             self._set_aux(slot, digest_of(request.transfer_id))
-            pages = self.kv.pages_of(request.block_ids)
             sender = request.handle = engine.sender(request.room)
             if request.aborted:
                 await sender.abort("vLLM aborted the request")
+            # the decode's request says which tokens it lacks (its prefix cache holds the rest)
+            await sender.wait_bootstrapped()
+            pages = self.kv.pages_of(request.block_ids)[
+                sender.decode_prefix_len // self.pool.layout.page_size :
+            ]
+            request.pages = len(pages)
             if layers is None:
                 await sender.send(pages, last=True, aux_slot=slot, ready=ready)
             else:
@@ -443,35 +509,43 @@ class ConnectorCore:
             await sender.wait()
             ok = True
         except TransferError as exc:
-            log.warning("request %s (room %d): send failed: %s", request.req_id, request.room, exc)
+            request.failure = failure_kind(exc)
+            if not request.aborted:
+                log.warning("request %s (room %d): send failed: %s", request.req_id, request.room, exc)
             if request.handle is not None:  # returns once no WRITE of the room can still read the blocks
                 await request.handle.abort(f"send failed: {exc}")
         finally:
             self._release(request, slot)
             self._report(request, ok, prefill=True)
 
-    async def _receive(self, request: _Request, bootstrap: str) -> None:
+    async def _receive(self, request: _Request, bootstrap: str, prefix_len: int) -> None:
         engine = self._engine
         assert engine is not None
         slot = self._claim(request)
         if slot is None:
+            request.failure = "refused"
             self._report(request, False, prefill=False)
             return
         ok = False
         try:
             self._set_aux(slot, bytes(DIGEST_BYTES))
             pages = self.kv.pages_of(request.block_ids)
-            receiver = request.handle = await engine.receiver(request.room, bootstrap, pages, aux_slot=slot)
+            request.pages = len(pages)
+            receiver = request.handle = await engine.receiver(
+                request.room, bootstrap, pages, aux_slot=slot, decode_prefix_len=prefix_len
+            )
             if request.aborted:
                 await receiver.abort("vLLM aborted the request")
             await receiver.wait()
             ok = self._get_aux(slot) == digest_of(request.transfer_id)
             if not ok:
+                request.failure = "digest"
                 log.error(
                     "request %s (room %d): the KV that landed is not transfer %r's",
                     request.req_id, request.room, request.transfer_id,
                 )  # fmt: skip
         except TransferError as exc:
+            request.failure = failure_kind(exc)
             if not request.aborted:
                 log.warning("request %s (room %d): receive failed: %s", request.req_id, request.room, exc)
         finally:

@@ -79,6 +79,11 @@ class VllmKV:
     block_ratio: int
     """Pool pages (kernel blocks) per vLLM block."""
 
+    @property
+    def block_size(self) -> int:
+        """vLLM's block size, in tokens."""
+        return self.pool.layout.page_size * self.block_ratio
+
     def layer_index(self, name: str) -> int:
         """The engine index of layer ``name``; LayoutError for a name vLLM did not register."""
         try:
