@@ -8,8 +8,8 @@ Everything a caller needs is importable from here: the engine and its handles, t
 the errors, KV layouts and pools (with the builders of pools over a serving system's own memory),
 the control plane's CURVE keys. Threaded callers use :mod:`transfer_engine.facade` (BlockingEngine,
 the LoopThread bridge, BootstrapServer). Other submodules are implementation detail unless a
-docstring says otherwise (``transfer_engine.observe.Snapshot`` is the published dump format); the
-integrations import nothing else (an import-linter contract in pyproject.toml).
+docstring says otherwise (``transfer_engine.observe.Snapshot`` is the published dump format). The
+integrations are to import nothing else (the import-linter contract drafted in pyproject.toml).
 """
 
 __version__ = "0.1.0"
