@@ -75,7 +75,6 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
-from transfer_engine import patterns, testing
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import Receiver, Sender, TransferEngine
 from transfer_engine.errors import (
@@ -88,6 +87,8 @@ from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.staging import region_layout
+from transfer_engine.testing import cluster as testing
+from transfer_engine.testing import patterns
 from transfer_engine.transport.faults import ControlFaults, Fault, FaultyTransport, Loss, Rule
 from transfer_engine.transport.nixl import NixlTransport
 
