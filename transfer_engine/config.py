@@ -59,6 +59,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Rooms live at once on this rank; ``sender()``/``receiver()`` raise RoomLimitError beyond it.
     It bounds what rooms can have outstanding at the workers, ring and scatter actor
     (docs/ARCHITECTURE.md, "Mail without deadlock")."""
+    integrity: bool = True
+    """Checksum every chunk's bytes as its WRITE starts and verify them where they landed; a mismatch
+    fails the room with reason INTEGRITY on both sides (docs/INTEGRITY.md). Off only explicitly."""
     # --- what users set: timeouts ---------------------------------------------------------------
     bootstrap_timeout: float = 30.0
     waiting_timeout: float | None = None
@@ -251,7 +254,7 @@ USER_FIELDS: tuple[str, ...] = (
     "role", "tp_size", "tp_rank",
     "host", "control_port", "bootstrap_host", "bootstrap_port", "host_bootstrap", "introspect_port",
     "metrics_port", "agent_name",
-    "path", "staging_memory", "nixl_backend", "max_rooms",
+    "path", "staging_memory", "nixl_backend", "max_rooms", "integrity",
     "bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "connect_timeout",
     "curve_secret_key_file", "curve_public_keys_dir",
 )  # fmt: skip

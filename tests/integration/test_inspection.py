@@ -51,24 +51,24 @@ class GatedTransport(NixlTransport):
     def __init__(self, name: str) -> None:
         super().__init__(name, progress_thread=False)
         self.gate_open = False
-        self._held: set[int] = set()
+        self._held: dict[int, bytes] = {}
+        """Held WRITEs and the notification each was started with."""
 
-    def start_write(self, handle: int) -> int:
+    def start_write(self, handle: int, notif: bytes = b"") -> int:
         if self.gate_open:
-            return super().start_write(handle)
-        self._held.add(handle)
+            return super().start_write(handle, notif)
+        self._held[handle] = notif
         return handle
 
     def state(self, handle: int) -> XferState:
         if handle in self._held:
             if not self.gate_open:
                 return XferState.PROC
-            self._held.discard(handle)
-            super().start_write(handle)
+            super().start_write(handle, self._held.pop(handle))
         return super().state(handle)
 
     def release(self, handle: int) -> None:
-        self._held.discard(handle)
+        self._held.pop(handle, None)
         super().release(handle)
 
     def close(self) -> None:

@@ -136,6 +136,8 @@ class NixlPoller:
         self._sleep_until = float("inf")
         """When the poller's current sleep ends (inf: it is not asleep, or sleeps until woken)."""
         self._posted: list[_Posted] = []
+        self._seals: dict[int, Callable[[], bytes]] = {}
+        """Made WRITEs whose notification is taken as they start (``WriteSpec.seal``: integrity)."""
         self._wake = anyio.Event()
         self.counters: Counter[str] = Counter()
         self.book = LogBook(log, transport.name)
@@ -165,7 +167,7 @@ class NixlPoller:
         """Make a WRITE without starting it (its descriptors checked and prepared); returns the handle
         for :meth:`start_write` or :meth:`discard`. Raises AddressRangeError / TransportError when it
         cannot be made (nothing is then)."""
-        return self._counted(lambda: self.transport.prepare_write(spec))
+        return self._sealing(self._counted(lambda: self.transport.prepare_write(spec)), spec)
 
     def prepare_lists(self, spec: WriteSpec) -> int:
         """Check and prepare ``spec``'s descriptor lists once, for WRITEs of parts of it
@@ -177,7 +179,24 @@ class NixlPoller:
     def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int:
         """Make the WRITE ``spec`` of the descriptors ``index`` of ``lists``, without starting it; as
         :meth:`prepare_write` otherwise."""
-        return self._counted(lambda: self.transport.prepare_indexed(lists, index, spec))
+        return self._sealing(self._counted(lambda: self.transport.prepare_indexed(lists, index, spec)), spec)
+
+    def _sealing(self, handle: int, spec: WriteSpec) -> int:
+        if spec.seal is not None:
+            self._seals[handle] = spec.seal
+        return handle
+
+    def _seal(self, handle: int) -> bytes:
+        """The notification ``handle`` starts with: its seal's, taken now (b"": the one it was made
+        with). A seal that fails refuses the WRITE: TransportError, and the handle is released."""
+        seal = self._seals.pop(handle, None)
+        if seal is None:
+            return b""
+        try:
+            return seal()
+        except Exception as exc:
+            self.transport.release(handle)
+            raise TransportError(f"the notification of WRITE {handle} could not be sealed: {exc}") from exc
 
     def close_lists(self, lists: int) -> None:
         """No more WRITEs from ``lists``; released once the WRITEs made from them are."""
@@ -193,7 +212,7 @@ class NixlPoller:
         goes to ``reply_to``. TransportError: not started, the handle is gone, and no reply comes.
         ``relaxed``: nobody waits for its end until :meth:`hurry` (a layer group before its chunk's
         last): it is looked at every ``poll_relaxed``, not at the quick cadence."""
-        started = self._counted(lambda: self.transport.start_write(handle))
+        started = self._counted(lambda: self.transport.start_write(handle, self._seal(handle)))
         self._track(started, spec, reply_to, token, relaxed)
 
     def start_early(self, handle: int) -> tuple[int, int, int] | None:
@@ -201,7 +220,7 @@ class NixlPoller:
         tracked or counted until :meth:`adopt`, on the loop. TransportError: not started, and the
         handle is gone (count it with :meth:`refused`). Returns the transport's
         :attr:`~transfer_engine.transport.nixl.NixlTransport.last_start`, if it has one."""
-        self.transport.start_write(handle)
+        self.transport.start_write(handle, self._seal(handle))
         at: tuple[int, int, int] | None = getattr(self.transport, "last_start", None)
         return at
 
@@ -266,6 +285,7 @@ class NixlPoller:
 
     def discard(self, handle: int) -> None:
         """Drop a WRITE made by :meth:`prepare_write` and never started."""
+        self._seals.pop(handle, None)
         try:
             self.transport.release(handle)
         except KeyError:  # the transport was closed first (engine shutdown): it released every handle

@@ -31,6 +31,7 @@ from transfer_engine.errors import (
     ConfigError,
     PeerUnreachableError,
 )
+from transfer_engine.memory.integrity import PoolChecksums
 from transfer_engine.memory.staging import allocate_staging, chunk_region_bytes, warm_staging_kernels
 from transfer_engine.observe.build import build_snapshot
 from transfer_engine.protocol import messages as m
@@ -130,6 +131,7 @@ class Supervision(EngineState):
         if cfg.hosts_bootstrap:
             self.bootstrap = Bootstrap(cfg.bootstrap_host, cfg.bootstrap_port, curve=self.curve)
             await tg.start(self.bootstrap.run)
+        self.checksums = PoolChecksums(self.pool) if cfg.integrity else None
         if cfg.role == "prefill":
             # default: two chunks, so a worker gathers the next chunk while the last one's WRITE runs
             staging_bytes = cfg.staging_bytes or 2 * chunk_region_bytes(self.pool, cfg.staging_chunk_pages)
@@ -137,7 +139,7 @@ class Supervision(EngineState):
                 worker = TransferWorker(
                     i, self.me, self.pool, self.poller, self.board, self.control,
                     staging_bytes=staging_bytes, capacity=ACTOR_MAILBOX, reserve=(JOBS_PER_ROOM + 1) * cfg.max_rooms,
-                    early_drive=cfg.early_drive,
+                    early_drive=cfg.early_drive, checksums=self.checksums,
                 )  # fmt: skip
                 self.workers.append(worker)
                 await tg.start(worker.run)
@@ -151,6 +153,7 @@ class Supervision(EngineState):
             ring_port=self.ring,
             scatter=None if self.scatter is None else self.scatter.inbox,
             chunk_cut=ChunkCut(cfg.host_pipeline_layers, cfg.pipeline_min_bytes),
+            checksums=self.checksums,
         )  # fmt: skip
         tg.start_soon(self._heartbeat_loop)
         log.info(

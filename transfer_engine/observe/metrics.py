@@ -26,9 +26,12 @@ from prometheus_client.metrics_core import Metric
 
 from transfer_engine.observe import RoomSnapshot, Snapshot
 
-__all__ = ["LATENCY_BUCKETS", "SIZE_BUCKETS", "Metrics"]
+__all__ = ["INTEGRITY_RESULTS", "LATENCY_BUCKETS", "SIZE_BUCKETS", "Metrics"]
 
 PREFIX = "transfer_engine"
+
+INTEGRITY_RESULTS = ("match", "mismatch", "unchecked")
+"""Results of a decode's integrity check; the engine counts each as ``integrity_{result}``."""
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -134,6 +137,15 @@ class _SnapshotCollector:
         yield CounterMetricFamily(
             f"{PREFIX}_notifications", "NIXL notifications received (chunks landed).", c.notifications
         )
+        integrity = CounterMetricFamily(
+            f"{PREFIX}_integrity_checks",
+            "Landed chunks (or layer groups) whose checksum was compared, by result: match, mismatch "
+            "(the room failed with reason integrity), unchecked (no checksum carried or integrity off).",
+            labels=["result"],
+        )
+        for result in INTEGRITY_RESULTS:
+            integrity.add_metric([result], c.raw.get(f"integrity_{result}", 0))
+        yield integrity
         dropped = CounterMetricFamily(
             f"{PREFIX}_dropped_messages", "Messages dropped, by kind.", labels=["kind"]
         )

@@ -27,6 +27,7 @@ import anyio
 import numpy as np
 
 from transfer_engine.errors import TransferError
+from transfer_engine.memory.integrity import PoolChecksums
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import ChunkCut
@@ -253,3 +254,6 @@ class RoomPorts:
     scatter: Mailbox[ScatterJob] | None = None
     chunk_cut: ChunkCut = field(default_factory=ChunkCut)
     """Prefill: the whole chunks a room writes as layer groups once it knows the path."""
+    checksums: PoolChecksums | None = None
+    """Decode: the checksums over this rank's pool a room compares landed chunks with; None when
+    ``EngineConfig.integrity`` is off (docs/INTEGRITY.md)."""

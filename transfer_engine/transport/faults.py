@@ -26,6 +26,7 @@ takes ``now`` as an argument. Nothing here is imported by the engine outside tes
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import enum
 import heapq
@@ -36,7 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -67,6 +68,12 @@ class Fault(enum.Enum):
     """WRITE: the destination is moved outside the peer's regions; the real transport must refuse it."""
     ERROR = "error"
     """WRITE: posted (the bytes move) without its notification; its state ends as ERR."""
+    FLIP = "flip"
+    """WRITE: one bit of the bytes it moves is flipped in flight. The bit (a random descriptor, byte
+    and bit) is flipped in the source memory as the WRITE starts — after its notification, and the
+    checksum on it, were taken — and flipped back once the WRITE has ended: the peer receives the
+    corrupted byte, this side's memory is left as it was. Aux items carry no checksum: match chunk
+    WRITEs (``matching(m.ChunkLanded)``)."""
     DELAY = "delay"
     """WRITE: completion reported ``delay_s`` late. Notification or message: delivered ``delay_s`` late."""
     STALL = "stall"
@@ -80,7 +87,7 @@ class Fault(enum.Enum):
     through, then delivered after it; at most ``delay_s`` later."""
 
 
-WRITE_FAULTS = frozenset({Fault.FAIL_POST, Fault.BAD_ADDRESS, Fault.ERROR, Fault.DELAY})
+WRITE_FAULTS = frozenset({Fault.FAIL_POST, Fault.BAD_ADDRESS, Fault.ERROR, Fault.DELAY, Fault.FLIP})
 NOTIF_FAULTS = frozenset({Fault.DELAY, Fault.STALL, Fault.DROP, Fault.DUPLICATE, Fault.REORDER})
 MESSAGE_FAULTS = frozenset({Fault.DELAY, Fault.DROP, Fault.DUPLICATE, Fault.REORDER})
 
@@ -351,9 +358,44 @@ class ControlFaults:
 
 
 @dataclass
+class _Flip:
+    """One bit of local memory to flip as a WRITE starts and to flip back once it ended."""
+
+    addr: int
+    bit: int
+    mem_type: str
+    device: int
+    flipped: bool = False
+
+    def toggle(self) -> None:
+        flip_bit(self.addr, self.bit, self.mem_type, self.device)
+        self.flipped = not self.flipped
+
+
+def flip_bit(addr: int, bit: int, mem_type: str, device: int) -> None:
+    """XOR bit ``bit`` of the byte at ``addr`` of this process's memory (DRAM, or VRAM of ``device``)."""
+    if mem_type == "DRAM":
+        byte = ctypes.c_uint8.from_address(addr)
+        byte.value ^= 1 << bit
+        return
+    import torch
+
+    class _Byte:  # one byte of device memory, as torch.as_tensor takes it
+        __cuda_array_interface__: ClassVar[dict[str, Any]] = {
+            "shape": (1,), "typestr": "|u1", "data": (addr, False), "version": 3,
+        }  # fmt: skip
+
+    with torch.cuda.device(device):
+        view = torch.as_tensor(_Byte(), device=f"cuda:{device}")
+        view ^= 1 << bit
+        torch.cuda.synchronize(device)
+
+
+@dataclass
 class _Override:
     error: bool = False
     release_at: float = 0.0
+    flip: _Flip | None = None
 
 
 class FaultyTransport:
@@ -373,6 +415,7 @@ class FaultyTransport:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         rng = random.Random(seed)
+        self._rng = rng
         self.write_rules = _Rules(writes, WRITE_FAULTS, "WRITEs", rng)
         self.notif_rules = _Rules(notifs, NOTIF_FAULTS, "notifications", rng)
         self.inner = inner
@@ -403,8 +446,19 @@ class FaultyTransport:
     def post_write(self, spec: WriteSpec) -> int:
         return self.start_write(self.prepare_write(spec))
 
-    def start_write(self, handle: int) -> int:
-        return self.inner.start_write(handle)
+    def start_write(self, handle: int, notif: bytes = b"") -> int:
+        """Start a made WRITE (with ``notif`` in place of the one it was made with, when given); a
+        FLIP rule's bit is flipped now, after the caller took the notification."""
+        override = self._overrides.get(handle)
+        if override is not None and override.error:
+            notif = b""  # an ERROR WRITE goes without a notification, whatever it starts with
+        if override is not None and override.flip is not None and not override.flip.flipped:
+            override.flip.toggle()
+        try:
+            return self.inner.start_write(handle, notif) if notif else self.inner.start_write(handle)
+        except Exception:
+            self._unflip(handle)
+            raise
 
     def prepare_lists(self, spec: WriteSpec) -> int:
         return self.inner.prepare_lists(spec)
@@ -441,18 +495,40 @@ class FaultyTransport:
         elif fault is Fault.DELAY:
             assert rule is not None
             self._overrides[handle] = _Override(release_at=self.clock() + rule.delay_s)
+        elif fault is Fault.FLIP:
+            self._overrides[handle] = _Override(flip=self._pick_flip(spec))
         return handle
+
+    def _pick_flip(self, spec: WriteSpec) -> _Flip:
+        """A random bit of ``spec``'s source bytes (a descriptor picked by its length)."""
+        lengths = spec.length.astype(np.int64)
+        at = self._rng.randrange(int(lengths.sum()))
+        index = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+        offset = at - int(lengths[:index].sum())
+        devices = spec.local_devices
+        device = int(devices if isinstance(devices, int) else np.asarray(devices).reshape(-1)[index])
+        return _Flip(int(spec.src[index]) + offset, self._rng.randrange(8), spec.local_mem, device)
+
+    def _unflip(self, handle: int) -> None:
+        """Put back the bit a FLIP rule flipped for ``handle`` (its WRITE ended, or never started)."""
+        override = self._overrides.get(handle)
+        if override is not None and override.flip is not None and override.flip.flipped:
+            override.flip.toggle()
 
     def state(self, handle: int) -> XferState:
         state = self.inner.state(handle)
         override = self._overrides.get(handle)
         if state is XferState.PROC or override is None:
             return state
+        if override.flip is not None:
+            self._unflip(handle)
+            return state
         if override.error:
             return XferState.ERR
         return XferState.PROC if self.clock() < override.release_at else state
 
     def release(self, handle: int) -> None:
+        self._unflip(handle)
         self._overrides.pop(handle, None)
         self.inner.release(handle)
 

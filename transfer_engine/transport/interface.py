@@ -9,7 +9,7 @@ wrapper of the chaos tests (:mod:`transfer_engine.transport.faults`) wraps it. N
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,7 +32,9 @@ class WriteSpec:
     """One WRITE: uint64 ``(src, dst, length)`` descriptor arrays from local memory into ``peer``'s.
 
     ``local_devices`` is one device id for every descriptor or one per descriptor; ``notif`` is the
-    encoded notification NIXL delivers to the peer once the bytes have landed.
+    encoded notification NIXL delivers to the peer once the bytes have landed; ``seal``, when set,
+    makes the notification the WRITE starts with instead, taken as it starts (integrity: the
+    checksum of its bytes rides on it; docs/INTEGRITY.md).
     """
 
     peer: str
@@ -42,6 +44,7 @@ class WriteSpec:
     length: np.ndarray
     local_devices: np.ndarray | int
     notif: bytes
+    seal: Callable[[], bytes] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -121,7 +124,7 @@ class Transport(Protocol):
     def prepare_lists(self, spec: WriteSpec) -> int: ...
     def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int: ...
     def close_lists(self, lists: int) -> None: ...
-    def start_write(self, handle: int) -> int: ...
+    def start_write(self, handle: int, notif: bytes = b"") -> int: ...
     def state(self, handle: int) -> XferState: ...
     def release(self, handle: int) -> None: ...
     def drain_notifs(self) -> dict[str, list[bytes]]: ...

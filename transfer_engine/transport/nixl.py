@@ -310,9 +310,10 @@ class NixlTransport:
             del self._lists[lid]
             self._release_lists([shared.local, shared.remote])
 
-    def start_write(self, handle: int) -> int:
+    def start_write(self, handle: int, notif: bytes = b"") -> int:
         """Start a WRITE made by :meth:`prepare_write`; returns ``handle``. On TransportError the
-        handle is released (nothing was posted).
+        handle is released (nothing was posted). A non-empty ``notif`` replaces the notification it
+        was made with (NIXL takes one per ``transfer()``).
 
         Serialized as every agent call; ``post_ns["start_wait"]`` sums the time from the call to
         holding the lock (on another thread than the loop's: the wait for the loop's NIXL call and
@@ -326,7 +327,7 @@ class NixlTransport:
             peer, count = self._peer_of.pop(handle)
             cpu0 = time.thread_time_ns()
             try:
-                state = self._agent.transfer(xfer)
+                state = self._agent.transfer(xfer, notif)
             except Exception as exc:
                 self.release(handle)
                 raise TransportError(f"WRITE to {peer} failed to start: {exc}") from exc

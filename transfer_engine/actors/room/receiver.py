@@ -18,6 +18,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.integrity import Verdict, mismatch_detail, verdict
 from transfer_engine.protocol.layers import LayerTally, group_tensor_runs
 from transfer_engine.protocol.paths import is_staged
 from transfer_engine.protocol.receiver_room import ReceiverRoom
@@ -119,6 +120,10 @@ class ReceiverRoomActor(RoomActor):
         """Ring regions this room holds, by chunk id (until scattered, or freed at the end)."""
         self.to_scatter: deque[_ToScatter] = deque()
         """Copies out of the ring waiting for a scatter slot."""
+        self.scattering: deque[_ToScatter] = deque()
+        """Copies at the scatter actor, in the order it answers them (it runs jobs in arrival order)."""
+        self.carried: dict[tuple[int, int, tuple[int, int] | None], int | None] = {}
+        """Staged: the checksum each (chunk, writer, layer group) landed with, until it is scattered."""
         self.whole: set[int] = set()
         """Staged chunks some writer sent whole (not layer-wise): scattered whole once complete."""
         self.remote_failure = False
@@ -258,6 +263,12 @@ class ReceiverRoomActor(RoomActor):
             case m.AuxLanded(sender=sender) if self.core.aux_landed and sender == self.core.wants_aux_from:
                 self.ports.counters["notifs_duplicate"] += 1
             case m.ChunkLanded(sender=sender, chunk_id=chunk_id, last=last):
+                if self.staged:  # checked once in the pages (docs/INTEGRITY.md)
+                    self.carried[(chunk_id, sender, mail.layers)] = mail.checksum
+                elif not self._intact(
+                    chunk_id, sender, mail.layers, mail.checksum, mail.page_start, mail.num_pages
+                ):
+                    return  # never counted: the room failed
                 granted = self.regions.get(chunk_id) if self.staged else None
                 held = (
                     None
@@ -294,9 +305,11 @@ class ReceiverRoomActor(RoomActor):
             case RegionGranted(chunk_id=chunk_id):
                 self.regions[chunk_id] = mail
             case Scattered(chunk_id=chunk_id, ok=ok, detail=detail, freed=freed):
+                item = self.scattering.popleft()
+                intact = not ok or self._scattered_intact(item)  # a mismatch fails the room here
                 if freed:
                     self.regions.pop(chunk_id, None)  # the scatter actor freed it
-                self.core.scatter_ended(chunk_id, ok, now, freed)
+                self.core.scatter_ended(chunk_id, ok and intact, now, freed)
                 if not ok:
                     self._fail(FailureReason.TRANSPORT, detail)
                 self._pump_scatter()
@@ -361,6 +374,7 @@ class ReceiverRoomActor(RoomActor):
         scatter = self.ports.scatter
         assert scatter is not None
         self.core.scatter_started()
+        self.scattering.append(item)
         self.ports.me.trace.mark(self.room, "scatter_posted")
         scatter.post(
             ScatterJob(
@@ -375,6 +389,49 @@ class ReceiverRoomActor(RoomActor):
                 item.final,
             )  # fmt: skip
         )
+
+    def _intact(
+        self,
+        chunk_id: int,
+        sender: int,
+        layers: tuple[int, int] | None,
+        carried: int | None,
+        page_start: int,
+        num_pages: int,
+    ) -> bool:
+        """Compare the checksum ``sender`` carried for a chunk (or layer group) with this rank's over
+        the pages it landed in (docs/INTEGRITY.md); count the result. A mismatch fails the room with
+        INTEGRITY and returns False: the chunk must not count."""
+        checksums = self.ports.checksums
+        if carried is None or checksums is None:
+            self.ports.counters["integrity_unchecked"] += 1
+            return True
+        writer_ps = self.writers[sender].layout.page_size
+        page_size = self.ports.pool.layout.page_size
+        start = page_start * writer_ps
+        tokens = descriptors.chunk_tokens(start, num_pages, writer_ps, len(self.pages) * page_size)
+        slots = descriptors.slots_of(self.pages, page_size, start, tokens)
+        (spec,) = [s for s in self.slices if s.prefill_rank == sender]
+        landed = checksums.chunk(slots, spec.dst_head_start, spec.num_heads, layers)
+        if verdict(carried, landed) is Verdict.MATCH:
+            self.ports.counters["integrity_match"] += 1
+            return True
+        self.ports.counters["integrity_mismatch"] += 1
+        self._fail(FailureReason.INTEGRITY, mismatch_detail(chunk_id, sender, layers, carried, landed))
+        return False
+
+    def _scattered_intact(self, item: _ToScatter) -> bool:
+        """A staged copy is in the pages: check each writer it covered (every writer of a whole chunk,
+        or the one writer of a layer group) as :meth:`_intact` does."""
+        granted = self.regions[item.chunk_id]
+        senders = [s.prefill_rank for s in self.slices] if item.sender is None else [item.sender]
+        for sender in senders:
+            carried = self.carried.pop((item.chunk_id, sender, item.layers), None)
+            if not self._intact(
+                item.chunk_id, sender, item.layers, carried, granted.page_start, granted.num_pages
+            ):
+                return False
+        return True
 
     async def on_status_change(self, before: RoomStatus) -> None:
         if not self.core.status.final:

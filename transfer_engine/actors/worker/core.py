@@ -13,11 +13,14 @@ its own.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections import defaultdict
 
 import torch
 
 from transfer_engine.errors import FailureReason
+from transfer_engine.memory.integrity import PoolChecksums, sealed
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
 from transfer_engine.runtime.completion import CompletionWaiter
@@ -33,6 +36,7 @@ from transfer_engine.runtime.ports import Outbox, RankIdentity, RoomBoard, Write
 from transfer_engine.transport.interface import WriteSpec
 
 from ..base import Actor
+from .plan import staged_slots
 
 Made = tuple[int, WriteSpec]
 """A WRITE made ahead and not started: its transport handle and what it moves."""
@@ -65,8 +69,11 @@ class WorkerCore(Actor["WorkerMail"]):
         capacity: int = 4096,
         reserve: int = 0,
         early_drive: float = 0.0,
+        checksums: PoolChecksums | None = None,
     ) -> None:
         super().__init__(capacity, reserve)
+        self.checksums = checksums
+        """Integrity on: what a chunk's WRITE is sealed with as it starts (:meth:`sealed`)."""
         self.index = index
         self.me = me
         self.pool = pool
@@ -90,6 +97,18 @@ class WorkerCore(Actor["WorkerMail"]):
     def depth(self) -> int:
         """Mails queued in the inbox."""
         return len(self.inbox)
+
+    def sealed(self, job: WriteJob, spec: WriteSpec) -> WriteSpec:
+        """``spec`` sealed with the checksum of the KV its chunk (or layer group) reads from this
+        rank's pages, taken when the WRITE starts, its bytes final then (docs/INTEGRITY.md): the
+        prefill side of integrity, on every path. ``spec`` itself with integrity off, or for the aux item."""
+        if self.checksums is None or job.chunk is None:
+            return spec
+        head = job.request.slices[0] if job.request.slices else None
+        start, count = (head.src_head_start, head.num_heads) if head else (0, int(self.pool.kv_views[0].shape[-2]))
+        layers = None if job.group is None else job.group.layers
+        take = functools.partial(self.checksums.chunk, staged_slots(job, self.pool), start, count, layers)
+        return dataclasses.replace(spec, seal=sealed(spec.notif, take))
 
     async def done(self, job: WriteJob, ok: bool, detail: str, reason: FailureReason) -> None:
         """The one reply for ``job`` that does not come from the poller."""

@@ -80,9 +80,10 @@ class DirectPath(HeldJobs):
         self.me.trace.mark(job.room, "planned")
         if len(src) == 0:
             raise TransferError(f"room {job.room}: empty WRITE")
-        return WriteSpec(
+        spec = WriteSpec(
             job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id, notif
         )
+        return self.sealed(job, spec)
 
     async def prepare(self, job: WriteJob) -> Made | None:
         """Plan and make a direct (or slice) job's WRITE while the KV it reads is still being
@@ -132,6 +133,7 @@ class DirectPath(HeldJobs):
                 whole.peer, whole.local_mem, whole.src[index], whole.dst[index], whole.length[index],
                 whole.local_devices, chunk_notification(job, region=-1),
             )  # fmt: skip
+            spec = self.sealed(job, spec)
             self.me.trace.mark(job.room, "planned")
             return self.poller.prepare_indexed(shared.lists, index, spec), spec
         finally:

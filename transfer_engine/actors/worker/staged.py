@@ -332,7 +332,7 @@ class StagedPath(DirectPath):
             stream=self.stream,
         )
         leases = self._buffers[staged.host][1]
-        spec = self._staged_spec(staged, memory, offset)
+        spec = self.sealed(job, self._staged_spec(staged, memory, offset))
         made: int | TransferError | None = None
         gathered = None
         try:
