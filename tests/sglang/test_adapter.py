@@ -169,3 +169,52 @@ def test_plugin_applied_to_sglangs_real_utils_routes_its_own_lookup() -> None:
         ]
     )
     assert utils.TransferBackend(args.disaggregation_transfer_backend) is backend
+
+
+def _server_args(**overrides: object) -> object:
+    fields = {"tp_size": 1, "pp_size": 1, "dp_size": 1, "enable_dp_attention": False, "attn_dp_size": 1,
+              "attn_cp_size": 1, "device": "cpu", "host": "0.0.0.0", "dist_init_addr": None,
+              "disaggregation_bootstrap_port": free_port()}  # fmt: skip
+    return type("ServerArgs", (), {**fields, **overrides})()
+
+
+def test_manager_refuses_unsupported_launches_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    memory = Memory.allocate(SMALL, 1, 8, 2)
+    before = threading.active_count()
+    args = memory.kv_args(SMALL, 1, 0)
+    args.state_types, args.state_data_ptrs = ["mamba"], [[memory.kv[0].data_ptr()]]
+    with pytest.raises(ConfigError, match="state_types=\\['mamba'\\]"):
+        KVManager(args, "prefill", _server_args(), False)
+    with pytest.raises(ConfigError, match="--pp-size=2"):
+        KVManager(memory.kv_args(SMALL, 1, 0), "prefill", _server_args(pp_size=2), False)
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0")
+    with pytest.raises(ConfigError, match="SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0"):
+        KVManager(memory.kv_args(SMALL, 1, 0), "decode", _server_args(), False)
+    assert threading.active_count() == before, "a refused manager started something"
+
+
+def test_manager_takes_sglangs_timeouts_and_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    memory = Memory.allocate(SMALL, 1, 8, 2)
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")  # SGLang's own override of the detected IP
+    mgr = KVManager(memory.kv_args(SMALL, 1, 0), "decode", _server_args(), False)
+    try:
+        cfg = mgr.config
+        assert (cfg.bootstrap_timeout, cfg.waiting_timeout, cfg.transfer_timeout) == (300, 300, 300)
+        assert (cfg.host, cfg.bootstrap_host) == ("127.0.0.1", "127.0.0.1")
+        assert mgr.enable_deferred_decode_kv_release and mgr.supports_deferred_decode_kv_release
+    finally:
+        mgr.close()
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "7")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "11")
+    monkeypatch.setenv("TE_TRANSFER_TIMEOUT", "9")  # a TE_* variable wins over SGLang's value
+    mgr = KVManager(
+        memory.kv_args(SMALL, 1, 0), "decode", _server_args(dist_init_addr="127.0.0.2:5000"), False
+    )
+    try:
+        cfg = mgr.config
+        assert (cfg.bootstrap_timeout, cfg.waiting_timeout, cfg.transfer_timeout) == (7, 11, 9)
+        assert cfg.bootstrap_host == "127.0.0.2"
+    finally:
+        mgr.close()
