@@ -10,6 +10,8 @@ import anyio
 import numpy as np
 import pytest
 
+from transfer_engine.observe.build import build_snapshot
+from transfer_engine.observe.render import render_table
 from transfer_engine.protocol.descriptors import page_runs
 from transfer_engine.testing.pagetables import pool_pages, room_tables, side_seed
 
@@ -75,3 +77,26 @@ async def test_layerwise_rooms_on_realistic_pages(path: str) -> None:
                 tg.start_soon(functools.partial(run_room, c, 300 + i, src[i], dst[i], CHUNKS, layers=1))
         c.assert_no_leaks()
     assert np.unique(np.concatenate(dst)).size == ROOMS * PAGES
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("P", "D", "path", "why"), [(1, 1, "direct", "descriptors for"), (2, 1, "staged", "unequal TP")]
+)
+async def test_auto_path_and_why_in_the_dump(P: int, D: int, path: str, why: str) -> None:
+    """``path="auto"`` chooses per room; the decode's dump (live or ended) shows the path and why,
+    the prefill's the path its request named. On CPU pools a scattered room stays direct (the CPU
+    crossover); on GPU pools these small rooms are under the GPU one's allowance too."""
+    layout = small_layout()
+    async with cluster(layout, P, D, path="auto", num_pages=pool_pages("scattered", PAGES, 1)) as c:
+        src = room_tables("scattered", PAGES, 1, seed=side_seed(9, "prefill"))[0]
+        dst = room_tables("scattered", PAGES, 1, seed=side_seed(9, "decode"))[0]
+        await run_room(c, 500, src, dst, CHUNKS)
+        (ended,) = [r for r in build_snapshot(c.decode[0]).ended if r.room == 500]
+        assert ended.path == path and why in ended.path_reason, (ended.path, ended.path_reason)
+        assert f"path: {path} ({ended.path_reason})" in render_table(build_snapshot(c.decode[0], 500), 500)
+        table = render_table(build_snapshot(c.decode[0]))  # the ended rooms' table has a PATH column
+        assert "PATH" in table and f"{path} ({ended.path_reason})" in table
+        (sent,) = [r for r in build_snapshot(c.prefill[0]).ended if r.room == 500]
+        assert sent.path == path and sent.path_reason == ""
+        c.assert_no_leaks()

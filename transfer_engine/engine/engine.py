@@ -202,7 +202,7 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         if room in self.rooms:
             raise RoomInUseError(room)
         self._check_capacity(room)
-        path = self._choose_path(instance)
+        path, why = self._choose_path(instance, checked)
         layout = self.pool.layout
         D, d = self.config.tp_size, self.config.tp_rank
         writers = heads.writers_of(layout.num_heads, instance.tp_size, D, d, layout.mla)
@@ -211,10 +211,9 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
             everyone=list(instance.ranks), slices=list(writers), path=path,
             request=None if checked is None else RequestPages(checked, aux_slot, decode_prefix_len),
         )  # fmt: skip
+        actor.path_reason = why
         self._start_room(actor)  # before any request leaves: a prefill must never write for no room
-        log.debug(
-            "decode room %d: connected to %s (%d writers, path %s)", room, bootstrap, len(writers), path
-        )
+        log.debug("decode room %d: %s, %d writers, path %s (%s)", room, bootstrap, len(writers), path, why)
         return Receiver(actor, self.pool)
 
     async def connect(self, bootstrap: str) -> None:

@@ -1,10 +1,13 @@
-"""Path choice: the policy of ``EngineConfig.path`` applied to one prefill instance
-(:func:`transfer_engine.protocol.paths.auto_path` decides ``auto``).
+"""Path choice: the policy of ``EngineConfig.path`` applied to one room with one prefill instance
+(:func:`transfer_engine.protocol.paths.choose_path` decides ``auto``, from the room's pages when
+they are known).
 """
 
 from __future__ import annotations
 
 import logging
+
+import numpy as np
 
 from transfer_engine.engine.state import EngineState
 from transfer_engine.errors import (
@@ -12,7 +15,13 @@ from transfer_engine.errors import (
 )
 from transfer_engine.memory.layout import stride_rows_of
 from transfer_engine.protocol import descriptors, heads
-from transfer_engine.protocol.paths import auto_path, is_staged
+from transfer_engine.protocol.paths import (
+    CPU_CROSSOVER,
+    GPU_CROSSOVER,
+    choose_path,
+    direct_descriptors_at_least,
+    is_staged,
+)
 from transfer_engine.runtime.peers import PrefillInstance
 
 log = logging.getLogger("transfer_engine.engine")
@@ -21,7 +30,10 @@ log = logging.getLogger("transfer_engine.engine")
 class PathChoice(EngineState):
     """Which path (direct, slice, staged, host) a decode rank's rooms with one prefill instance take."""
 
-    def _choose_path(self, instance: PrefillInstance) -> str:
+    def _choose_path(self, instance: PrefillInstance, pages: np.ndarray | None = None) -> tuple[str, str]:
+        """The path of a room with ``instance``, and why. ``pages``: the room's pages on this rank,
+        when known: under ``auto`` the direct plan's descriptors for them (at least one per KV tensor
+        and run of consecutive pages) are weighed against the crossover of the pool's memory."""
         layout = self.pool.layout
         policy = self.config.path
         same_pages = all(p.layout.page_size == layout.page_size for p in instance.ranks)
@@ -30,10 +42,15 @@ class PathChoice(EngineState):
         if policy == "auto":
             has_ring = self.ring is not None
             pieces = self._slice_pieces(instance) if has_ring and not (equal and same_pages) else float("inf")
-            return auto_path(
+            tensors = layout.num_kv_tensors
+            choice = choose_path(
                 equal_tp=equal, same_pages=same_pages, has_ring=has_ring, host=self.host_staging,
-                slice_pieces=pieces, num_tensors=layout.num_kv_tensors,
-            ).value  # fmt: skip
+                slice_pieces=pieces, num_tensors=tensors,
+                direct_descriptors=None if pages is None else direct_descriptors_at_least(pages, tensors),
+                nbytes=0 if pages is None else len(pages) * self.pool.page_bytes * tensors,
+                crossover=GPU_CROSSOVER if self.pool.device.type == "cuda" else CPU_CROSSOVER,
+            )  # fmt: skip
+            return choice.path.value, choice.reason
         if policy == "direct":
             if not equal:
                 raise ConfigError(
@@ -41,11 +58,11 @@ class PathChoice(EngineState):
                 )
             if not same_pages:
                 raise ConfigError("path=direct needs equal page sizes on prefill and decode")
-            return "direct"
+            return "direct", "path=direct"
         if policy == "slice":
-            return "slice"
+            return "slice", "path=slice"
         assert is_staged(policy) and self.ring is not None  # the ring exists for these policies
-        return staged
+        return staged, f"path={policy}"
 
     def _slice_pieces(self, instance: PrefillInstance) -> float:
         """Slice-path descriptors per page from the worst writer of this rank (``path=auto``), once

@@ -108,10 +108,25 @@ def _rooms_section(s: Snapshot) -> list[str]:
             ]
             for r in rooms
         ]
-        lines += _table(
-            ["ROOM", "AGE", "IN STATE", "BYTES", f"CHUNKS BY {peer_word.upper()} RANK", "WAITING FOR"], rows
-        )
+        headers = ["ROOM", "AGE", "IN STATE", "BYTES", f"CHUNKS BY {peer_word.upper()} RANK", "WAITING FOR"]
+        lines += _table(*_with_paths(headers, rows, rooms))
     return lines
+
+
+def _with_paths(
+    headers: list[str], rows: list[list[str]], rooms: Sequence[RoomSnapshot]
+) -> tuple[list[str], list[list[str]]]:
+    """``headers`` and ``rows`` with a PATH column (the room's path, and why) where any room has one."""
+    if not any(r.path for r in rooms):
+        return headers, rows
+    paths = [_path(r) for r in rooms]
+    return [*headers, "PATH"], [[*row, path] for row, path in zip(rows, paths, strict=True)]
+
+
+def _path(r: RoomSnapshot) -> str:
+    if not r.path:
+        return "-"
+    return f"{r.path} ({r.path_reason})" if r.path_reason else r.path
 
 
 def _ended_section(s: Snapshot) -> list[str]:
@@ -130,7 +145,7 @@ def _ended_section(s: Snapshot) -> list[str]:
         for r in shown
     ]
     lines = ["", "ended rooms (newest first)"]
-    lines += _table(["ROOM", "OUTCOME", "LIFETIME", "ENDED", "BYTES", "FAILURE"], rows)
+    lines += _table(*_with_paths(["ROOM", "OUTCOME", "LIFETIME", "ENDED", "BYTES", "FAILURE"], rows, shown))
     if len(s.ended) > len(shown):
         lines.append(f"  ... {len(s.ended) - len(shown)} more (--json or --room N shows them)")
     return lines
@@ -215,6 +230,8 @@ def _room_detail(s: Snapshot, room: int) -> list[str]:
             )
         lines.append(f"  bytes {_progress_bytes(r)}; WRITEs in flight {r.writes_in_flight}")
         lines.append(f"  waiting for: {r.waiting_for or '-'}")
+        if r.path:
+            lines.append(f"  path: {_path(r)}")
         if r.failure_reason:
             lines.append(f"  failure: {r.failure_reason}: {r.failure_detail}")
         if r.progress:

@@ -81,6 +81,12 @@ class RoomSnapshot(_Struct, frozen=True):
     """Unix time the room left the engine; None while it is live."""
     history: list[HistoryEntry] = msgspec.field(default_factory=list)
     """Every status change; filled only in a dump that asked for this room (``--room``)."""
+    path: str = ""
+    """The path the room's KV takes (direct, slice, staged, host). Decode: chosen per room; prefill: as
+    its decode ranks' requests named it (comma-separated when they differ); empty while unknown."""
+    path_reason: str = ""
+    """Why: decode, the reason of ``path="auto"`` (``protocol.paths.choose_path``) or the configured
+    policy; prefill: empty (the decode chose)."""
 
 
 class WorkerSnapshot(_Struct, frozen=True):
@@ -163,6 +169,21 @@ class Counters(_Struct, frozen=True):
     """Every engine and poller counter as kept (poller ones prefixed ``poller.``)."""
 
 
+class PeerCostSnapshot(_Struct, frozen=True):
+    """A decode rank's transfer cost with one prefill instance (docs/INTEGRITY.md, "The cost signal")."""
+
+    instance: str
+    """The prefill instance's bootstrap address."""
+    queued_rooms: int
+    queued_bytes: int
+    inflight_rooms: int
+    inflight_bytes: int
+    rate: float | None
+    """Measured bytes/s while busy (a moving average); None before a room with it ended."""
+    backlog_s: float
+    """Seconds until a new room's bytes would start moving: the queued and in-flight bytes at the rate."""
+
+
 class Snapshot(_Struct, frozen=True):
     """The state of one rank's engine at ``taken_at``: what ``transfer-engine dump`` shows."""
 
@@ -186,6 +207,8 @@ class Snapshot(_Struct, frozen=True):
     peers: list[PeerSnapshot]
     nixl: NixlSnapshot
     counters: Counters
+    costs: list[PeerCostSnapshot] = msgspec.field(default_factory=list)
+    """Decode: per prefill instance, the cost a new room would have now."""
     version: int = SNAPSHOT_VERSION
 
 

@@ -86,6 +86,8 @@ class ReceiverRoomActor(RoomActor):
     """
 
     side = "decode"
+    path_reason = ""
+    """Why the room takes ``path`` (set by the engine as it makes the room; shown in the dump)."""
 
     def __init__(
         self,
