@@ -192,11 +192,40 @@ def _finish(total: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+_REF_BLOCK = 1 << 14
+"""Words the CPU reference sums at a time: its uint64 temporaries stay in cache."""
+_LOCAL = np.arange(1, _REF_BLOCK + 1, dtype=np.uint64)
+
+
+def _as_int64(value: int) -> int:
+    """``value`` mod 2**64 as the signed int64 holding the same bits."""
+    value &= MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _host_sum(words: np.ndarray, start: int) -> int:
+    """The checksum of uint32 ``words`` (host memory) from word offset ``start``: block by block, a
+    block at offset ``o`` adds ``(start + o) * sum(w) + sum((j + 1) * w_j)``, with one weight vector
+    for every block; Python ints carry the offsets (numpy's wrap-around stays inside its arrays)."""
+    total = 0
+    for offset in range(0, words.size, _REF_BLOCK):
+        block = words[offset : offset + _REF_BLOCK].astype(np.uint64)
+        weighted = int(np.dot(block, _LOCAL[: block.size]))
+        total += (start + offset) * int(block.sum(dtype=np.uint64)) + weighted
+    return total & MASK64
+
+
 def checksum_bytes_reference(buf: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Pure-torch checksum of the contiguous ``buf`` (the CPU implementation); int64 ``[1]`` on its device."""
-    words = _words(buf, "buf").to(torch.int64) & 0xFFFFFFFF
+    """The checksum of the contiguous ``buf`` without Triton (the CPU implementation); int64 ``[1]``
+    on its device. Host memory is summed with numpy a cache-sized block at a time; device memory
+    with torch in one pass."""
+    words = _words(buf, "buf")
+    if words.device.type == "cpu":
+        value = _host_sum(words.numpy().view(np.uint32), start)
+        return torch.tensor([_as_int64(value)], dtype=torch.int64)
+    wide = words.to(torch.int64) & 0xFFFFFFFF
     pos = torch.arange(start + 1, start + 1 + words.numel(), dtype=torch.int64, device=words.device)
-    return (words * pos).sum().reshape(1)
+    return (wide * pos).sum().reshape(1)
 
 
 def checksum_bytes(
