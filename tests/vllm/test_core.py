@@ -11,6 +11,7 @@ layer's cache update (``layer_written``); ``wait_for_save`` once the forward is 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import pytest
@@ -26,7 +27,7 @@ from tests.gpu.vllm_kv import (
     wait_reported,
     written_bytes,
 )
-from transfer_engine.errors import ConfigError, LayoutError, LocalProtocolError
+from transfer_engine.errors import ConfigError, LayoutError, LocalProtocolError, PeerUnreachableError
 from transfer_engine.integrations.vllm.core import ConnectorCore, digest_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,6 +118,17 @@ def test_construction_errors() -> None:
             head_size=16,
             max_requests=1,
         )
+
+
+def test_start_raises_the_engines_error() -> None:
+    """An engine that cannot start (its bootstrap port is taken) raises from start(); no thread is left."""
+    with cores(SIDE, SIDE, "cpu") as (p_cores, _, _, _):
+        port = p_cores[0].config.bootstrap_port
+        other = make_core("prefill", SIDE, 0, allocate(SIDE, "cpu"), port)
+        with pytest.raises(PeerUnreachableError, match="Address already in use"):
+            other.start()
+        other.close()
+        assert not [t for t in threading.enumerate() if t.name == "te-vllm-prefill-0" and t.is_alive()][1:]
 
 
 def test_decode_abort_reports_without_load_errors() -> None:

@@ -249,12 +249,11 @@ class ConnectorCore:
                 for request in list(self._live.values()):
                     if request.handle is not None:
                         await request.handle.abort("vLLM is shutting down")
-        except BaseException as exc:
-            if not self._up.is_set():
-                self._error = exc
-                self._up.set()
-                return
-            raise
+        except Exception as exc:  # reported to start(), or logged once the engine was up
+            if self._up.is_set():
+                raise
+            self._error = exc
+            self._up.set()
         finally:
             self._served.set()
 
