@@ -38,7 +38,8 @@ def _op_exists(name: str) -> bool:
 
 
 def enable_sglang_scheduler_imports() -> None:
-    """Put torchvision where SGLang finds it; idempotent. Also called by helper processes."""
+    """Put torchvision where SGLang finds it, import SGLang's scheduler modules and load its plugins
+    (this backend's among them); idempotent. Helper processes import this module too."""
     global _library
     if str(SGLANG_CPU) not in sys.path and SGLANG_CPU.is_dir():
         sys.path.append(str(SGLANG_CPU))
@@ -52,6 +53,9 @@ def enable_sglang_scheduler_imports() -> None:
         import sglang.srt.disaggregation.decode  # noqa: F401
         import sglang.srt.disaggregation.prefill  # noqa: F401
         import sglang.srt.disaggregation.utils  # noqa: F401
+        from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # as every SGLang process does first: this package's entry point among them
 
 
 enable_sglang_scheduler_imports()

@@ -27,18 +27,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.utils import MetadataBuffers
+from sglang.srt.server_args import prepare_server_args
 
 from transfer_engine.config import EngineConfig
 from transfer_engine.errors import TransferFailed
 from transfer_engine.integrations.sglang import KVManager, KVReceiver, KVSender
 from transfer_engine.memory.layout import KVLayout
+from transfer_engine.memory.views import view_of
 from transfer_engine.testing import patterns
 
 SMALL = KVLayout(num_layers=3, num_heads=4, head_dim=16, dtype=torch.bfloat16, page_size=4)
 """The model every test here uses: 3 layers, 4 KV heads of 16 bf16 elements, pages of 4 tokens."""
 STEP_S = 0.0005
-AUX_ITEMS = ((8, torch.int32), (4, torch.float32), (2, torch.int64))
-"""SGLang-like metadata buffers: (values per slot, dtype): output token ids, logprobs, hidden-state ids."""
 
 
 @dataclass
@@ -72,9 +73,14 @@ _ABORT_LOCK = threading.Lock()
 
 @dataclass
 class Memory:
-    """A rank's KV and aux buffers as a serving system owns them: raw tensors, handed as pointers."""
+    """A rank's KV and aux buffers as a serving system owns them: raw tensors, handed as pointers.
+
+    The aux buffers are SGLang's own ``MetadataBuffers`` (first output token, cached-token counts,
+    logprobs, hidden states, bootstrap room...); :attr:`aux` views each of them as bytes per slot.
+    """
 
     kv: list[torch.Tensor]
+    metadata: MetadataBuffers
     aux: list[torch.Tensor]
 
     @classmethod
@@ -84,8 +90,12 @@ class Memory:
             torch.zeros(num_pages * layout.page_size, heads, layout.head_dim, dtype=layout.dtype)
             for _ in range(layout.num_kv_tensors)
         ]
-        aux = [torch.zeros(aux_slots, n, dtype=dt) for n, dt in AUX_ITEMS]
-        return cls(kv, aux)
+        metadata = MetadataBuffers(
+            aux_slots, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=0
+        )
+        ptrs, lens, items = metadata.get_buf_infos()
+        aux = [view_of(p, n).view(n // i, i) for p, n, i in zip(ptrs, lens, items, strict=True)]
+        return cls(kv, metadata, aux)
 
     def kv_args(self, layout: KVLayout, tp_size: int, rank: int) -> KVArgs:
         args = KVArgs()
@@ -98,16 +108,15 @@ class Memory:
         args.kv_head_num = layout.heads_local(tp_size)
         args.total_kv_head_num = layout.num_heads
         args.page_size = layout.page_size
-        args.aux_data_ptrs = [t.data_ptr() for t in self.aux]
-        args.aux_data_lens = [t.numel() * t.element_size() for t in self.aux]
-        args.aux_item_lens = [t[0].numel() * t.element_size() for t in self.aux]
+        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.metadata.get_buf_infos()
         args.gpu_id = 0
         return args
 
 
-def aux_values(room: int, slot_dtype: torch.dtype, n: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(room % (1 << 62))
-    return torch.randint(-(1 << 20), 1 << 20, (n,), generator=gen).to(slot_dtype)
+def aux_values(room: int, buffer: int, item_bytes: int) -> torch.Tensor:
+    """The bytes a prefill's forward writes into metadata buffer ``buffer``'s slot for ``room``."""
+    gen = torch.Generator().manual_seed((room * 31 + buffer) % (1 << 62))
+    return torch.randint(0, 256, (item_bytes,), generator=gen, dtype=torch.uint8)
 
 
 class Group:
@@ -151,8 +160,11 @@ def manager(
     bootstrap_port: int,
     **config: object,
 ) -> KVManager:
-    server_args = type("ServerArgs", (), {"tp_size": tp_size, "device": "cpu", "host": "127.0.0.1",
-                                          "disaggregation_bootstrap_port": bootstrap_port})()  # fmt: skip
+    server_args = prepare_server_args(
+        ["--model-path", "unused", "--device", "cpu", "--tp-size", str(tp_size), "--disaggregation-mode", role,
+         "--disaggregation-transfer-backend", "transfer_engine",
+         "--disaggregation-bootstrap-port", str(bootstrap_port)]
+    )  # SGLang's defaults for everything else  # fmt: skip
     cfg = EngineConfig(
         role=role, tp_size=tp_size, tp_rank=rank, bootstrap_port=bootstrap_port, host_bootstrap=False,
         num_workers=2, **config,
@@ -195,8 +207,8 @@ def run_prefill_rank(
                     )
                 pages = np.array([free.pop() for _ in range(req.pages)], dtype=np.int32)
                 patterns.fill(pool, req.room, pages.astype(np.int64))
-                for buf, (n, dt) in zip(memory.aux, AUX_ITEMS, strict=True):
-                    buf[req.aux_index] = aux_values(req.room, dt, n)
+                for i, buf in enumerate(memory.aux):
+                    buf[req.aux_index] = aux_values(req.room, i, buf.shape[1])
                 sender.init(req.pages, req.aux_index)
                 forward.append((req, sender, pages, 0))
             else:
@@ -303,8 +315,8 @@ def run_decode_rank(
                 tokens = req.pages * prefill_page_size
                 bad = patterns.mismatches(pool, req.room, pages, tokens)
                 aux_ok = all(
-                    torch.equal(buf[req.aux_index], aux_values(req.room, dt, n))
-                    for buf, (n, dt) in zip(memory.aux, AUX_ITEMS, strict=True)
+                    torch.equal(buf[req.aux_index], aux_values(req.room, i, buf.shape[1]))
+                    for i, buf in enumerate(memory.aux)
                 )
                 if bad or not aux_ok:
                     stats.error(f"decode rank {rank} room {req.room}: {bad} elements differ, aux ok {aux_ok}")
