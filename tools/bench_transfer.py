@@ -524,11 +524,18 @@ def _ab(args: argparse.Namespace, engine: TransferEngine, index: int) -> None:
     and between small-room samples, on both sides: both halves run in the same processes).
 
     ``grant``: the decode ring grants chunk 0's region with the request (``EngineConfig.
-    grant_with_request``).
+    grant_with_request``). ``integrity``: the prefill's workers seal chunks with their checksums and
+    the decode's rooms verify them (``EngineConfig.integrity``: off, no checksum is taken or compared).
     """
     on = index % 2 == 0
     if args.ab == "grant" and engine.ring is not None:
         engine.ring.grant_ahead = on
+    if args.ab == "integrity":
+        checksums = engine.checksums if on else None
+        for worker in engine.workers:
+            worker.checksums = checksums
+        if engine.room_ports is not None:
+            engine.room_ports.checksums = checksums
 
 
 def _peer_copy_gbps(args: argparse.Namespace, nbytes: int) -> float | None:
@@ -607,9 +614,10 @@ def main() -> int:
     parser.add_argument(
         "--ab",
         default="none",
-        choices=["none", "grant"],
+        choices=["none", "grant", "integrity"],
         help="even rounds and small-room samples with this on, odd ones with it off; prints both halves "
-        "(use an even --rounds). grant: chunk 0's ring region granted with the request (staged paths)",
+        "(use an even --rounds). grant: chunk 0's ring region granted with the request (staged paths); "
+        "integrity: chunks checksummed and verified (docs/INTEGRITY.md)",
     )
     args = parser.parse_args()
     if args.warmup < 0:

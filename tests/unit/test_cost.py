@@ -196,3 +196,14 @@ def test_the_book_keeps_each_instance_apart() -> None:
     book.ended(99, now=1.0, ok=False)
     with pytest.raises(ValueError, match="room 3 is already counted"):
         book.queued(3, "fast", 1)
+
+
+def test_the_book_starts_a_room_once() -> None:
+    book = CostBook(prior_rate=1.0)
+    book.queued(1, "a", 100)
+    book.started(1, now=0.0)
+    book.started(1, now=0.5)  # again: no change
+    book.started(2, now=0.5)  # not held: ignored
+    assert book.loads()["a"] == PeerLoad(0, 0, 1, 100, None)
+    book.ended(1, now=1.0, ok=True)
+    assert book.loads()["a"].rate == pytest.approx(100.0)

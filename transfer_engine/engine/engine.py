@@ -45,6 +45,7 @@ from transfer_engine.observe import ENDED_ROOMS_KEPT, RoomSnapshot
 from transfer_engine.observe.build import build_snapshot, record_ended
 from transfer_engine.protocol import heads
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.cost import DEFAULT_PRIOR_RATE, CostBook, PeerLoad
 from transfer_engine.protocol.layers import check_layers_per_write
 from transfer_engine.protocol.retransmit import Ended, Tombstones
 from transfer_engine.protocol.rooms import Deadlines
@@ -109,6 +110,9 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         self._compat = m.compat_hash(self._info)
         self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()
+        self.costs = CostBook(prior_rate=DEFAULT_PRIOR_RATE)
+        """Decode: per prefill instance (its bootstrap address), the rooms queued and in flight and the
+        measured rate: :meth:`estimate_transfer` (docs/INTEGRITY.md, "The cost signal")."""
         self.started_at = time.monotonic()
         self.ended_rooms: deque[RoomSnapshot] = deque(maxlen=ENDED_ROOMS_KEPT)
         """Final snapshots of the latest rooms that ended, oldest first (for ``transfer-engine dump``)."""
@@ -213,8 +217,26 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         )  # fmt: skip
         actor.path_reason = why
         self._start_room(actor)  # before any request leaves: a prefill must never write for no room
+        self.costs.queued(room, bootstrap, 0 if checked is None else len(checked) * self.pool.page_bytes)
+        if checked is not None:  # its requests leave now: its bytes are on their way (else: at its first landing)
+            self.costs.started(room, time.monotonic())
         log.debug("decode room %d: %s, %d writers, path %s (%s)", room, bootstrap, len(writers), path, why)
         return Receiver(actor, self.pool)
+
+    def estimate_transfer(self, peer: str, nbytes: int) -> float:
+        """Seconds a new room of ``nbytes`` (this rank's KV bytes) from the prefill instance behind
+        ``peer`` (its bootstrap address, as given to :meth:`receiver`) would take if opened now: behind
+        every byte of this rank's rooms with it queued and in flight, at the rate measured of it (a
+        moving average over busy time; ``protocol.cost.DEFAULT_PRIOR_RATE`` before any room ended).
+        A router asks each decode instance and picks the least (``protocol.cost.choose``). Cheap, pure
+        bookkeeping; call it on the engine's loop (BlockingEngine: from any thread)."""
+        if nbytes < 0:
+            raise ConfigError(f"nbytes={nbytes} must be >= 0")
+        return self.costs.estimate(peer, nbytes)
+
+    def transfer_costs(self) -> dict[str, PeerLoad]:
+        """Per prefill instance (bootstrap address): rooms and bytes queued and in flight, and the rate."""
+        return self.costs.loads()
 
     async def connect(self, bootstrap: str) -> None:
         """Handshake with the prefill instance behind ``bootstrap`` now, ahead of its first room."""
@@ -237,6 +259,7 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         actor = self.rooms.pop(room)
         self.counters[f"rooms_{actor.status.name.lower()}"] += 1
         failure = actor.core.failure
+        self.costs.ended(room, time.monotonic(), ok=failure is None)
         if failure is not None:
             self.counters[f"failed_{failure.reason.name.lower()}"] += 1
         if isinstance(actor, SenderRoomActor):

@@ -19,9 +19,11 @@ from transfer_engine.actors.room import RoomActor
 from transfer_engine.actors.scatter import ScatterActor
 from transfer_engine.actors.worker import TransferWorker
 from transfer_engine.config import EngineConfig
+from transfer_engine.memory.integrity import PoolChecksums
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.observe import RoomSnapshot
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.cost import CostBook
 from transfer_engine.protocol.retransmit import Tombstones
 from transfer_engine.protocol.rooms import Deadlines
 from transfer_engine.protocol.stash import EarlyRequests
@@ -59,6 +61,8 @@ class EngineState:
     control: Control
     room_ports: RoomPorts
     counters: Counter[str]
+    costs: CostBook
+    checksums: PoolChecksums | None
     introspect: Introspect | None
     metrics: Metrics | None
     metrics_server: MetricsServer | None

@@ -175,6 +175,7 @@ class Supervision(EngineState):
             scatter=None if self.scatter is None else self.scatter.inbox,
             chunk_cut=ChunkCut(cfg.host_pipeline_layers, cfg.pipeline_min_bytes),
             checksums=self.checksums,
+            costs=self.costs,
         )  # fmt: skip
         tg.start_soon(self._heartbeat_loop)
         log.info(

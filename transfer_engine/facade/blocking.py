@@ -52,6 +52,7 @@ from transfer_engine.errors import (
 from transfer_engine.facade.bridge import LoopThread
 from transfer_engine.facade.mailer import Mailer
 from transfer_engine.memory.layout import KVPool
+from transfer_engine.protocol.cost import PeerLoad
 from transfer_engine.protocol.room_ids import room_id
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.runtime.mail import LocalAbort, Ready, RoomMail
@@ -431,6 +432,16 @@ class BlockingEngine:
     def connect(self, bootstrap: str) -> None:
         """Handshake with the prefill instance behind ``bootstrap`` now; blocks (``bootstrap_timeout``)."""
         self._call(self._engine.connect, bootstrap)
+
+    def estimate_transfer(self, peer: str, nbytes: int) -> float:
+        """Seconds a new room of ``nbytes`` from the prefill instance behind ``peer`` would take if
+        opened now (:meth:`TransferEngine.estimate_transfer`); one synchronous loop step."""
+        return float(self._call(self._engine.estimate_transfer, peer, nbytes))
+
+    def transfer_costs(self) -> dict[str, PeerLoad]:
+        """Per prefill instance: rooms and bytes queued and in flight, and the measured rate
+        (:meth:`TransferEngine.transfer_costs`); one synchronous loop step."""
+        return dict(self._call(self._engine.transfer_costs))
 
     def leaks(self) -> dict[str, int]:
         """What the engine still holds (see :meth:`TransferEngine.leaks`); one synchronous loop step."""

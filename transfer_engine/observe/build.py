@@ -26,6 +26,7 @@ from transfer_engine.actors.room import ReceiverRoomActor, RoomActor, SenderRoom
 from transfer_engine.actors.worker import TransferWorker
 from transfer_engine.config import EngineConfig
 from transfer_engine.memory.layout import KVPool
+from transfer_engine.protocol.cost import CostBook
 from transfer_engine.protocol.receiver_room import ReceiverRoom
 from transfer_engine.protocol.rooms import RoomStatus, SenderRoom
 from transfer_engine.runtime.peers import Peer
@@ -36,6 +37,7 @@ from .schema import (
     Counters,
     HistoryEntry,
     NixlSnapshot,
+    PeerCostSnapshot,
     PeerProgress,
     PeerSnapshot,
     RingSnapshot,
@@ -77,6 +79,8 @@ class EngineState(Protocol):
     def poller(self) -> NixlPoller: ...
     @property
     def counters(self) -> Mapping[str, int]: ...
+    @property
+    def costs(self) -> CostBook: ...
     @property
     def control(self) -> DropCounts: ...
     @property
@@ -143,6 +147,14 @@ def build_snapshot(engine: EngineState, room: int | None = None) -> Snapshot:
             handles_live=poller.transport.live_handles(),
         ),
         counters=_counters(engine),
+        costs=[
+            PeerCostSnapshot(
+                instance=name, queued_rooms=load.queued_rooms, queued_bytes=load.queued_bytes,
+                inflight_rooms=load.inflight_rooms, inflight_bytes=load.inflight_bytes, rate=load.rate,
+                backlog_s=engine.costs.estimate(name, 0),
+            )  # fmt: skip
+            for name, load in engine.costs.loads().items()
+        ],
     )
 
 

@@ -165,6 +165,45 @@ class _SnapshotCollector:
             sum(1 for p in s.peers if p.alive),
         )
 
+        if s.costs:
+            labels = ["instance"]
+            backlog = GaugeMetricFamily(
+                f"{PREFIX}_peer_backlog_seconds",
+                "Decode: seconds until a new room's bytes from this prefill instance would start moving "
+                "(its rooms' queued and in-flight bytes at the measured rate); a router adds "
+                "bytes / rate for the room itself (TransferEngine.estimate_transfer).",
+                labels=labels,
+            )
+            rate = GaugeMetricFamily(
+                f"{PREFIX}_peer_rate_bytes_per_second",
+                "Decode: the measured rate from this prefill instance while busy (moving average).",
+                labels=labels,
+            )
+            queued = GaugeMetricFamily(
+                f"{PREFIX}_peer_queued_bytes",
+                "Decode: bytes of rooms opened, none of it landed yet.",
+                labels=labels,
+            )
+            inflight = GaugeMetricFamily(
+                f"{PREFIX}_peer_inflight_bytes",
+                "Decode: bytes of rooms in flight, not landed yet.",
+                labels=labels,
+            )
+            rooms_by = GaugeMetricFamily(
+                f"{PREFIX}_peer_rooms",
+                "Decode: rooms with this instance, by phase.",
+                labels=["instance", "phase"],
+            )
+            for cost in s.costs:
+                backlog.add_metric([cost.instance], cost.backlog_s)
+                if cost.rate is not None:
+                    rate.add_metric([cost.instance], cost.rate)
+                queued.add_metric([cost.instance], cost.queued_bytes)
+                inflight.add_metric([cost.instance], cost.inflight_bytes)
+                rooms_by.add_metric([cost.instance, "queued"], cost.queued_rooms)
+                rooms_by.add_metric([cost.instance, "in_flight"], cost.inflight_rooms)
+            yield from (backlog, rate, queued, inflight, rooms_by)
+
         if s.workers:
             depth = GaugeMetricFamily(
                 f"{PREFIX}_worker_queue_depth", "Jobs waiting in a worker's mailbox.", labels=["worker"]

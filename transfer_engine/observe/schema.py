@@ -169,6 +169,21 @@ class Counters(_Struct, frozen=True):
     """Every engine and poller counter as kept (poller ones prefixed ``poller.``)."""
 
 
+class PeerCostSnapshot(_Struct, frozen=True):
+    """A decode rank's transfer cost with one prefill instance (docs/INTEGRITY.md, "The cost signal")."""
+
+    instance: str
+    """The prefill instance's bootstrap address."""
+    queued_rooms: int
+    queued_bytes: int
+    inflight_rooms: int
+    inflight_bytes: int
+    rate: float | None
+    """Measured bytes/s while busy (a moving average); None before a room with it ended."""
+    backlog_s: float
+    """Seconds until a new room's bytes would start moving: the queued and in-flight bytes at the rate."""
+
+
 class Snapshot(_Struct, frozen=True):
     """The state of one rank's engine at ``taken_at``: what ``transfer-engine dump`` shows."""
 
@@ -192,6 +207,8 @@ class Snapshot(_Struct, frozen=True):
     peers: list[PeerSnapshot]
     nixl: NixlSnapshot
     counters: Counters
+    costs: list[PeerCostSnapshot] = msgspec.field(default_factory=list)
+    """Decode: per prefill instance, the cost a new room would have now."""
     version: int = SNAPSHOT_VERSION
 
 

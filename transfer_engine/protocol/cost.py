@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_HORIZON_S",
+    "DEFAULT_PRIOR_RATE",
     "MIN_SAMPLE_S",
     "CostBook",
     "PeerCost",
@@ -32,6 +33,9 @@ __all__ = [
     "estimate_seconds",
 ]
 
+DEFAULT_PRIOR_RATE = 1e9
+"""Bytes/s a peer instance is assumed to move before anything was measured of it: every instance
+starts equal, and the first rooms measure the truth (a router then tells them apart)."""
 DEFAULT_HORIZON_S = 2.0
 """Busy seconds over which the rate forgets: bytes moved this long ago weigh ``1/e`` of new ones."""
 MIN_SAMPLE_S = 1e-3
@@ -209,6 +213,12 @@ class CostBook:
             raise ValueError(f"room {room} is already counted (with {self._rooms[room]!r})")
         self.peer(instance).queued(room, nbytes)
         self._rooms[room] = instance
+
+    def started(self, room: int, now: float) -> None:
+        """``room``'s first bytes move (again: no change)."""
+        instance = self._rooms.get(room)
+        if instance is not None:
+            self.peers[instance].started(room, now)
 
     def moved(self, room: int, nbytes: int, now: float) -> None:
         """``nbytes`` of ``room`` landed."""

@@ -30,6 +30,7 @@ from transfer_engine.errors import TransferError
 from transfer_engine.memory.integrity import PoolChecksums
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.cost import CostBook
 from transfer_engine.protocol.layers import ChunkCut
 from transfer_engine.protocol.messages import MemRegion
 from transfer_engine.runtime.mail import Mailbox, RegionGranted, RingMail, RoomMail, RoomOpened, ScatterJob
@@ -257,3 +258,5 @@ class RoomPorts:
     checksums: PoolChecksums | None = None
     """Decode: the checksums over this rank's pool a room compares landed chunks with; None when
     ``EngineConfig.integrity`` is off (docs/INTEGRITY.md)."""
+    costs: CostBook | None = None
+    """Decode: the engine's cost book; a room marks itself started there when its first chunk lands."""

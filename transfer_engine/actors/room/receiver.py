@@ -265,6 +265,8 @@ class ReceiverRoomActor(RoomActor):
             case m.AuxLanded(sender=sender) if self.core.aux_landed and sender == self.core.wants_aux_from:
                 self.ports.counters["notifs_duplicate"] += 1
             case m.ChunkLanded(sender=sender, chunk_id=chunk_id, last=last):
+                if self.ports.costs is not None:
+                    self.ports.costs.started(self.room, now)
                 if self.staged:  # checked once in the pages (docs/INTEGRITY.md)
                     self.carried[(chunk_id, sender, mail.layers)] = mail.checksum
                 elif not self._intact(
