@@ -15,6 +15,7 @@ from transfer_engine.actors.room.common import RoomActor
 from transfer_engine.errors import (
     FailureReason,
     ProtocolError,
+    TransferError,
 )
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
@@ -407,16 +408,23 @@ class ReceiverRoomActor(RoomActor):
         the pages it landed in (docs/INTEGRITY.md); count the result. A mismatch fails the room with
         INTEGRITY and returns False: the chunk must not count."""
         checksums = self.ports.checksums
+        writer = self.writers.get(sender)
+        if writer is None:  # not a writer of this room: the core refuses the notification
+            return True
         if carried is None or checksums is None:
             self.ports.counters["integrity_unchecked"] += 1
             return True
-        writer_ps = self.writers[sender].layout.page_size
+        writer_ps = writer.layout.page_size
         page_size = self.ports.pool.layout.page_size
         start = page_start * writer_ps
-        tokens = descriptors.chunk_tokens(start, num_pages, writer_ps, len(self.pages) * page_size)
-        slots = descriptors.slots_of(self.pages, page_size, start, tokens)
         (spec,) = [s for s in self.slices if s.prefill_rank == sender]
-        landed = checksums.chunk(slots, spec.dst_head_start, spec.num_heads, layers)
+        try:
+            tokens = descriptors.chunk_tokens(start, num_pages, writer_ps, len(self.pages) * page_size)
+            slots = descriptors.slots_of(self.pages, page_size, start, tokens)
+            landed = checksums.chunk(slots, spec.dst_head_start, spec.num_heads, layers)
+        except TransferError as exc:  # pages outside the room's: the peer broke the protocol
+            self._fail(FailureReason.PROTOCOL, f"chunk {chunk_id} from prefill rank {sender}: {exc}")
+            return False
         if verdict(carried, landed) is Verdict.MATCH:
             self.ports.counters["integrity_match"] += 1
             return True
