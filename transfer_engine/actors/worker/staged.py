@@ -337,7 +337,7 @@ class StagedPath(DirectPath):
         gathered = None
         try:
             # The WRITE is made (checked, lists prepared) while the gather runs: only its start
-            # waits for the gathered bytes (docs/DECISIONS.md, "made before its bytes are ready").
+            # waits for the gathered bytes (docs/DECISIONS.md, "A staged WRITE is made while its gather runs").
             if self.stream is None:
                 made = self._make(spec)
                 await run_cpu_copy(gather, staged.nbytes)
