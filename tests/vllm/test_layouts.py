@@ -48,7 +48,7 @@ SIDES = {
     "fp8-inc": Side(layout="LBNHC", dtype=torch.float8_e4m3fn),
     "kernel-blocks": Side(layout="LBNHC", kernel_block_size=8),
     "mla": Side(layout="LBNHC", mla=True, head_size=72),
-    "mla-fp8": Side(layout="LBHNC", mla=True, head_size=82, dtype=torch.uint8),
+    "mla-fp8": Side(layout="LBHNC", mla=True, head_size=656, dtype=torch.uint8),  # fp8_ds_mla: 656 bytes
 }
 
 
