@@ -108,11 +108,12 @@ if [ "$phase" = pagetables ]; then  # page tables as serving hands them out: TWO
       env -u NIXL_UCX_SGL_ENABLE timeout 90 python3 tools/bench_transfer.py $QWEN "$@" >"$OUT/pt-$name.log" 2>&1
     fi
     local rc=$?
-    grep '^{' "$OUT/pt-$name.log" >>"$OUT/pagetables.jsonl"
+    # (a child's exit message may end without a newline: the JSON is found anywhere on its line)
+    grep -o '{"room_bytes".*' "$OUT/pt-$name.log" >>"$OUT/pagetables.jsonl"
     python3 - "$name" "$sgl" "$rc" "$OUT/pt-$name.log" <<'EOF' | tee -a "$OUT/pagetables.md"
 import json, sys
 name, sgl, rc, log = sys.argv[1:]
-lines = [line for line in open(log) if line.startswith("{")]
+lines = [line[line.index('{"room_bytes"'):] for line in open(log) if '{"room_bytes"' in line]
 if not lines:
     tail = [line.strip() for line in open(log) if "NIXL INFO" not in line][-3:]
     print(f"| {name} | failed, rc {rc}: {' / '.join(tail)} |")
