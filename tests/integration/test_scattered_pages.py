@@ -5,6 +5,7 @@ room's prefill and decode tables from unrelated allocators: every byte checked, 
 from __future__ import annotations
 
 import functools
+import gc
 
 import anyio
 import numpy as np
@@ -99,4 +100,13 @@ async def test_auto_path_and_why_in_the_dump(P: int, D: int, path: str, why: str
         assert "PATH" in table and f"{path} ({ended.path_reason})" in table
         (sent,) = [r for r in build_snapshot(c.prefill[0]).ended if r.room == 500]
         assert sent.path == path and sent.path_reason == ""
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_started_engine_froze_the_process_objects() -> None:
+    """Once an engine has started, the process's objects of that moment are out of CPython's
+    collections (``gc.freeze``, once per process: engine.supervisor.freeze_gc_once)."""
+    async with cluster(small_layout(), 1, 1) as c:
+        assert gc.get_freeze_count() > 0
         c.assert_no_leaks()
