@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
+    INT_VIEW,
     Impl,
     KernelInputError,
     KVTable,
@@ -266,12 +267,32 @@ def checksum_bytes(
     return _finish(total, out)
 
 
+def _host_heads_sum(layout: KVTable, slots: np.ndarray, head_start: int, num_heads: int) -> int:
+    """The checksum of the gather layout of ``slots`` over host KV, with numpy: one tensor at a time,
+    its head slice's rows taken by fancy indexing (a copy of just those bytes) and summed at their
+    offset in the layout. (torch's CPU ``index_select`` took 100x longer on the loaded CPU box.)"""
+    int_dtype = INT_VIEW[layout.itemsize]
+    tokens = slots.size
+    row_words = num_heads * layout.head_dim * layout.itemsize // WORD
+    where = (slots,) if layout.tensors[0].dim() == 3 else np.divmod(slots, layout.block_size)
+    total = 0
+    for t, tensor in enumerate(layout.tensors):
+        heads = tensor.view(int_dtype).numpy()[..., head_start : head_start + num_heads, :]
+        rows = np.ascontiguousarray(heads[where])
+        total += _host_sum(rows.reshape(-1).view(np.uint32), t * tokens * row_words)
+    return total & MASK64
+
+
 def checksum_heads_reference(
     kv: Sequence[torch.Tensor] | KVTable, slots: torch.Tensor, head_start: int, num_heads: int
 ) -> torch.Tensor:
-    """Pure-torch checksum of the gather layout of ``slots`` (a gather into a scratch buffer, then
-    :func:`checksum_bytes_reference`); int64 ``[1]`` on kv's device."""
+    """The checksum of the gather layout of ``slots`` without Triton (the CPU implementation); int64
+    ``[1]`` on kv's device. Host KV: numpy, one tensor at a time (:func:`_host_heads_sum`); device
+    KV: a torch gather into a scratch buffer, then :func:`checksum_bytes_reference`."""
     layout = as_kv_table(kv)
+    if layout.device.type == "cpu":
+        value = _host_heads_sum(layout, slots.numpy().astype(np.int64, copy=False), head_start, num_heads)
+        return torch.tensor([_as_int64(value)], dtype=torch.int64)
     shape = (len(layout), slots.numel(), num_heads, layout.head_dim)
     scratch = torch.empty(shape, dtype=layout.dtype, device=layout.device)
     gather_heads_reference(layout.tensors, slots.to(layout.device), head_start, num_heads, scratch)
