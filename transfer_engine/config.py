@@ -67,6 +67,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     waiting_timeout: float | None = None
     transfer_timeout: float = 60.0
     heartbeat_interval: float = 1.0
+    room_lease: float = 30.0
+    """Seconds a room waiting on its peer lives unless the peer shows it holds it (docs/CONFIGURATION.md)."""
     connect_timeout: float = 5.0
     """How long a single control request (topology, handshake) may wait for its answer."""
     # --- what users set: security ---------------------------------------------------------------
@@ -162,7 +164,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"path={self.path!r} must be one of auto, direct, slice, staged, host")
         if self.staging_memory not in ("device", "host"):
             raise ConfigError(f"staging_memory={self.staging_memory!r} must be 'device' or 'host'")
-        for name in ("bootstrap_timeout", "transfer_timeout", "heartbeat_interval", "connect_timeout"):
+        for name in (
+            "bootstrap_timeout", "transfer_timeout", "heartbeat_interval", "room_lease", "connect_timeout"
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         if self.trace_steps < 0:
@@ -255,8 +259,8 @@ USER_FIELDS: tuple[str, ...] = (
     "host", "control_port", "bootstrap_host", "bootstrap_port", "host_bootstrap", "introspect_port",
     "metrics_port", "agent_name",
     "path", "staging_memory", "nixl_backend", "max_rooms", "integrity",
-    "bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "connect_timeout",
-    "curve_secret_key_file", "curve_public_keys_dir",
+    "bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "room_lease",
+    "connect_timeout", "curve_secret_key_file", "curve_public_keys_dir",
 )  # fmt: skip
 """The fields a user sets to deploy the engine, in the order of :class:`EngineConfig`."""
 

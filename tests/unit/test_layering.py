@@ -203,11 +203,11 @@ def test_stash_expiry_tells_every_asker() -> None:
     stash = EarlyRequests()
     stash.add(7, _request(7, "d0"), 1.0)
     stash.add(8, _request(8, "d0"), 5.0)
-    assert stash.stale(now=4.0, max_age=2.0) == [7]
-    answers = stash.expire(7, agent="p0", rank=1, timeout=2.0)
+    assert stash.stale(now=4.0, lease=2.0) == [7]
+    answers = stash.expire(7, agent="p0", rank=1, lease=2.0)
     assert [(agent, msg.reason) for agent, msg in answers] == [("d0", FailureReason.BOOTSTRAP_TIMEOUT)]
-    assert "bootstrap_timeout=2.0" in answers[0][1].detail
-    assert stash.stale(now=4.0, max_age=2.0) == []
+    assert "room_lease=2.0" in answers[0][1].detail
+    assert stash.stale(now=4.0, lease=2.0) == []
 
 
 # --- leases ---------------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ async def test_a_room_asks_for_a_drain_at_its_deadline_and_fails_on_the_reply() 
     ports, _, _, _ = _ports()
     drains = Drains()
     ports = dataclasses.replace(ports, drain=drains)
-    room = SenderRoomActor(ports, 7, Deadlines(0.05, None, 5.0))
+    room = SenderRoomActor(ports, 7, Deadlines(0.05, None, 5.0, lease=0.05))  # a prefill room: its lease
     ports.rooms.open(7, room.inbox)
     async with anyio.create_task_group() as tg:
         tg.start_soon(room.run)

@@ -581,16 +581,17 @@ def test_receiver_deadline_per_phase_rearmed_on_entry() -> None:
     _assert_times_out_at(room, 125.0, FailureReason.INPUT_TIMEOUT)
     room.on_chunk(0, 0, False, now=120.0)
     _assert_times_out_at(room, 150.0, FailureReason.TRANSFER_TIMEOUT)
-    room.on_chunk(0, 1, False, now=140.0)  # staying in Transferring does not re-arm
-    _assert_times_out_at(room, 150.0, FailureReason.TRANSFER_TIMEOUT)
-    room.on_chunk(0, 2, True, now=149.0)
+    room.on_chunk(0, 1, False, now=140.0)  # progress in Transferring re-arms from the landing
+    _assert_times_out_at(room, 170.0, FailureReason.TRANSFER_TIMEOUT)
+    room.on_chunk(0, 2, True, now=169.0)
     assert room.status is S
     assert room.deadline is None and room.expired(1e9) is None
 
 
 def test_sender_deadline_per_phase_rearmed_on_entry() -> None:
-    room = SenderRoom(room=7, deadlines=DL, now=0.0)
-    _assert_times_out_at(room, 10.0, FailureReason.BOOTSTRAP_TIMEOUT)
+    leased = Deadlines(bootstrap=10.0, waiting=20.0, transfer=30.0, lease=50.0)
+    room = SenderRoom(room=7, deadlines=leased, now=0.0)
+    _assert_times_out_at(room, 50.0, FailureReason.BOOTSTRAP_TIMEOUT)  # leased from its opening
     room.on_request(0, 1, sends=True, sends_aux=False, now=4.0)
     _assert_times_out_at(room, 24.0, FailureReason.INPUT_TIMEOUT)
     room.queue_chunk(1, True, None, now=6.0)
@@ -608,7 +609,8 @@ def test_no_input_deadline_unless_waiting_is_set() -> None:
 
 
 def test_disabled_deadlines_never_fire() -> None:
-    room = SenderRoom(room=7, deadlines=Deadlines(bootstrap=None, waiting=None, transfer=None), now=0.0)
+    never = Deadlines(bootstrap=None, waiting=None, transfer=None, lease=None)
+    room = SenderRoom(room=7, deadlines=never, now=0.0)
     assert room.deadline is None and room.expired(1e12) is None
     room.on_request(0, 1, sends=True, sends_aux=False, now=1.0)
     room.queue_chunk(1, True, None, now=1.0)
@@ -670,6 +672,6 @@ def test_transfer_timeout_says_what_the_sender_still_waits_for() -> None:
     failure = room.expired(10.0)
     assert failure is not None and failure.reason is FailureReason.TRANSFER_TIMEOUT
     assert failure.detail == (
-        "room 7 spent more than 5.0 s in TRANSFERRING (2 chunk(s) queued, the last; "
+        "room 7 made no progress for more than 5.0 s in TRANSFERRING (2 chunk(s) queued, the last; "
         "3 of 4 chunk WRITEs done; aux 0 of 1; 1 job(s) at the workers)"
     )

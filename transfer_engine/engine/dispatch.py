@@ -78,6 +78,7 @@ class Dispatch(EngineState):
                 peer = self.peers.get(agent)
                 if peer is not None:
                     peer.last_seen = time.monotonic()
+                    self._held_by(agent, message.rooms, peer.last_seen)
             case _:
                 self.control.count_drop(
                     type(message).__name__, ident, f"not accepted by a {self.config.role} engine"

@@ -82,7 +82,9 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         self._transport = transport
         self.curve = Curve.from_config(config)
         """Control-plane CURVE keys (None: off); loaded here so a bad key file fails the constructor."""
-        self.deadlines = Deadlines(config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout)
+        self.deadlines = Deadlines(
+            config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout, config.room_lease
+        )
         self.rooms: dict[int, RoomActor] = {}
         self.board = RoomBoard(self._room_closed)
         """The live rooms' mailboxes: how every actor addresses a room."""

@@ -1,4 +1,5 @@
-"""Liveness: heartbeats, peer leases (:mod:`transfer_engine.protocol.leases`), peer death, stale stashed requests."""
+"""Liveness: heartbeats, peer leases and room leases (:mod:`transfer_engine.protocol.leases`), peer
+death, stale stashed requests."""
 
 from __future__ import annotations
 
@@ -8,13 +9,19 @@ import time
 
 import anyio
 
+from transfer_engine.actors.room import ReceiverRoomActor, SenderRoomActor
+from transfer_engine.actors.room.common import RoomActor
 from transfer_engine.engine.state import EngineState
 from transfer_engine.protocol import leases
 from transfer_engine.protocol import messages as m
-from transfer_engine.runtime.mail import PeerDead, RepeatStaging, Subscribe
+from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.runtime.mail import LeaseRenewed, PeerDead, RepeatStaging, Subscribe
 from transfer_engine.runtime.peers import Peer
 
 log = logging.getLogger("transfer_engine.engine")
+
+_LEASED = (RoomStatus.BOOTSTRAPPING, RoomStatus.WAITING_FOR_INPUT)
+"""The states whose deadline a room's lease sets (``Deadlines.due``); Transferring runs on progress."""
 
 
 class Liveness(EngineState):
@@ -41,14 +48,16 @@ class Liveness(EngineState):
             if now - last_beat >= interval / 2 - tick / 2:  # twice per interval: see leases.LEASE_SILENCE
                 last_beat = now
                 self._heartbeat_seq += 1
-                beat = m.Heartbeat(
-                    agent=self.agent_name,
-                    rank=self.config.tp_rank,
-                    side=self.config.role,
-                    seq=self._heartbeat_seq,
-                )
+                held = leases.held_rooms(self._held_rooms(), self.config.max_rooms)
                 for peer in list(self.peers.values()):
                     if peer.alive:
+                        beat = m.Heartbeat(
+                            agent=self.agent_name,
+                            rank=self.config.tp_rank,
+                            side=self.config.role,
+                            seq=self._heartbeat_seq,
+                            rooms=held.get(peer.agent_name),
+                        )
                         self.control.send(peer.endpoint, beat)
                         if self.ring is not None:  # the watermark is state: repeat it, a lost one heals
                             with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
@@ -64,20 +73,43 @@ class Liveness(EngineState):
                 gone = self.peers.get(agent)
                 if gone is not None and gone.alive:
                     await self._peer_dead(gone, f"no heartbeat from {agent} for {now - gone.last_seen:.2f} s")
-            for room in self._stash.stale(now, self.config.bootstrap_timeout):
+            for room in self._stash.stale(now, self.config.room_lease):
                 self.counters["stash_expired"] += 1
                 answers = self._stash.expire(
-                    room,
-                    agent=self.agent_name,
-                    rank=self.config.tp_rank,
-                    timeout=self.config.bootstrap_timeout,
+                    room, agent=self.agent_name, rank=self.config.tp_rank, lease=self.config.room_lease
                 )
                 log.warning(
-                    "room %d: no sender() within bootstrap_timeout; %d decode rank(s) told",
+                    "room %d: no sender(), no decode renewed it within room_lease; %d decode rank(s) told",
                     room,
                     len(answers),
                 )
                 self._answer(answers)
+
+    def _held_rooms(self) -> list[tuple[int, frozenset[str]]]:
+        """Each room held live here, with the peer agents it is held with (:func:`leases.held_rooms`):
+        an open prefill room with the decode ranks that asked for it, a stashed request with its
+        askers, a decode room whose requests went out with every prefill rank it asked."""
+        held = [(room, self._stash.agents(room)) for room in self._stash.rooms()]
+        for room, actor in self.rooms.items():
+            if not actor.core.status.final:
+                held.append((room, _room_peers(actor)))
+        return held
+
+    def _held_by(self, agent: str, rooms: list[int] | None, now: float) -> None:
+        """Peer ``agent``'s heartbeat lists ``rooms`` as held live there: renew their leases here (a
+        stashed request's; a leased room's, by mail, dropped when its mailbox is full: the next
+        heartbeat renews it again)."""
+        for room in rooms or ():
+            actor = self.rooms.get(room)
+            if actor is None:
+                self._stash.hold(room, agent, now)
+            elif (
+                actor.core.held_at is not None
+                and actor.status in _LEASED
+                and leases.renews(agent, _room_peers(actor))
+            ):
+                with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+                    actor.inbox.send_nowait(LeaseRenewed(now))
 
     async def _peer_dead(self, peer: Peer, detail: str) -> None:
         log.warning("%s rank %d: peer %s (rank %d) declared dead: %s", self.config.role, self.config.tp_rank,
@@ -90,7 +122,18 @@ class Liveness(EngineState):
                 del self.instances[bootstrap]
                 self._slice_pieces_of.pop(bootstrap, None)
         self.control.forget(peer.endpoint)
+        self._stash.forget(peer.agent_name)  # nobody left to answer, nor to renew them
         for actor in list(self.rooms.values()):
             await self._to_room(actor.room, PeerDead(peer.agent_name, detail))
         await self.poller.abandon(peer.agent_name, detail)
         self.poller.remove_peer(peer.agent_name)
+
+
+def _room_peers(actor: RoomActor) -> frozenset[str]:
+    """The peer agents a live room is held with: for a prefill room, the decode ranks that asked for
+    it; for a decode room whose requests went out, every prefill rank of its instance (none before)."""
+    if isinstance(actor, SenderRoomActor):
+        return frozenset(peer.agent_name for peer in actor.peers.values())
+    if isinstance(actor, ReceiverRoomActor) and actor.requested:
+        return frozenset(peer.agent_name for peer in actor.everyone)
+    return frozenset()

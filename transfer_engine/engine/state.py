@@ -120,6 +120,10 @@ class EngineState:
         """Heartbeats, leases and stale requests (:mod:`transfer_engine.engine.liveness`)."""
         raise NotImplementedError
 
+    def _held_by(self, agent: str, rooms: list[int] | None, now: float) -> None:
+        """Renew the leases of ``rooms``, which peer ``agent`` holds live (liveness)."""
+        raise NotImplementedError
+
     def _room_closed(self, room: int) -> None:
         """The room board's hook when a room ended (:mod:`transfer_engine.engine.engine`)."""
         raise NotImplementedError

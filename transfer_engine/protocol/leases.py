@@ -1,12 +1,15 @@
-"""Heartbeat leases: when a peer is dead, and when the silence is our own.
+"""Heartbeat leases: when a peer is dead, when the silence is our own, and which rooms a heartbeat
+renews.
 
 Pure decisions on monotonic times; the engine's heartbeat loop applies them every quarter
-``heartbeat_interval``.
+``heartbeat_interval``. Two leases: a peer's (its heartbeats; silent for ``LEASE_SILENCE`` intervals
+it is dead and its rooms fail), and a room's (``room_lease``: a room waiting on its peer lives while
+the peer's heartbeats list it as held live; :meth:`~transfer_engine.protocol.rooms.Deadlines.due`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 LEASE_SILENCE = 2.0
 """Heartbeat intervals of silence after which a peer is dead (checked every quarter interval, so a
@@ -34,3 +37,25 @@ def extended(last_seen: float, now: float, interval: float) -> float:
 def dead(last_seen: Mapping[str, float], now: float, interval: float) -> list[str]:
     """The peers (by agent) silent for more than ``LEASE_SILENCE`` intervals at ``now``."""
     return [agent for agent, seen in last_seen.items() if now - seen > LEASE_SILENCE * interval]
+
+
+def held_rooms(holders: Iterable[tuple[int, Iterable[str]]], limit: int) -> dict[str, list[int]]:
+    """Per peer agent, the rooms a heartbeat to it lists: those held live with it, at most ``limit``.
+
+    ``holders`` gives each live room once, with the peer agents it waits on or holds blocks for (a decode
+    room: every prefill rank it asked; a prefill room or stashed request: every decode rank that
+    asked). A room listed in a heartbeat renews the receiver's lease on it (:func:`renews`).
+    """
+    listed: dict[str, list[int]] = {}
+    for room, agents in holders:
+        for agent in agents:
+            rooms = listed.setdefault(agent, [])
+            if len(rooms) < limit:
+                rooms.append(room)
+    return listed
+
+
+def renews(listed_by: str, room_peers: Collection[str]) -> bool:
+    """Whether a heartbeat of ``listed_by`` listing a room renews that room's lease here: only one
+    from a peer of the room (a decode rank that asked for it; a prefill rank it asked)."""
+    return listed_by in room_peers

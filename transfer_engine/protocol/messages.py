@@ -319,6 +319,10 @@ class Heartbeat(Message, frozen=True, gc=False):
     rank: int
     side: str
     seq: int
+    rooms: list[int] | None = None
+    """The rooms the sender holds live with the receiver (at most ``max_rooms``; None: none): a
+    prefill's open or stashed rooms that the receiver asked for, a decode's rooms waiting on the
+    receiver. Each renews the receiver's lease on that room (:mod:`~transfer_engine.protocol.leases`)."""
 
 
 # --- NIXL notifications ---------------------------------------------------------------------------

@@ -29,8 +29,10 @@ __all__ = [
     "SENDER_TRANSITIONS",
     "Bootstrapped",
     "Chunk",
+    "Clocks",
     "Completed",
     "Deadlines",
+    "Due",
     "Event",
     "Fail",
     "FailureReason",
@@ -125,18 +127,78 @@ def transition(
 
 @dataclass(frozen=True, slots=True)
 class Deadlines:
-    """How long a room may stay in each phase, in seconds; ``None`` disables that deadline."""
+    """How long a room may wait, in seconds; ``None`` disables that bound (docs/CONFIGURATION.md).
+
+    ``bootstrap`` bounds a room that has not reached its peer (from entering Bootstrapping);
+    ``waiting`` bounds WaitingForInput from entering it, whatever the peer does; ``transfer`` bounds
+    Transferring from the room's *last progress* (a chunk or layer group landed; a WRITE ended), so a
+    slow room that keeps moving never times out; ``lease`` bounds a room waiting on its peer from the
+    last sign that the peer still holds the room live (its heartbeat listing the room, its request).
+    """
 
     bootstrap: float | None = 30.0
     waiting: float | None = None
     transfer: float | None = 60.0
+    lease: float | None = 30.0
 
     def for_state(self, state: RoomStatus) -> tuple[float | None, FailureReason]:
+        """The fixed window of ``state`` and the reason it fails with (the lease aside)."""
         if state is _S.BOOTSTRAPPING:
             return self.bootstrap, FailureReason.BOOTSTRAP_TIMEOUT
         if state is _S.WAITING_FOR_INPUT:
             return self.waiting, FailureReason.INPUT_TIMEOUT
         return self.transfer, FailureReason.TRANSFER_TIMEOUT
+
+    def due(self, state: RoomStatus, clocks: Clocks) -> Due | None:
+        """When a room in ``state`` with ``clocks`` times out, and why; None: it cannot (final, or
+        every bound of the state disabled). The earliest bound wins.
+
+        ==================  ==========================  =========================================
+        state               held_at None                held_at set (the room is leased)
+        ==================  ==========================  =========================================
+        Bootstrapping       entered + bootstrap         held_at + lease
+        WaitingForInput     entered + waiting           min(entered + waiting, held_at + lease)
+        Transferring        progress + transfer         progress + transfer
+        ==================  ==========================  =========================================
+        """
+        if state.final:
+            return None
+        limit, reason = self.for_state(state)
+        bounds: list[Due] = []
+        if state is _S.TRANSFERRING:
+            if limit is not None:
+                stuck = f"made no progress for more than {limit} s"
+                bounds.append(Due(clocks.progress_at + limit, reason, stuck))
+            return min(bounds, default=None)
+        lease, held_at = self.lease, clocks.held_at
+        leased = lease is not None and held_at is not None
+        if limit is not None and not (state is _S.BOOTSTRAPPING and leased):
+            bounds.append(Due(clocks.entered_at + limit, reason, f"spent more than {limit} s"))
+        if lease is not None and held_at is not None:
+            bounds.append(Due(held_at + lease, reason, f"saw no sign of its peer for room_lease={lease} s"))
+        return min(bounds, default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Clocks:
+    """The times a room's deadline is computed from (monotonic seconds)."""
+
+    entered_at: float
+    """When the room entered its current status."""
+    progress_at: float
+    """The room's last progress: entering its status, or a ``Landed`` since."""
+    held_at: float | None = None
+    """The last sign that the peer holds the room live; None: the room waits on no peer (unleased)."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Due:
+    """A room's next timeout: when, the failure reason, and the bound in words ("room 7 <bound> in
+    TRANSFERRING")."""
+
+    at: float
+    reason: FailureReason = field(compare=False)
+    bound: str = field(compare=False)
 
 
 @dataclass
@@ -149,21 +211,32 @@ class Room:
     status: RoomStatus = _S.BOOTSTRAPPING
     failure: Fail | None = None
     entered_at: float = 0.0
+    progress_at: float = 0.0
+    """The last progress: entering the current status, or a ``Landed`` since (Transferring's clock)."""
+    held_at: float | None = None
+    """The last sign that the peer holds this room live (:meth:`lease`, :meth:`hold`); None: unleased."""
     history: list[tuple[float, str]] = field(default_factory=list)
 
     _table = SENDER_TRANSITIONS
+    _leased_at_open = False
+    """Whether the lease runs from the room's creation (the prefill's), or from :meth:`lease`."""
 
     def __post_init__(self) -> None:
-        self.entered_at = self.now
+        self.entered_at = self.progress_at = self.now
+        if self._leased_at_open:
+            self.held_at = self.now
         self.history.append((self.now, self.status.name))
 
     def _apply(self, event: Event, now: float) -> RoomStatus:
         nxt = transition(self._table, self.status, event)
         if isinstance(event, Fail):
             self.failure = event
+        if isinstance(event, Landed):
+            self.progress_at = max(self.progress_at, now)
         if nxt is not self.status:
             self.status = nxt
             self.entered_at = now
+            self.progress_at = now
             self.history.append((now, nxt.name if self.failure is None else f"{nxt.name}:{event}"))
         return nxt
 
@@ -179,28 +252,42 @@ class Room:
         self._apply(Fail(reason, detail), now)
         return True
 
+    def lease(self, now: float) -> None:
+        """The room starts waiting on its peer: leased from ``now`` (a no-op once leased)."""
+        if self.held_at is None:
+            self.held_at = now
+
+    def hold(self, now: float) -> None:
+        """The peer showed that it holds the room live at ``now``: the lease runs from then.
+
+        A room not leased yet (it waits on its own application, not on the peer) stays unleased.
+        """
+        if self.held_at is not None:
+            self.held_at = max(self.held_at, now)
+
+    def due(self) -> Due | None:
+        """The room's next timeout (:meth:`Deadlines.due`), or None."""
+        return self.deadlines.due(self.status, Clocks(self.entered_at, self.progress_at, self.held_at))
+
     @property
     def deadline(self) -> float | None:
-        """When the current phase times out, or None (final state or no deadline for the phase)."""
-        if self.status.final:
-            return None
-        limit, _ = self.deadlines.for_state(self.status)
-        return None if limit is None else self.entered_at + limit
+        """When the room times out unless something happens first, or None (final or no bound)."""
+        due = self.due()
+        return None if due is None else due.at
 
     def expired(self, now: float) -> Fail | None:
-        """The timeout failure if the current phase's deadline has passed at ``now``, else None.
+        """The timeout failure if the room's deadline has passed at ``now``, else None.
 
         Call only after applying every pending notification: a chunk that landed before the deadline
         but was read after it must count.
         """
-        deadline = self.deadline
-        if deadline is None or now < deadline:
+        due = self.due()
+        if due is None or now < due.at:
             return None
-        limit, reason = self.deadlines.for_state(self.status)
         waiting = self.waiting_for()
         return Fail(
-            reason,
-            f"room {self.room} spent more than {limit} s in {self.status.name}{f' ({waiting})' if waiting else ''}",
+            due.reason,
+            f"room {self.room} {due.bound} in {self.status.name}{f' ({waiting})' if waiting else ''}",
         )
 
     def waiting_for(self) -> str:
@@ -240,6 +327,7 @@ class SenderRoom(Room):
     """Jobs handed to workers and not yet answered; the room is quiescent only at 0."""
 
     _table = SENDER_TRANSITIONS
+    _leased_at_open = True
 
     def job_started(self) -> None:
         """A job (one chunk or the aux item, to one decode rank) went to a worker."""
@@ -288,6 +376,7 @@ class SenderRoom(Room):
                 f"room {self.room}: second TransferRequest from decode rank {decode_rank}"
             )
         self.requested.add(decode_rank)
+        self.hold(now)  # the decode holds the room live: it just asked for it
         if sends:
             self.targets.add(decode_rank)
         if sends_aux:

@@ -219,6 +219,13 @@ class PeerDead:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseRenewed:
+    """The peer's heartbeat at ``at`` listed the room as held live: its lease runs from then."""
+
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     """The engine is closing."""
 
@@ -448,6 +455,7 @@ RoomMail = (
     | Scattered
     | LocalAbort
     | PeerDead
+    | LeaseRenewed
     | Shutdown
     | m.TransferRequest
     | m.Abort

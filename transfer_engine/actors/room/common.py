@@ -10,7 +10,7 @@ import anyio
 
 from transfer_engine.errors import FailureReason, ProtocolError, TransferFailed, failure_error
 from transfer_engine.protocol.rooms import Room, RoomStatus
-from transfer_engine.runtime.mail import Drained, Mailbox, RoomMail
+from transfer_engine.runtime.mail import Drained, LeaseRenewed, Mailbox, RoomMail
 from transfer_engine.runtime.ports import ROOM_MAILBOX, ROOM_RESERVE, RoomPorts
 
 log = logging.getLogger("transfer_engine.room")
@@ -69,7 +69,9 @@ class RoomActor:
 
         A room waits on nothing but its own mailbox. At its deadline it asks the poller for a
         :class:`Drained` reply and keeps reading mail; the deadline is judged when the reply comes,
-        after every notification that had arrived was applied.
+        after every notification that had arrived was applied. The deadline moves with the room's
+        progress and its lease (``Deadlines.due``): the engine mails a waiting room
+        :class:`LeaseRenewed` as its peer's heartbeats list it, and the timer is armed afresh.
         """
         log.debug("%s room %d: %s", self.side, self.room, self.core.status.name)
         loop = asyncio.get_running_loop()
@@ -131,6 +133,8 @@ class RoomActor:
                 failure = self.core.expired(time.monotonic())
                 if failure is not None:
                     self._fail(failure.reason, failure.detail)
+            elif isinstance(mail, LeaseRenewed):
+                self.core.hold(mail.at)
             else:
                 await self.handle(mail)
         except ProtocolError as exc:

@@ -184,6 +184,7 @@ class ReceiverRoomActor(RoomActor):
         """Send every prefill rank of the instance its TransferRequest for the room's pages."""
         aux_writer = self.slices[0].prefill_rank if mail.aux_slot is not None else None
         self.core.wants_aux_from = aux_writer
+        self.core.lease(time.monotonic())  # it waits on the prefill now: the prefill's heartbeats renew it
         me = self.ports.me
         by_rank = {w.prefill_rank: (i, w) for i, w in enumerate(self.slices)}
         pages_list = mail.pages.tolist()
