@@ -176,6 +176,8 @@ def test_plan_of_reads_both_roles_and_gives_each_child_of_an_n_request_its_own_t
     }
     assert plan_of("cmpl-1", ask, is_prefill=False, block_size=32) == (Plan("abc", "abc", BOOTSTRAP), [])
     assert plan_of("1_cmpl-1", ask, is_prefill=False, block_size=32) == (Plan("abc", "abc#1", BOOTSTRAP), [])
+    vllms = {**ask, "remote_prefill_cached_tokens": 64}  # vLLM's scheduler adds it to a prefill's answer
+    assert plan_of("cmpl-1", vllms, is_prefill=False, block_size=32) == (Plan("abc", "abc", BOOTSTRAP), [])
     given = {"do_remote_decode": True, "transfer_id": "abc"}
     assert plan_of("0_cmpl-1", given, is_prefill=True, block_size=32) == (Plan("abc", "abc#0"), [])
     # no transfer_id (vLLM's sequential protocol): minted from the request id, shared by the children

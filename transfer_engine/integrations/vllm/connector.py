@@ -151,9 +151,11 @@ CONNECTOR_ONLY = frozenset({"engine_cpus"})
 SET_BY_VLLM = frozenset({"role", "tp_size", "tp_rank"})
 
 PARAM_KEYS = frozenset(
-    {"do_remote_prefill", "do_remote_decode", "transfer_id", "bootstrap", "tp_size", "block_size"}
-)
-"""The ``kv_transfer_params`` keys this connector reads or returns."""
+    {"do_remote_prefill", "do_remote_decode", "transfer_id", "bootstrap", "tp_size", "block_size",
+     "remote_prefill_cached_tokens"}
+)  # fmt: skip
+"""The ``kv_transfer_params`` keys this connector reads or returns, and the one vLLM's scheduler adds
+to a prefill's answer (``remote_prefill_cached_tokens``, for the decode's usage report)."""
 
 MAX_ID_CHARS = 256
 _BOOTSTRAP = re.compile(r"tcp://[A-Za-z0-9.\-\[\]:]+:\d{1,5}")
@@ -389,7 +391,10 @@ class TransferBook:
                 plan = None
         if problems and req_id not in self.warned:
             self.warned.add(req_id)
-            outcome = "its KV is not sent" if self.is_prefill else "its prompt is computed here"
+            if plan is not None:
+                outcome = "the transfer goes ahead"
+            else:
+                outcome = "its KV is not sent" if self.is_prefill else "its prompt is computed here"
             for problem in problems:
                 log.warning("request %s: kv_transfer_params %s; %s", req_id, problem, outcome)
         return plan
