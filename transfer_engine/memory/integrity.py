@@ -53,15 +53,18 @@ class PoolChecksums:
                 table = self._groups[layers] = as_kv_table([self.pool.kv_views[i] for i in rows])
             return table
 
-    def chunk(self, slots: np.ndarray, head_start: int, num_heads: int, layers: tuple[int, int] | None) -> int:
+    def chunk(
+        self, slots: np.ndarray, head_start: int, num_heads: int, layers: tuple[int, int] | None
+    ) -> int:
         """The checksum of heads ``[head_start, head_start + num_heads)`` of ``slots`` (this pool's token
         slots, in the chunk's order) over every tensor, or layers ``[start, end)``'s: the gather
         layout ``kernels.checksum`` defines. Blocks the calling thread until it is known."""
         index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         result = checksum_heads(self._table(layers), index, head_start, num_heads, stream=self.stream)
-        if self.stream is not None:
-            self.stream.synchronize()
-        return checksum_value(result)
+        if self.stream is None:
+            return checksum_value(result)
+        with torch.cuda.stream(self.stream):  # the read waits for this stream only, not the default one
+            return checksum_value(result)
 
 
 def sealed(notif: bytes, checksum: Callable[[], int]) -> Callable[[], bytes]:
