@@ -139,7 +139,8 @@ def test_pd_demo_small() -> None:
 def test_mismatched_schedules_fail_cleanly() -> None:
     """Sides that disagree on the rooms fail them on timeouts, report it, and exit non-zero."""
     port = free_port()
-    quick = ["--rooms", "3", "--bootstrap-timeout", "2", "--waiting-timeout", "2", *SMALL]
+    timeouts = ["--bootstrap-timeout", "2", "--waiting-timeout", "2", "--room-lease", "2"]
+    quick = ["--rooms", "3", *timeouts, *SMALL]
     prefill = start("prefill.py", "--tp", "1", "--bootstrap-port", str(port), *quick, "--seed", "1")
     decode = start("decode.py", "--tp", "1", "--bootstrap", f"tcp://127.0.0.1:{port}", *quick, "--seed", "2")
     try:
