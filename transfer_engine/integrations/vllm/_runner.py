@@ -1,8 +1,8 @@
 """The connector's engine, on its own event loop in a thread: vLLM's hooks are synchronous.
 
-Private to the vLLM integration. vLLM's worker thread calls :meth:`EngineThread.send`,
-:meth:`~EngineThread.receive` and :meth:`~EngineThread.abort`, which only schedule work on the
-loop, and collects what ended with :meth:`~EngineThread.take_finished` and
+Private to the vLLM integration. The loop is the package's one bridge, :class:`transfer_engine.facade.LoopThread`.
+vLLM's worker thread calls :meth:`EngineThread.send`, :meth:`~EngineThread.receive` and
+:meth:`~EngineThread.abort`, which only schedule work on the loop, and collects what ended with :meth:`~EngineThread.take_finished` and
 :meth:`~EngineThread.take_load_errors`. Each transfer is one task on the loop that reports its
 request exactly once, when its room has ended (no WRITE of it can still land).
 """
@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +31,7 @@ from transfer_engine import (
     TransferTimeout,
 )
 from transfer_engine.errors import ConfigError, TransferError
+from transfer_engine.facade import LoopThread
 from transfer_engine.memory.layout import views_vllm_cpu
 
 log = logging.getLogger(__name__)
@@ -113,13 +113,12 @@ class EngineThread:
         self._page_bytes = sum(layer[0].nbytes for layer in layers)
         """Bytes of one block of this rank's KV, every layer."""
         self.engine: TransferEngine | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = LoopThread(f"te-{config.role}-{config.tp_rank}")
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
+        self._served = threading.Event()
+        """The engine's task has returned (the engine is closed, or never opened)."""
         self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._main, name=f"te-{config.role}-{config.tp_rank}", daemon=True
-        )
         self._lock = threading.Lock()
         self._sent: set[str] = set()
         self._received: set[str] = set()
@@ -139,32 +138,34 @@ class EngineThread:
 
     def start(self) -> None:
         """Start the loop and the engine; returns once the engine is up, or raises its error."""
-        self._thread.start()
+        self._loop.start()
+        try:
+            # Linux threads inherit their creator's CPU mask, and vLLM's CPU worker has pinned its
+            # main thread to one core (its first OpenMP thread) before it registers the KV caches. Set
+            # on the loop's thread before the engine exists, the mask also covers the ZMQ and NIXL
+            # threads the engine starts.
+            self._loop.call(os.sched_setaffinity, 0, self._cpus)
+        except OSError as exc:
+            self._loop.close()
+            raise ConfigError(
+                f"engine_cpus={sorted(self._cpus)}: cannot run the engine there: {exc}"
+            ) from None
+        self._loop.spawn(self._serve)
         if not self._ready.wait(START_TIMEOUT):
+            self._loop.close()
             raise TransferError(f"the {self.config.role} engine did not start within {START_TIMEOUT} s")
         if self._error is not None:
+            self._loop.close()
             raise self._error
 
     def stop(self) -> None:
-        """Stop the engine (its rooms end) and join the thread."""
-        if self._loop is not None and self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(START_TIMEOUT)
-
-    def _main(self) -> None:
-        # Linux threads inherit their creator's CPU mask, and vLLM's CPU worker has pinned its main
-        # thread to one core (its first OpenMP thread) before it registers the KV caches. Set here,
-        # before the engine exists, the mask also covers the ZMQ and NIXL threads the engine starts.
-        try:
-            os.sched_setaffinity(0, self._cpus)
-        except OSError as exc:
-            self._error = ConfigError(f"engine_cpus={sorted(self._cpus)}: cannot run the engine there: {exc}")
-            self._ready.set()
-            return
-        asyncio.run(self._serve())
+        """Stop the engine (its rooms end) and the loop's thread."""
+        if self._stop is not None and not self._served.is_set():
+            self._loop.call_soon(self._stop.set)
+            self._served.wait(START_TIMEOUT)
+        self._loop.close()
 
     async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
             async with TransferEngine(self.config, self.pool) as engine:
@@ -178,17 +179,14 @@ class EngineThread:
                 for entry in list(self._live.values()):
                     if entry.handle is not None:
                         await entry.handle.abort("vLLM is shutting down")
-        except BaseException as exc:  # reported to start(), or logged once the engine was up
+        except Exception as exc:  # reported to start(), or logged once the engine was up
             if not self._ready.is_set():
                 self._error = exc
                 self._ready.set()
             else:
                 log.exception("transfer engine stopped")
-            raise
-
-    def _submit(self, coro: Coroutine[Any, Any, None]) -> None:
-        assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(coro, self._loop)
+        finally:
+            self._served.set()
 
     # ---- called from vLLM's worker thread ---------------------------------------------------------
 
@@ -196,7 +194,7 @@ class EngineThread:
         """Prefill: send the request's blocks (and the ID digest) into whatever decode asks for ``room``."""
         with self._lock:
             self._outstanding += 1
-        self._submit(self._send(req_id, room, transfer_id, block_ids, digest))
+        self._loop.spawn(self._send, req_id, room, transfer_id, block_ids, digest)
 
     def receive(
         self,
@@ -212,11 +210,11 @@ class EngineThread:
         the earlier ones being cached here); report them loaded once the digest matched."""
         with self._lock:
             self._outstanding += 1
-        self._submit(self._receive(req_id, room, transfer_id, block_ids, bootstrap, digest, prefix_len))
+        self._loop.spawn(self._receive, req_id, room, transfer_id, block_ids, bootstrap, digest, prefix_len)
 
     def abort(self, req_id: str, room: int) -> None:
         """Abort the request's room; its task reports it once no WRITE can land (see the module doc)."""
-        self._submit(self._abort(req_id, room))
+        self._loop.spawn(self._abort, req_id, room)
 
     def send_layerwise(
         self, req_id: str, room: int, transfer_id: str, block_ids: list[int], digest: bytes
@@ -227,7 +225,7 @@ class EngineThread:
             self._outstanding += 1
         layers: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
         self._layerwise.append(_Layers(layers))
-        self._submit(self._send(req_id, room, transfer_id, block_ids, digest, layers))
+        self._loop.spawn(self._send, req_id, room, transfer_id, block_ids, digest, layers)
 
     def layer_written(self, index: int) -> None:
         """vLLM wrote layer ``index`` of this step's KV (layers come in order): rooms opened by
@@ -244,13 +242,12 @@ class EngineThread:
         self._layerwise = []
 
     def _layers_ready(self, pending: _Layers, end: int) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(pending.queue.put_nowait, (pending.next, end))
+        self._loop.call_soon(pending.queue.put_nowait, (pending.next, end))
         pending.next = end
 
     def cancel(self, req_id: str, room: int, bootstrap: str) -> None:
         """Decode: the request ended before its room opened here; tell the prefill (see ``_cancel``)."""
-        self._submit(self._cancel(req_id, room, bootstrap))
+        self._loop.spawn(self._cancel, req_id, room, bootstrap)
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         """Requests whose room ended since the last call: (prefill side, decode side)."""
