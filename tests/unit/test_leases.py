@@ -202,3 +202,13 @@ def test_heartbeat_carries_rooms_compactly() -> None:
     assert m.decode(m.encode(beat)) == beat
     bare = m.Heartbeat(agent="d0", rank=0, side="decode", seq=1)
     assert bare.rooms is None and len(m.encode(beat)) - len(m.encode(bare)) <= 2 * 9
+
+
+@pytest.mark.parametrize(
+    ("configured", "interval", "lease"),
+    [(30.0, 1.0, 30.0), (0.6, 0.2, 0.6), (0.1, 0.2, 0.4), (30.0, 30.0, 60.0)],
+)
+def test_the_lease_in_force_outlasts_a_live_peers_silence(
+    configured: float, interval: float, lease: float
+) -> None:
+    assert leases.room_lease(configured, interval) == pytest.approx(lease)

@@ -43,7 +43,7 @@ from transfer_engine.errors import (
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.observe import ENDED_ROOMS_KEPT, RoomSnapshot
 from transfer_engine.observe.build import build_snapshot, record_ended
-from transfer_engine.protocol import heads
+from transfer_engine.protocol import heads, leases
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.cost import DEFAULT_PRIOR_RATE, CostBook, PeerLoad
 from transfer_engine.protocol.layers import check_layers_per_write
@@ -83,7 +83,10 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         self.curve = Curve.from_config(config)
         """Control-plane CURVE keys (None: off); loaded here so a bad key file fails the constructor."""
         self.deadlines = Deadlines(
-            config.bootstrap_timeout, config.waiting_timeout, config.transfer_timeout, config.room_lease
+            config.bootstrap_timeout,
+            config.waiting_timeout,
+            config.transfer_timeout,
+            leases.room_lease(config.room_lease, config.heartbeat_interval),
         )
         self.rooms: dict[int, RoomActor] = {}
         self.board = RoomBoard(self._room_closed)

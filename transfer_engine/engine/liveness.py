@@ -73,10 +73,11 @@ class Liveness(EngineState):
                 gone = self.peers.get(agent)
                 if gone is not None and gone.alive:
                     await self._peer_dead(gone, f"no heartbeat from {agent} for {now - gone.last_seen:.2f} s")
-            for room in self._stash.stale(now, self.config.room_lease):
+            lease = leases.room_lease(self.config.room_lease, interval)
+            for room in self._stash.stale(now, lease):
                 self.counters["stash_expired"] += 1
                 answers = self._stash.expire(
-                    room, agent=self.agent_name, rank=self.config.tp_rank, lease=self.config.room_lease
+                    room, agent=self.agent_name, rank=self.config.tp_rank, lease=lease
                 )
                 log.warning(
                     "room %d: no sender(), no decode renewed it within room_lease; %d decode rank(s) told",

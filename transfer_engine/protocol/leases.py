@@ -59,3 +59,9 @@ def renews(listed_by: str, room_peers: Collection[str]) -> bool:
     """Whether a heartbeat of ``listed_by`` listing a room renews that room's lease here: only one
     from a peer of the room (a decode rank that asked for it; a prefill rank it asked)."""
     return listed_by in room_peers
+
+
+def room_lease(configured: float, interval: float) -> float:
+    """The room lease in force: ``room_lease`` as configured, but never shorter than the silence a
+    live peer is allowed (``LEASE_SILENCE`` intervals), since renewals ride on its heartbeats."""
+    return max(configured, LEASE_SILENCE * interval)
