@@ -15,8 +15,8 @@ import msgspec
 
 from transfer_engine.errors import FailureReason, RemoteProtocolError
 
-PROTOCOL_VERSION = 2
-"""Bumped on any incompatible change to a message below."""
+PROTOCOL_VERSION = 3
+"""Bumped on any incompatible change to a message below (3: ``ChunkLanded.checksum``, docs/INTEGRITY.md)."""
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Default size limit of one encoded control message (page lists of very long requests fit)."""
