@@ -17,6 +17,13 @@ Starts, on this machine, a prefill and a decode ``vllm.entrypoints.openai.api_se
   decode's first token). The prefill's answer is a proxy for its last layer: its HTTP reply races
   with the transfer, so a single sample can be negative (the decode's token came first).
 
+With ``--routers``: whole requests (``--max-tokens`` tokens, not streamed) through each router,
+against the decode alone: vLLM alone (the decode computes the prompt), our concurrent router
+(``transfer_engine.integrations.vllm.proxy``) and vLLM's standard sequential protocol
+(``tests/vllm/standard_router.py``), each with a fresh prompt of the same length, in turn; prints
+the medians and each router's added latency (its median minus vLLM alone's). Run it from the
+repository root.
+
 Every prompt is new (no prefix cache hit on either side) and every connector answer is checked
 token for token against the decode's answer alone (greedy): a mismatch stops the run. Prints one
 line per length: medians and minima in milliseconds. The point on CPU is the shape of the cost with
@@ -175,6 +182,76 @@ def measure(decode: int, prefill: int, bootstrap: int, prompt: list[int], max_to
     }
 
 
+def timed(port: int, body: dict[str, Any]) -> float:
+    start = time.monotonic()
+    post(port, body)
+    return time.monotonic() - start
+
+
+def bench_routers(args: argparse.Namespace) -> None:
+    """``--routers``: see the module docstring."""
+    with tempfile.TemporaryDirectory(prefix="bench_vllm_") as tmp_dir:
+        tmp = Path(tmp_dir)
+        make_model(tmp / "model")
+        d_port, p_port, bootstrap, ours, std = (free_port() for _ in range(5))
+        kv = {"kv_role": "kv_producer", "kv_connector_extra_config": {"bootstrap_port": bootstrap}}
+        procs = [
+            serve(tmp / "decode.log", tmp / "model", d_port, {"kv_role": "kv_consumer"}),
+            serve(tmp / "prefill.log", tmp / "model", p_port, kv),
+        ]
+        routers = [
+            [sys.executable, "-m", "transfer_engine.integrations.vllm.proxy", "--port", str(ours),
+             "--prefill", f"http://127.0.0.1:{p_port}", f"tcp://127.0.0.1:{bootstrap}",
+             "--decode", f"http://127.0.0.1:{d_port}"],
+            [sys.executable, "-m", "tests.vllm.standard_router", "--port", str(std),
+             "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}"],
+        ]  # fmt: skip
+        for cmd in routers:
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+        try:
+            wait_healthy(d_port, procs[0], tmp / "decode.log")
+            wait_healthy(p_port, procs[1], tmp / "prefill.log")
+            time.sleep(3)  # the routers start in well under that
+            rng = random.Random(2)
+
+            def body(n: int, max_tokens: int) -> dict[str, Any]:
+                prompt = [rng.randrange(1, 1024) for _ in range(n)]
+                return {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+            for port in (d_port, ours, std, ours, std):  # first forwards; the first transfer connects
+                timed(port, body(64, 2))
+            paths = {"alone": d_port, "ours": ours, "standard": std}
+            results = {n: {name: [] for name in paths} for n in args.lengths}  # type: dict[int, dict[str, list[float]]]
+            for n in args.lengths:
+                for _ in range(args.reps):
+                    for name, port in paths.items():
+                        results[n][name].append(timed(port, body(n, args.max_tokens)))
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+    print(f"vLLM CPU, tiny Llama, TP=1 -> TP=1, {args.max_tokens} tokens a request, {args.reps} reps, ms")
+    for n, rows in results.items():
+        for stat, pick in (("median", statistics.median), ("min", min)):
+            ms = {name: pick(values) * 1e3 for name, values in rows.items()}
+            print(
+                f"prompt {n:5d} {stat:6s}: vLLM alone {ms['alone']:.1f}; our router {ms['ours']:.1f} "
+                f"({ms['ours'] - ms['alone']:+.1f}); standard protocol {ms['standard']:.1f} "
+                f"({ms['standard'] - ms['alone']:+.1f})"
+            )
+    if args.json is not None:
+        args.json.write_text(json.dumps({str(n): rows for n, rows in results.items()}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -183,7 +260,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--routers", action="store_true", help="whole requests through each router")
     args = parser.parse_args()
+    if args.routers:
+        bench_routers(args)
+        return
 
     with tempfile.TemporaryDirectory(prefix="bench_vllm_") as tmp_dir:
         tmp = Path(tmp_dir)
