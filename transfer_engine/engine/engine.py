@@ -223,7 +223,7 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         actor.path_reason = why
         self._start_room(actor)  # before any request leaves: a prefill must never write for no room
         self.costs.queued(room, bootstrap, 0 if checked is None else len(checked) * self.pool.page_bytes)
-        if checked is not None:  # its requests leave now: its bytes are on their way (else: at its first landing)
+        if checked is not None:  # its requests leave now (without pages: at its first landing)
             self.costs.started(room, time.monotonic())
         log.debug("decode room %d: %s, %d writers, path %s (%s)", room, bootstrap, len(writers), path, why)
         return Receiver(actor, self.pool)

@@ -149,10 +149,14 @@ def build_snapshot(engine: EngineState, room: int | None = None) -> Snapshot:
         counters=_counters(engine),
         costs=[
             PeerCostSnapshot(
-                instance=name, queued_rooms=load.queued_rooms, queued_bytes=load.queued_bytes,
-                inflight_rooms=load.inflight_rooms, inflight_bytes=load.inflight_bytes, rate=load.rate,
+                instance=name,
+                queued_rooms=load.queued_rooms,
+                queued_bytes=load.queued_bytes,
+                inflight_rooms=load.inflight_rooms,
+                inflight_bytes=load.inflight_bytes,
+                rate=load.rate,
                 backlog_s=engine.costs.estimate(name, 0),
-            )  # fmt: skip
+            )
             for name, load in engine.costs.loads().items()
         ],
     )

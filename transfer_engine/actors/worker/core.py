@@ -105,7 +105,8 @@ class WorkerCore(Actor["WorkerMail"]):
         if self.checksums is None or job.chunk is None:
             return spec
         head = job.request.slices[0] if job.request.slices else None
-        start, count = (head.src_head_start, head.num_heads) if head else (0, int(self.pool.kv_views[0].shape[-2]))
+        heads = int(self.pool.kv_views[0].shape[-2])
+        start, count = (head.src_head_start, head.num_heads) if head else (0, heads)
         layers = None if job.group is None else job.group.layers
         take = functools.partial(self.checksums.chunk, staged_slots(job, self.pool), start, count, layers)
         return dataclasses.replace(spec, seal=sealed(spec.notif, take))
