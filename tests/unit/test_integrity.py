@@ -8,8 +8,12 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
+from transfer_engine.errors import ConfigError
 from transfer_engine.kernels.checksum import checksum_numpy
+from transfer_engine.memory.integrity import PoolChecksums
+from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.integrity import (
     MASK64,
@@ -115,3 +119,12 @@ def test_a_chunk_notification_carries_any_64_bit_checksum(checksum: int | None) 
     )
     decoded = m.decode_notification(m.encode(landed))
     assert decoded == landed and isinstance(decoded, m.ChunkLanded) and decoded.checksum == checksum
+
+
+def test_a_pool_whose_rows_are_not_whole_words_is_refused_at_start() -> None:
+    """Integrity sums 4-byte words: a KV of 6-byte rows (int8, head_dim 6) names the switch to turn off."""
+    layout = KVLayout(num_layers=2, num_heads=2, head_dim=6, dtype=torch.int8, page_size=4, mla=False)
+    with pytest.raises(ConfigError, match=r"2-byte aligned \(head_dim=6, torch.int8\); set integrity=False"):
+        PoolChecksums(KVPool.allocate(layout, 1, 0, 4))
+    words = KVLayout(num_layers=2, num_heads=2, head_dim=8, dtype=torch.int8, page_size=4, mla=False)
+    PoolChecksums(KVPool.allocate(words, 1, 0, 4))  # 8-byte rows: fine

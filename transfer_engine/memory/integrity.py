@@ -21,8 +21,9 @@ import msgspec
 import numpy as np
 import torch
 
+from transfer_engine.errors import ConfigError
 from transfer_engine.kernels import KVTable, as_kv_table
-from transfer_engine.kernels.checksum import checksum_heads, checksum_value
+from transfer_engine.kernels.checksum import WORD, checksum_heads, checksum_value
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_tensors
@@ -38,6 +39,12 @@ class PoolChecksums:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self._all = as_kv_table(pool.kv_views)
+        if self._all.byte_gcd % WORD:
+            raise ConfigError(
+                f"integrity sums whole {WORD}-byte words, and this KV's rows, strides or addresses are "
+                f"{self._all.byte_gcd}-byte aligned (head_dim={self._all.head_dim}, {self._all.dtype}); "
+                "set integrity=False (TE_INTEGRITY=0) for it"
+            )
         self._groups: dict[tuple[int, int], KVTable] = {}
         self._lock = threading.Lock()
         self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
