@@ -213,10 +213,13 @@ def pool_from_kv_args(args: KVArgs, is_mla: bool) -> PoolDescription:
     start = getattr(args, "prefill_start_layer", None)
     if start not in (None, 0):
         raise ConfigError(f"prefill_start_layer={start}: pipeline stages (--pp-size > 1) are not supported")
+    # SGLang fills it with its pool's ``end_layer``, the last layer (inclusive: ``layer_num - 1``),
+    # or, for a layer-sharded pool, with the layer after the last (exclusive).
     end = getattr(args, "prefill_end_layer", None)
-    if end is not None and int(end) != target_layers:
+    if end is not None and int(end) not in (target_layers - 1, target_layers):
         raise ConfigError(
-            f"prefill_end_layer={end}, but the pool holds {target_layers} target layers from layer 0"
+            f"prefill_end_layer={end}, but the pool holds {target_layers} target layers from layer 0 "
+            f"(its last layer is {target_layers - 1})"
         )
     if is_mla:
         order = list(range(len(ptrs)))
@@ -353,8 +356,10 @@ class KVManager(BaseKVManager):
                 "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0: this backend needs SGLang's deferred "
                 "release, so that pages freed on a TP group's failure are not written by another rank"
             )
-        self.description = pool_from_kv_args(args, self.is_mla_backend)
         tp_size = int(server_args.tp_size)
+        if not self.is_mla_backend and not getattr(args, "kv_head_num", None):
+            _fill_head_counts(args, server_args, tp_size)
+        self.description = pool_from_kv_args(args, self.is_mla_backend)
         device = str(getattr(server_args, "device", "cuda") or "cuda")
         if device == "cuda":
             device = f"cuda:{int(getattr(args, 'gpu_id', 0))}"
@@ -421,6 +426,22 @@ class KVManager(BaseKVManager):
         self.engine.close()
 
     teardown = close
+
+
+def _fill_head_counts(args: KVArgs, server_args: Any, tp_size: int) -> None:
+    """``kv_head_num`` and ``total_kv_head_num`` where SGLang leaves them unset, as its decode does.
+
+    SGLang's decode fills them only for its staging buffer; the model's KV head count is in the model
+    config the server arguments name, and each rank holds ``total // tp_size`` heads (one at least:
+    GQA heads are replicated past the head count), as its pools are built.
+    """
+    total = int(getattr(args, "total_kv_head_num", 0) or 0)
+    if total < 1:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        total = int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
+    args.total_kv_head_num = total
+    args.kv_head_num = max(1, total // tp_size)
 
 
 def _te_overrides(defaults: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,103 @@
+"""Conformance under SGLang 0.5.23's own scheduler queues (tests/sglang/queues.py).
+
+One process per TP rank on each side, each running SGLang's ``PrefillBootstrapQueue`` and its
+inflight processing, or its ``DecodePreallocQueue`` and ``DecodeTransferQueue``, over SGLang's real
+CPU pools and ``Req`` objects, with ``ServerArgs`` parsed from a command line with SGLang's defaults;
+the bootstrap registry runs here, as beside SGLang's HTTP server. Requests arrive in waves: each
+wave gets the pages the last one freed, and every byte of every request is checked on every decode
+rank. A decode abort goes through SGLang's deferred release (``ensure_abort_notified``,
+``is_abort_release_safe``) before its pages are reused.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from typing import Any
+
+import pytest
+
+from tests.sglang.queues import DECODE_POOL_TOKENS, POOL_TOKENS, Plan, run, write_model
+from transfer_engine.integrations.sglang import KVBootstrapServer
+from transfer_engine.testing.cluster import free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+WAVES = [[(11, 10), (12, 9)], [(13, 17)], [(14, 8)]]
+"""(room, prompt tokens); the second wave reuses the first's pages, the third the second's."""
+
+
+def _run_sides(
+    tmp_path: Any, prefill_tp: int, decode_tp: int, mla: bool, decode_aborts: list[int]
+) -> list[Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local config.json; nothing to fetch
+    model = write_model(str(tmp_path / "model"), mla)
+    port = free_port()
+    server = KVBootstrapServer("127.0.0.1", port)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    try:
+        for role, tp, aborts in (("prefill", prefill_tp, []), ("decode", decode_tp, decode_aborts)):
+            group_port = free_port()
+            for rank in range(tp):
+                plan = Plan(role, tp, rank, group_port, port, mla, model, WAVES, aborts, timeout_s=90)
+                proc = ctx.Process(target=run, args=(plan, results), name=f"{role}-{rank}")
+                proc.start()
+                procs.append((plan, proc))
+        reports = []
+        for _ in procs:
+            status, rank, report = results.get(timeout=200)
+            assert status == "ok", report
+            reports.append(report)
+        for _, proc in procs:
+            proc.join(30)
+            assert proc.exitcode == 0, f"{proc.name} exited with {proc.exitcode}"
+        return [r for r in reports]
+    finally:
+        for _, proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        server.close()
+
+
+def _check(reports: list[Any], decode_tp: int, prefill_tp: int, aborted: list[int]) -> None:
+    rooms = [room for wave in WAVES for room, _ in wave]
+    decodes = [r for r in reports if r["pool_tokens"] == DECODE_POOL_TOKENS]
+    prefills = [r for r in reports if r["pool_tokens"] == POOL_TOKENS]
+    assert len(decodes) == decode_tp and len(prefills) == prefill_tp
+    for r in decodes:
+        for room in rooms:
+            expected = "FINISH_ABORT" if room in aborted else "received"
+            assert r["done"][room] == expected, (room, r["done"])
+        tokens = sum(t for wave in WAVES for room, t in wave if room not in aborted)
+        assert r["bytes_checked"] > 0 and r["bytes_checked"] % tokens == 0, r["bytes_checked"]
+    for r in prefills:
+        for room in rooms:
+            if room not in aborted:
+                assert r["done"][room] == "FINISH_LENGTH", (room, r["done"])
+            else:
+                assert r["done"][room] != "FINISH_LENGTH", (room, r["done"])
+    for r in reports:
+        # pages reused at once: each later wave got pages an earlier wave had (SGLang's own allocator)
+        first = {p for room, _ in WAVES[0] for p in r["pages"].get(room, [])}
+        later = {p for wave in WAVES[1:] for room, _ in wave for p in r["pages"].get(room, [])}
+        assert first & later, r["pages"]
+        # nothing leaked: every page, row and metadata slot back, no engine state left
+        assert r["free_tokens"] == r["pool_tokens"], r
+        assert r["free_rows"] == 16 + (16 if r in decodes else 0), r
+        assert r["free_metadata"] == 8, r
+        assert not r["leaks"], r["leaks"]
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "mla", "aborted"),
+    [(1, 1, False, [13]), (2, 1, False, []), (1, 2, True, [])],
+    ids=["P1-D1-abort", "P2-D1", "P1-D2-mla"],
+)
+def test_sglang_queues_move_every_byte(
+    tmp_path: Any, prefill_tp: int, decode_tp: int, mla: bool, aborted: list[int]
+) -> None:
+    reports = _run_sides(tmp_path, prefill_tp, decode_tp, mla, aborted)
+    _check(reports, decode_tp, prefill_tp, aborted)
