@@ -336,6 +336,8 @@ class _Waves:
         self.done: dict[int, str] = {}
         self.pages: dict[int, list[int]] = {}
         self.bytes_checked = 0
+        self.deferred = 0
+        """The most requests SGLang's decode held at once for deferred release."""
 
     def next_wave(self, add: Any) -> bool:
         """Add the next wave once the current one is done; False once every request is done."""
@@ -353,6 +355,7 @@ class _Waves:
             "done": self.done,
             "pages": self.pages,
             "bytes_checked": self.bytes_checked,
+            "deferred": self.deferred,
             "free_tokens": sched.token_to_kv_pool_allocator.available_size(),
             "pool_tokens": _pool_tokens(self.plan),
             "free_rows": sched.req_to_token_pool.available_size(),
@@ -453,6 +456,7 @@ def _run_decode(plan: Plan, server_args: Any, group: Any, single: Any) -> dict[s
                 if room in plan.abort_rooms:
                     decode_req.kv_receiver.abort()
         sched.process_decode_queue()
+        waves.deferred = max(waves.deferred, transfer.num_pending_deferred_releases())
         for req in sched.waiting_queue:
             waves.bytes_checked += _check_received(sched, req)
             waves.done[req.bootstrap_room] = "received"

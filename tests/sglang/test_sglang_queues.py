@@ -71,6 +71,8 @@ def _check(reports: list[Any], decode_tp: int, prefill_tp: int, aborted: list[in
         for room in rooms:
             expected = "FINISH_ABORT" if room in aborted else "received"
             assert r["done"][room] == expected, (room, r["done"])
+        # an aborted room's pages were held by SGLang's deferred release until the backend said safe
+        assert r["deferred"] == (1 if aborted else 0), r
         tokens = sum(t for wave in WAVES for room, t in wave if room not in aborted)
         assert r["bytes_checked"] > 0 and r["bytes_checked"] % tokens == 0, r["bytes_checked"]
     for r in prefills:
