@@ -29,6 +29,7 @@ from tests.gpu.vllm_kv import (
 )
 from transfer_engine.errors import ConfigError, LayoutError, LocalProtocolError, PeerUnreachableError
 from transfer_engine.integrations.vllm.core import ConnectorCore, digest_of
+from transfer_engine.testing.cluster import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,6 +168,32 @@ def test_decode_prefix_cache() -> None:
         assert p.take_stats()["bytes"] == 3 * p.pool.page_bytes * 2 * SIDE.num_layers  # 3 of 4 blocks
         with pytest.raises(ConfigError, match="prefix_len=8"):
             d.receive("r2", "t2", [0], p.bootstrap, prefix_len=8)
+
+
+def test_decode_cancel_ends_the_prefills_room_at_once() -> None:
+    """A decode request that ends before its room opened cancels it (``cancel``): the prefill's
+    send of it, opened after, fails at once (well within its 30 s ``bootstrap_timeout``), counted
+    as aborted; nothing is written on the decode."""
+    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, _, d_caches):
+        p, d = p_cores[0], d_cores[0]
+        p.take_stats()
+        d.cancel("d1", "t-cancelled", p.bootstrap)
+        p.send("p1", "t-cancelled", [1, 2])
+        wait_reported(p, {"p1"}, prefill=True, timeout=10)
+        assert p.take_stats()["failures"] == {"aborted": 1}
+        assert written_bytes(d_caches[0]) == 0
+
+
+def test_a_bootstrap_nobody_answers_fails_the_load() -> None:
+    """The decode's blocks are load errors (vLLM recomputes them or fails the request, per its
+    ``kv_load_failure_policy``), counted as unreachable."""
+    with cores(SIDE, SIDE, "cpu") as (_, d_cores, _, _):
+        d = d_cores[0]
+        d.take_stats()
+        d.receive("d1", "t-unanswered", [3], f"tcp://127.0.0.1:{free_port()}")
+        assert wait_reported(d, {"d1"}, prefill=False) == {"3"}
+        stats = d.take_stats()
+        assert stats["transfers"] == 0 and stats["failures"] == {"unreachable": 1}
 
 
 def test_stats() -> None:

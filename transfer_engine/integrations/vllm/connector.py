@@ -60,7 +60,8 @@ fails the decode's room at once. A decode request that ends before its blocks we
 never ask: a prefill room whose decode aborted first (even before the prefill opened it) fails at
 once and frees the blocks. A decode's room opens when vLLM allocates its blocks, so its time in
 vLLM's queue before that is not counted against it. The scheduler side's decisions are
-:class:`TransferBook`, plain Python.
+:class:`TransferBook`, plain Python; the worker side translates vLLM's calls for the vLLM-free
+:class:`~transfer_engine.integrations.vllm.core.ConnectorCore` (one per TP rank).
 
 Layer-wise sending: in the step that computes a request's last prompt tokens, the prefill opens its
 room before the forward (``bind_connector_metadata``) with the request's blocks as one layer-wise
@@ -77,7 +78,6 @@ on vLLM's ``/metrics`` (``vllm:te_kv_*``, :class:`TransferPromMetrics`).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -101,7 +101,7 @@ from vllm.v1.request import RequestStatus
 from transfer_engine import EngineConfig, room_id
 from transfer_engine.errors import ConfigError
 
-from ._runner import EngineThread
+from .core import ConnectorCore, digest_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -127,8 +127,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-DIGEST_BYTES = 16
 
 IDLE_WAIT_S = 0.02
 """How long a worker waits in ``get_finished`` on a step that runs no model, for a transfer to end
@@ -229,11 +227,6 @@ def engine_config(
     if base.metrics_port:
         placed["metrics_port"] = base.metrics_port + rank
     return EngineConfig.from_env({}, **{**raw, **placed, **fixed})
-
-
-def digest_of(transfer_id: str) -> bytes:
-    """The 16 bytes the prefill WRITEs beside the KV and the decode checks: the full ID's digest."""
-    return hashlib.blake2b(transfer_id.encode(), digest_size=DIGEST_BYTES, person=b"te-vllm").digest()
 
 
 @dataclass(frozen=True)
@@ -718,9 +711,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
             tp_size=parallel.tensor_parallel_size,
         )
         # worker side
-        self._runner: EngineThread | None = None
+        self._core: ConnectorCore | None = None
         self._idle_step = False
-        self._layer_index: dict[str, int] = {}
         if role == KVConnectorRole.WORKER:
             self._vllm_config = vllm_config
 
@@ -773,55 +765,54 @@ class TransferEngineConnector(KVConnectorBase_V1):
     # ==== worker side ===============================================================================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Start this rank's engine over vLLM's KV (CPU layout: per layer ``[num_blocks, heads_local,
-        block_size, 2 * head_size]``)."""
+        """Start this rank's :class:`~.core.ConnectorCore` over vLLM's KV caches, as the attention
+        backend laid them out (the resolved ``KVCacheLayout``; MLA: one latent per layer)."""
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
 
-        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         config = engine_config(
             self._extra, os.environ, is_prefill=self.is_prefill,
             tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
             dp_rank=self._dp_rank, max_rooms=self._max_rooms,
         )  # fmt: skip
-        self._runner = EngineThread(
+        model = self._vllm_config.model_config
+        self._core = ConnectorCore(
             config,
-            layers=list(kv_caches.values()),
-            head_dim=self._vllm_config.model_config.get_head_size(),
+            kv_caches,
+            layout=self._vllm_config.cache_config.get_resolved_kv_cache_layout().name,
+            block_size=self.block_size,
+            head_size=None if model.use_mla else model.get_head_size(),
+            num_kv_heads=model.get_total_num_kv_heads(),
             cpus=self.engine_cpus,
         )
-        self._runner.start()
+        self._core.start()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before the step's forward: open the layer-wise rooms of the requests it completes."""
         super().bind_connector_metadata(connector_metadata)
-        if self._runner is None or not isinstance(connector_metadata, TransferMetadata):
+        if self._core is None or not isinstance(connector_metadata, TransferMetadata):
             return
         for t in connector_metadata.layerwise:
-            room, digest = room_of(t.transfer_id), digest_of(t.transfer_id)
-            self._runner.send_layerwise(t.req_id, room, t.transfer_id, list(t.block_ids), digest)
+            self._core.begin_layers(t.req_id, t.transfer_id, t.block_ids)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Hand this step's new transfers and aborts to the engine thread; never waits for them."""
-        if self._runner is None or not self.has_connector_metadata():
+        """Hand this step's new transfers and aborts to the core; never waits for them."""
+        if self._core is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, TransferMetadata)
         self._idle_step = meta.idle
         for t in meta.abort:
-            self._runner.abort(t.req_id, room_of(t.transfer_id))
+            self._core.abort(t.req_id, t.transfer_id)
         for t in meta.cancel:
-            self._runner.cancel(t.req_id, room_of(t.transfer_id), t.bootstrap)
+            self._core.cancel(t.req_id, t.transfer_id, t.bootstrap)
         for t in meta.start:
-            room, digest = room_of(t.transfer_id), digest_of(t.transfer_id)
             if self.is_prefill:
-                self._runner.send(t.req_id, room, t.transfer_id, list(t.block_ids), digest)
+                self._core.send(t.req_id, t.transfer_id, t.block_ids)
             else:
-                self._runner.receive(
-                    t.req_id, room, t.transfer_id, list(t.block_ids), t.bootstrap, digest, t.prefix_len
-                )
+                self._core.receive(t.req_id, t.transfer_id, t.block_ids, t.bootstrap, t.prefix_len)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a request runs only after its whole KV landed."""
@@ -829,40 +820,41 @@ class TransferEngineConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        """The forward wrote ``layer_name``: this step's layer-wise rooms may send it (CPU: the
-        layer is written when this is called; the WRITE runs while the forward goes on)."""
-        if self._runner is not None:
-            self._runner.layer_written(self._layer_index[layer_name])
+        """The forward queued ``layer_name``'s cache writes: this step's layer-wise rooms may send it
+        once they ran (GPU: an event on the current stream; CPU: written when this is called). The
+        WRITE runs while the forward goes on."""
+        if self._core is not None:
+            self._core.layer_written(self._core.layer_index(layer_name))
 
     def wait_for_save(self) -> None:
         """The forward is over: hand any layer not reported yet to the layer-wise rooms. Sends are
         asynchronous and hold their blocks until ``get_finished`` reports them."""
-        if self._runner is not None:
-            self._runner.step_written()
+        if self._core is not None:
+            self._core.step_written()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose prefill room ended, requests whose decode room ended) since the last call."""
-        if self._runner is None:
+        if self._core is None:
             return None, None
         if self._idle_step:  # see IDLE_WAIT_S
             self._idle_step = False
-            self._runner.wait_for_news(IDLE_WAIT_S)
-        sent, received = self._runner.take_finished()
+            self._core.wait_for_news(IDLE_WAIT_S)
+        sent, received = self._core.take_finished()
         return sent or None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of decode rooms that failed (or whose digest did not match): vLLM recomputes them
         or fails the request, per its ``kv_load_failure_policy``."""
-        return self._runner.take_load_errors() if self._runner is not None else set()
+        return self._core.take_load_errors() if self._core is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This worker's :class:`TransferStats` since the last call (None when nothing happened)."""
-        if self._runner is None:
+        if self._core is None:
             return None
-        stats = TransferStats(data=self._runner.take_stats())
+        stats = TransferStats(data=self._core.take_stats())
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
-        if self._runner is not None:
-            self._runner.stop()
-            self._runner = None
+        if self._core is not None:
+            self._core.close()
+            self._core = None
