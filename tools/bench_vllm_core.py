@@ -54,6 +54,9 @@ def main() -> None:
     ap.add_argument("--layout", default="LBNHC", help="vLLM KVCacheLayout name (LBNHC: FlashAttention's)")
     ap.add_argument("--layers-per-write", type=int, default=4)
     ap.add_argument("--compute-us", type=float, default=100.0, help="a layer's compute per 1K tokens, us")
+    ap.add_argument(
+        "--integrity", choices=("on", "off"), default="on", help="EngineConfig.integrity on both sides"
+    )
     args = ap.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
     blocks = -(-max(sizes) // args.block_size) + 1
@@ -68,7 +71,7 @@ def main() -> None:
     p_dev, d_dev = devices()
     torch.cuda.set_device(torch.device(p_dev))
     port = free_port()
-    per_write = {"layers_per_write": args.layers_per_write}
+    per_write = {"layers_per_write": args.layers_per_write, "integrity": args.integrity == "on"}
     decoder = DecodeProcess(side, d_dev, port, **per_write)
     caches = allocate(side, p_dev)
     core = make_core("prefill", side, 0, caches, port, heartbeat_interval=5.0, **per_write)
@@ -124,6 +127,7 @@ def main() -> None:
             tails.sort()
             print(
                 f"tokens={tokens} layers={side.num_layers} per_write={args.layers_per_write} layout={side.layout} "
+                f"integrity={args.integrity} "
                 f"prefill={p_dev} decode={d_dev} ({torch.cuda.get_device_name(p_dev)}): last layer's kernels end -> "
                 f"decode reported loaded: median {statistics.median(tails):.3f} ms, min {tails[0]:.3f}, "
                 f"max {tails[-1]:.3f} (n={len(tails)}); forward {statistics.median(forwards):.1f} ms",
