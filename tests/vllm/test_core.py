@@ -11,7 +11,10 @@ layer's cache update (``layer_written``); ``wait_for_save`` once the forward is 
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -48,10 +51,27 @@ class Recording(ConnectorCore):
         super()._hand_layers(layers)
 
 
+def assert_no_leaks(*sides: ConnectorCore) -> None:
+    """Nothing left on any side (30 s at most for rooms ending): no room, stash, WRITE or request."""
+    deadline = time.monotonic() + 30
+    for side in sides:
+        while leaks := {k: v for k, v in side.leaks().items() if v}:
+            assert time.monotonic() < deadline, leaks
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def checked_cores() -> Iterator[tuple[list[ConnectorCore], list[ConnectorCore], list[dict], list[dict]]]:
+    """``cores`` over ``SIDE`` on both sides, P=1 -> D=1; once the test's body passed, nothing leaked."""
+    with cores(SIDE, SIDE, "cpu") as started:
+        yield started
+        assert_no_leaks(*started[0], *started[1])
+
+
 def test_layers_go_out_in_groups() -> None:
     """``layers_per_write`` 2 over 5 layers: groups [0, 2), [2, 4), [4, 5); per-layer calls that
     close no group hand nothing; a range of several layers may close a group at once."""
-    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, p_caches, d_caches):
+    with checked_cores() as (p_cores, d_cores, p_caches, d_caches):
         core = p_cores[0]
         core.__class__ = Recording
         core.handed = []  # type: ignore[attr-defined]
@@ -77,7 +97,7 @@ def test_layers_go_out_in_groups() -> None:
 
 def test_bad_calls_raise_on_the_callers_thread() -> None:
     """Typed errors naming the value, before anything reaches the engine."""
-    with cores(SIDE, SIDE, "cpu") as (p_cores, _, _, _):
+    with checked_cores() as (p_cores, _, _, _):
         core = p_cores[0]
         with pytest.raises(LocalProtocolError, match="'r1'.*begin_layers"):
             core.layers_ready("r1", 0, 1)
@@ -123,7 +143,7 @@ def test_construction_errors() -> None:
 
 def test_start_raises_the_engines_error() -> None:
     """An engine that cannot start (its bootstrap port is taken) raises from start(); no thread is left."""
-    with cores(SIDE, SIDE, "cpu") as (p_cores, _, _, _):
+    with checked_cores() as (p_cores, _, _, _):
         port = p_cores[0].config.bootstrap_port
         other = make_core("prefill", SIDE, 0, allocate(SIDE, "cpu"), port)
         with pytest.raises(PeerUnreachableError, match="Address already in use"):
@@ -135,7 +155,7 @@ def test_start_raises_the_engines_error() -> None:
 def test_decode_abort_reports_without_load_errors() -> None:
     """A decode request aborted while waiting for a prefill that never sends: reported once its
     room ended, and its blocks are not load errors (vLLM freed the request)."""
-    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, _, _):
+    with checked_cores() as (p_cores, d_cores, _, _):
         d = d_cores[0]
         d.receive("r1", "t-abort", [4, 5], p_cores[0].bootstrap)
         d.abort("r1", "t-abort")
@@ -145,7 +165,7 @@ def test_decode_abort_reports_without_load_errors() -> None:
 def test_prefill_abort_fails_the_decode() -> None:
     """A prefill request aborted before it was sent fails its room: the decode reports the
     request with its blocks as load errors (vLLM recomputes them), at once, not at a timeout."""
-    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, _, _):
+    with checked_cores() as (p_cores, d_cores, _, _):
         d = d_cores[0]
         d.receive("r1", "t-fail", [4, 5], p_cores[0].bootstrap)
         p_cores[0].abort("r1", "t-fail")
@@ -155,7 +175,7 @@ def test_prefill_abort_fails_the_decode() -> None:
 def test_decode_prefix_cache() -> None:
     """A decode that holds a request's first block already (its prefix cache) asks for the rest
     (``prefix_len``): the prefill sends only those blocks' KV, the cached block is not written."""
-    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, p_caches, d_caches):
+    with checked_cores() as (p_cores, d_cores, p_caches, d_caches):
         p, d = p_cores[0], d_cores[0]
         (r,) = requests_for(SIDE, SIDE, [50])
         d.receive(r.transfer_id, r.transfer_id, r.decode_blocks[1:], p.bootstrap, prefix_len=16)
@@ -174,7 +194,7 @@ def test_decode_cancel_ends_the_prefills_room_at_once() -> None:
     """A decode request that ends before its room opened cancels it (``cancel``): the prefill's
     send of it, opened after, fails at once (well within its 30 s ``bootstrap_timeout``), counted
     as aborted; nothing is written on the decode."""
-    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, _, d_caches):
+    with checked_cores() as (p_cores, d_cores, _, d_caches):
         p, d = p_cores[0], d_cores[0]
         p.take_stats()
         d.cancel("d1", "t-cancelled", p.bootstrap)
@@ -187,7 +207,7 @@ def test_decode_cancel_ends_the_prefills_room_at_once() -> None:
 def test_a_bootstrap_nobody_answers_fails_the_load() -> None:
     """The decode's blocks are load errors (vLLM recomputes them or fails the request, per its
     ``kv_load_failure_policy``), counted as unreachable."""
-    with cores(SIDE, SIDE, "cpu") as (_, d_cores, _, _):
+    with checked_cores() as (_, d_cores, _, _):
         d = d_cores[0]
         d.take_stats()
         d.receive("d1", "t-unanswered", [3], f"tcp://127.0.0.1:{free_port()}")
@@ -198,7 +218,7 @@ def test_a_bootstrap_nobody_answers_fails_the_load() -> None:
 
 def test_stats() -> None:
     """Rank 0 counts transfers and their seconds, every rank its bytes; failures by kind."""
-    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, p_caches, d_caches):
+    with checked_cores() as (p_cores, d_cores, p_caches, d_caches):
         p, d = p_cores[0], d_cores[0]
         reqs = requests_for(SIDE, SIDE, [16, 33])
         for r in reqs:
@@ -226,7 +246,7 @@ def test_stats() -> None:
 def test_requests_in_steps_and_news() -> None:
     """Two steps of requests through one pair of cores, each reported once; wait_for_news returns
     at once when nothing is outstanding; nothing leaks."""
-    with cores(SIDE, SIDE, "cpu") as (p_cores, d_cores, p_caches, d_caches):
+    with checked_cores() as (p_cores, d_cores, p_caches, d_caches):
         p, d = p_cores[0], d_cores[0]
         p.wait_for_news(5.0)  # nothing outstanding: returns at once (the test's timeout would tell)
         for step in range(2):
