@@ -11,9 +11,11 @@ hold the pages on every rank when any holds (MAX), and free them once
 request's forward writes its own KV into exactly those pages; after every rank's room has ended
 those bytes are checked, then the next transfer lands in the same pages and every byte is checked.
 
-The test asserts that decode rank 1's room was still live (its writer still sending) when the
-group said Failed in at least one round, and that the pages stayed held until every rank's room
-had ended. It cannot show a late WRITE landing: on this CPU loopback the WRITEs that were in flight
+The test asserts, in at least one round, that prefill rank 1's engine had WRITEs posted and not
+completed (its own ``writes_in_flight`` counter, read the moment decode rank 0 failed) while decode
+rank 1's room was still live; that the count was 0 when the group said Failed (the moment SGLang
+frees the pages); and that the pages stayed held until every rank's room had ended. The WRITEs are large (2 MiB chunks of a 16 MiB room per rank) so that they are still on the
+wire then; nothing holds them back. It cannot show a late WRITE landing: on this CPU loopback the WRITEs that were in flight
 then finished before the forward's writes in a variant that freed at once (docs/sglang.md).
 Budget: about 20 s.
 """
@@ -37,11 +39,11 @@ from transfer_engine.testing.cluster import free_port
 pytestmark = pytest.mark.timeout(120)
 
 LAYOUT = KVLayout(num_layers=8, num_heads=4, head_dim=128, dtype=torch.bfloat16, page_size=16)
-"""128 KiB per page on each decode rank; a room of 64 pages (8 MiB) in chunks of 4 pages."""
-ROOM_PAGES = 64
-CHUNK_PAGES = 4
-STEP_S = 0.001
-"""One forward step of the prefill's scheduler: rank 1 sends a chunk per step, as SGLang does."""
+"""128 KiB per page on each decode rank; a room of 128 pages (16 MiB) in chunks of 16 pages (2 MiB)."""
+ROOM_PAGES = 128
+CHUNK_PAGES = 16
+STEP_S = 0.0
+"""Between rank 1's chunks: none, its chunked prefill steps back to back (a short forward per chunk)."""
 ROUNDS = 2
 ENDED = (RoomStatus.SUCCESS, RoomStatus.FAILED)
 
@@ -103,7 +105,7 @@ def _send_all(
 ) -> None:
     for start in range(0, ROOM_PAGES, CHUNK_PAGES):
         sender.send(src[start : start + CHUNK_PAGES].astype(np.int32))
-        if started is not None and start >= 8 * CHUNK_PAGES:
+        if started is not None and start >= 2 * CHUNK_PAGES:
             started.set()
         time.sleep(step_s)
 
@@ -125,6 +127,7 @@ def test_pages_freed_on_the_groups_failed_are_not_written_by_another_ranks_late_
         mgrs = pmgrs + dmgrs
         group = DecodeGroup(dmgrs)
         raced = 0
+        posted_at_failure: list[int] = []
         for n in range(ROUNDS):
             room = 1000 + n
             senders, receivers, pages, src = _open(pmgrs, group, port, room, aux=n % 8)
@@ -134,8 +137,15 @@ def test_pages_freed_on_the_groups_failed_are_not_written_by_another_ranks_late_
             rank1.start()
             assert started.wait(30)
             receivers[0].abort()  # decode rank 0 fails (a rank-local failure) mid-transfer
+            # the failure moment: prefill rank 1's own count of WRITEs posted and not completed, and
+            # whether decode rank 1's room is still receiving
+            posted = pmgrs[1].engine.leaks()["writes_in_flight"]
+            live = receivers[1].poll() not in ENDED
+            posted_at_failure.append(posted)
+            raced += bool(posted) and live
             _until("the group's Failed", lambda rs=receivers: min(r.poll() for r in rs) == KVPoll.Failed)
-            raced += receivers[1].poll() not in ENDED  # rank 1's room still receiving
+            # SGLang would free the pages now: by then every prefill rank's WRITEs of the room are done
+            assert pmgrs[1].engine.leaks()["writes_in_flight"] == 0, "a WRITE in flight at the group's Failed"
             # SGLang's DecodeTransferQueue.pop_transferred on every rank, for a failed poll:
             holds = []
             for r in receivers:
@@ -185,7 +195,10 @@ def test_pages_freed_on_the_groups_failed_are_not_written_by_another_ranks_late_
             for m, p in zip(dmgrs, pages2, strict=True):
                 assert patterns.mismatches(m.pool, room, p, ROOM_PAGES * LAYOUT.page_size) == 0
             group.give(pages2)
-        assert raced >= 1, "decode rank 1's room had always ended when the group said Failed"
+        assert raced >= 1, (
+            f"prefill rank 1 had no WRITE in flight to a live room when decode rank 0 failed "
+            f"(its writes_in_flight then, per round: {posted_at_failure})"
+        )
         for m in mgrs:
             assert not any(m.engine.leaks().values()), m.engine.leaks()
     finally:
