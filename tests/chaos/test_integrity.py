@@ -69,7 +69,7 @@ async def test_a_flipped_bit_fails_the_room_with_integrity_on_both_sides(
     rule = Rule(Fault.FLIP, match=matching(m.ChunkLanded, room=61))  # the room's first chunk WRITE
     transport = faulty_factory(wrapped, writes=[rule])
     rng = random.Random(61)
-    async with engines(P, D, path=path, layers_per_write=1, prefill_transport=transport) as c:
+    async with engines(P, D, path=path, layers_per_write=1, prefill_transport=transport, integrity=True) as c:
         pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
         senders, receivers = await send_first_chunk(c, 61, pages, dst, layerwise)
         failures = [await failure_of(receiver) for receiver in receivers]
@@ -104,7 +104,7 @@ async def test_every_flipped_room_is_caught_and_none_succeeds(
     rule = Rule(Fault.FLIP, match=of_flipped_rooms, times=None)
     rng = random.Random(70)
     async with engines(
-        P, D, path=path, layers_per_write=1, prefill_transport=faulty_factory([], writes=[rule])
+        P, D, path=path, layers_per_write=1, prefill_transport=faulty_factory([], writes=[rule]), integrity=True
     ) as c:
         src = rng.sample(range(64), 4 * len(rooms))
         dst = rng.sample(range(64), 4 * len(rooms))

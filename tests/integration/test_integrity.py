@@ -1,4 +1,4 @@
-"""Integrity on by default (docs/INTEGRITY.md): every chunk (or layer group) that lands is verified
+"""Integrity (``integrity=True``; docs/INTEGRITY.md): every chunk (or layer group) that lands is verified
 against the checksum its writer carried, on every path and shape; off on a side only when asked.
 
 The decode counts one result per chunk notification it received: ``integrity_match`` here (the
@@ -48,7 +48,7 @@ async def test_every_landed_chunk_is_verified(
     heads: int, mla: bool, P: int, D: int, path: str, layers: int
 ) -> None:
     rng = random.Random(heads * 100 + P * 10 + D)
-    async with cluster(small_layout(heads, mla), P, D, path=path, layers_per_write=2) as c:
+    async with cluster(small_layout(heads, mla), P, D, path=path, layers_per_write=2, integrity=True) as c:
         for room in (1, 2):
             await run_room(
                 c, room, shuffled_pages(rng, 64, 7), shuffled_pages(rng, 64, 7), [3, 4], layers=layers
@@ -73,7 +73,7 @@ async def test_integrity_off_on_one_side_is_counted_unchecked(off: str, path: st
         if off == "prefill"
         else {"decode_config": {"integrity": False}}
     )
-    async with engines(1, 1, path=path, **side) as c:  # type: ignore[arg-type]
+    async with engines(1, 1, path=path, integrity=True, **side) as c:  # type: ignore[arg-type]
         await run_room(c, 3, shuffled_pages(rng, 64, 5), shuffled_pages(rng, 64, 5), [2, 3])
         landed = chunk_notifications(c)
         assert landed > 0 and checked(c, "unchecked") == landed
@@ -84,7 +84,7 @@ async def test_integrity_off_on_one_side_is_counted_unchecked(off: str, path: st
 @pytest.mark.anyio
 async def test_metrics_count_the_checks() -> None:
     rng = random.Random(4)
-    async with cluster(small_layout(), 1, 1, metrics_port=0) as c:
+    async with cluster(small_layout(), 1, 1, metrics_port=0, integrity=True) as c:
         decode = c.decode[0]
         assert decode.metrics_endpoint is not None
         await run_room(c, 5, shuffled_pages(rng, 64, 6), shuffled_pages(rng, 64, 6), [2, 4])
