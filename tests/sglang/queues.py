@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 import traceback
 from array import array
@@ -111,6 +112,8 @@ class Plan:
     this side, so its pages are the ones the last wave freed (reused at once)."""
     abort_rooms: list[int] = field(default_factory=list)
     """Rooms this side aborts as soon as it has sent (prefill) or received pages for them (decode)."""
+    die_in_room: int = 0
+    """Prefill: the process kills itself (SIGKILL) once this room is bootstrapped, before its forward."""
     timeout_s: float = 60.0
 
 
@@ -375,8 +378,8 @@ def _run_prefill(plan: Plan, server_args: Any, group: Any, single: Any) -> dict[
     queue = PrefillBootstrapQueue(
         sched.kv, None, sched.req_to_metadata_buffer_idx_allocator, sched.metadata_buffers, 0,
         plan.bootstrap_port, POOL_TOKENS, sched, None, TransferBackend("transfer_engine"),
-    )  # type: ignore[arg-type]  # fmt: skip
-    sched.disagg_prefill_bootstrap_queue = queue  # type: ignore[attr-defined]
+    )  # fmt: skip
+    sched.disagg_prefill_bootstrap_queue = queue
     sched.kv_manager = queue.kv_manager
     waves = _Waves(plan)
     deadline = time.monotonic() + plan.timeout_s
@@ -384,6 +387,8 @@ def _run_prefill(plan: Plan, server_args: Any, group: Any, single: Any) -> dict[
         if time.monotonic() > deadline:
             raise TimeoutError(f"prefill rank {plan.rank}: {waves}")
         for req in queue.pop_bootstrapped():
+            if req.bootstrap_room == plan.die_in_room:
+                os.kill(os.getpid(), signal.SIGKILL)
             _forward(sched, req)
             waves.pages[req.bootstrap_room] = _pages_of(sched, req)
             sched.checkpoint_disagg_prefill(req)
@@ -429,16 +434,16 @@ def _run_decode(plan: Plan, server_args: Any, group: Any, single: Any) -> dict[s
     sched = Scheduler(plan, server_args, group, single)
     transfer = DecodeTransferQueue(
         sched.req_to_metadata_buffer_idx_allocator, sched.metadata_buffers, sched, sched.tree_cache
-    )  # type: ignore[arg-type]
-    sched.disagg_decode_transfer_queue = transfer  # type: ignore[attr-defined]
-    sched.disagg_decode_prealloc_queue = None  # type: ignore[attr-defined]
+    )
+    sched.disagg_decode_transfer_queue = transfer
+    sched.disagg_decode_prealloc_queue = None
     prealloc = DecodePreallocQueue(
         sched.req_to_token_pool, sched.token_to_kv_pool_allocator, None,
         sched.req_to_metadata_buffer_idx_allocator, sched.metadata_buffers, sched, transfer, sched.tree_cache,
         0, plan.bootstrap_port, DECODE_POOL_TOKENS, get_disagg().num_reserved_decode_tokens,
         TransferBackend("transfer_engine"),
-    )  # type: ignore[arg-type]  # fmt: skip
-    sched.disagg_decode_prealloc_queue = prealloc  # type: ignore[attr-defined]
+    )  # fmt: skip
+    sched.disagg_decode_prealloc_queue = prealloc
     sched.kv_manager = prealloc.kv_manager
     waves = _Waves(plan)
     deadline = time.monotonic() + plan.timeout_s

@@ -5,14 +5,17 @@ inflight processing, or its ``DecodePreallocQueue`` and ``DecodeTransferQueue``,
 CPU pools and ``Req`` objects, with ``ServerArgs`` parsed from a command line with SGLang's defaults;
 the bootstrap registry runs here, as beside SGLang's HTTP server. Requests arrive in waves: each
 wave gets the pages the last one freed, and every byte of every request is checked on every decode
-rank. A decode abort goes through SGLang's deferred release (``ensure_abort_notified``,
-``is_abort_release_safe``) before its pages are reused.
+rank. A decode abort, and a prefill process killed mid-room, go through SGLang's deferred release
+(``failure_exception``, ``ensure_abort_notified``, ``bootstrap_infos``, ``is_abort_release_safe``)
+before the pages come back. Nothing leaks: every page, request row and metadata slot is free at
+the end, and the engines hold nothing.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 from typing import Any
 
 import pytest
@@ -28,7 +31,13 @@ WAVES = [[(11, 10), (12, 9)], [(13, 17)], [(14, 8)]]
 
 
 def _run_sides(
-    tmp_path: Any, prefill_tp: int, decode_tp: int, mla: bool, decode_aborts: list[int]
+    tmp_path: Any,
+    prefill_tp: int,
+    decode_tp: int,
+    mla: bool,
+    decode_aborts: list[int],
+    waves: list[list[tuple[int, int]]] = WAVES,
+    prefill_dies_in: int = 0,
 ) -> list[Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local config.json; nothing to fetch
     model = write_model(str(tmp_path / "model"), mla)
@@ -41,18 +50,23 @@ def _run_sides(
         for role, tp, aborts in (("prefill", prefill_tp, []), ("decode", decode_tp, decode_aborts)):
             group_port = free_port()
             for rank in range(tp):
-                plan = Plan(role, tp, rank, group_port, port, mla, model, WAVES, aborts, timeout_s=90)
+                plan = Plan(role, tp, rank, group_port, port, mla, model, waves, aborts, timeout_s=90)
+                if role == "prefill":
+                    plan.die_in_room = prefill_dies_in
                 proc = ctx.Process(target=run, args=(plan, results), name=f"{role}-{rank}")
                 proc.start()
                 procs.append((plan, proc))
         reports = []
-        for _ in procs:
+        for _ in range(len(procs) - (prefill_tp if prefill_dies_in else 0)):
             status, rank, report = results.get(timeout=200)
             assert status == "ok", report
             reports.append(report)
-        for _, proc in procs:
+        for plan, proc in procs:
             proc.join(30)
-            assert proc.exitcode == 0, f"{proc.name} exited with {proc.exitcode}"
+            killed = plan.role == "prefill" and prefill_dies_in
+            assert proc.exitcode == (-signal.SIGKILL if killed else 0), (
+                f"{proc.name} exited with {proc.exitcode}"
+            )
         return [r for r in reports]
     finally:
         for _, proc in procs:
@@ -103,3 +117,19 @@ def test_sglang_queues_move_every_byte(
 ) -> None:
     reports = _run_sides(tmp_path, prefill_tp, decode_tp, mla, aborted)
     _check(reports, decode_tp, prefill_tp, aborted)
+
+
+def test_a_killed_prefill_fails_the_room_and_its_pages_come_back(tmp_path: Any, monkeypatch: Any) -> None:
+    """The prefill process is killed (SIGKILL) once the second wave's room is bootstrapped: the decode's
+    pages for it (the first wave's, reused at once) are held by SGLang's deferred release until the
+    backend's room ended (the peer declared dead from its missing heartbeats), then all come back."""
+    monkeypatch.setenv("TE_HEARTBEAT_INTERVAL", "0.2")  # the rank processes read it (EngineConfig.from_env)
+    waves = [[(21, 10), (22, 9)], [(23, 17)]]
+    reports = _run_sides(tmp_path, 1, 1, False, [], waves=waves, prefill_dies_in=23)
+    (decode,) = reports
+    assert decode["done"] == {21: "received", 22: "received", 23: "FINISH_ABORT"}, decode["done"]
+    assert decode["deferred"] == 1, decode
+    assert set(decode["pages"][23]) & {p for room in (21, 22) for p in decode["pages"][room]}, decode["pages"]
+    assert decode["bytes_checked"] > 0
+    assert decode["free_tokens"] == decode["pool_tokens"] and decode["free_rows"] == 32, decode
+    assert decode["free_metadata"] == 8 and not decode["leaks"], decode
