@@ -1,11 +1,10 @@
-"""The engine, the supervisor of one rank's actors (docs/ARCHITECTURE.md): :class:`TransferEngine`, its :class:`Sender` and :class:`Receiver`.
+"""The engine of one rank (docs/ARCHITECTURE.md): :class:`TransferEngine`, the supervisor of its actors.
 
-``TransferEngine`` is the supervisor actor. Entering it starts every other actor under one task
-group (each reports ready through ``tg.start`` only once its resources exist): the NixlPoller with
-the rank's registered KV memory, the Control sockets, the Bootstrap registry where this rank hosts
-it, the TransferWorkers (prefill) and the heartbeat loop. Rooms are actors started per request.
-Leaving it fails live rooms with ``SHUTDOWN``, waits (bounded) for posted WRITEs, and releases
-every socket, NIXL handle and registration.
+``async with TransferEngine(config, kv) as engine`` starts every actor of the rank under one task
+group and stops them on the way out (:mod:`transfer_engine.engine.supervisor`). This module holds
+the engine's state, the API that opens rooms (``sender()``, ``receiver()``, ``connect()``) and the
+table of live rooms. Rooms are actors started per request: the engine hands each what it needs when
+it makes it, or by mail, and never changes a room itself.
 """
 
 from __future__ import annotations
@@ -35,11 +34,7 @@ from transfer_engine.engine.handshake import Handshakes
 from transfer_engine.engine.liveness import Liveness
 from transfer_engine.engine.paths import PathChoice
 from transfer_engine.engine.supervisor import Supervision
-from transfer_engine.errors import (
-    ConfigError,
-    RoomInUseError,
-    RoomLimitError,
-)
+from transfer_engine.errors import ConfigError, RoomInUseError, RoomLimitError
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.observe import ENDED_ROOMS_KEPT, RoomSnapshot
 from transfer_engine.observe.build import build_snapshot, record_ended
@@ -50,16 +45,9 @@ from transfer_engine.protocol.layers import check_layers_per_write
 from transfer_engine.protocol.retransmit import Ended, Tombstones
 from transfer_engine.protocol.rooms import Deadlines
 from transfer_engine.protocol.stash import EarlyRequests
-from transfer_engine.runtime.mail import (
-    LocalAbort,
-    RequestPages,
-)
+from transfer_engine.runtime.mail import LocalAbort, RequestPages
 from transfer_engine.runtime.peers import PrefillInstance
-from transfer_engine.runtime.ports import (
-    PeerBook,
-    RankIdentity,
-    RoomBoard,
-)
+from transfer_engine.runtime.ports import PeerBook, RankIdentity, RoomBoard
 from transfer_engine.runtime.steptrace import StepTrace
 from transfer_engine.transport.nixl import Transport
 from transfer_engine.transport.security import Curve

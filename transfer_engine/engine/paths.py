@@ -5,14 +5,10 @@ they are known).
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from transfer_engine.engine.state import EngineState
-from transfer_engine.errors import (
-    ConfigError,
-)
+from transfer_engine.errors import ConfigError
 from transfer_engine.memory.layout import stride_rows_of
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol.paths import (
@@ -23,8 +19,6 @@ from transfer_engine.protocol.paths import (
     is_staged,
 )
 from transfer_engine.runtime.peers import PrefillInstance
-
-log = logging.getLogger("transfer_engine.engine")
 
 
 class PathChoice(EngineState):

@@ -10,7 +10,9 @@ socket, NIXL handle and registration.
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import logging
+import os
 import time
 import zlib
 from types import TracebackType
@@ -28,18 +30,13 @@ from transfer_engine.actors.ring import RingActor
 from transfer_engine.actors.scatter import ScatterActor
 from transfer_engine.actors.worker import TransferWorker
 from transfer_engine.engine.state import EngineState
-from transfer_engine.errors import (
-    ConfigError,
-    PeerUnreachableError,
-)
+from transfer_engine.errors import ConfigError, PeerUnreachableError
 from transfer_engine.memory.integrity import PoolChecksums
 from transfer_engine.memory.staging import allocate_staging, chunk_region_bytes, warm_staging_kernels
 from transfer_engine.observe.build import build_snapshot
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import ChunkCut
-from transfer_engine.runtime.mail import (
-    Shutdown,
-)
+from transfer_engine.runtime.mail import Shutdown
 from transfer_engine.runtime.ports import (
     ACTOR_MAILBOX,
     JOBS_PER_ROOM,
@@ -49,12 +46,33 @@ from transfer_engine.runtime.ports import (
     WorkerShards,
 )
 from transfer_engine.transport.nixl import NixlTransport, default_params
+from transfer_engine.transport.posting import SGL_ENV, batched_copies
 
 SHUTDOWN_DRAIN_S = 10.0
 """How long leaving the engine waits for live rooms to end and posted WRITEs to finish."""
 
 
 log = logging.getLogger("transfer_engine.engine")
+
+
+def use_batched_copies(backend: str, device_type: str) -> None:
+    """Set UCX's batched copies for this process as :func:`~transfer_engine.transport.posting.
+    batched_copies` decides, before the first agent is made (UCX reads it then), and log what was
+    decided once per process."""
+    global _batched_logged
+    try:
+        nixl_version: str | None = importlib.metadata.version("nixl")
+    except importlib.metadata.PackageNotFoundError:
+        nixl_version = None
+    value, line = batched_copies(backend, device_type, dict(os.environ), nixl_version)
+    if value is not None:
+        os.environ[SGL_ENV] = value
+    if not _batched_logged:
+        _batched_logged = True
+        log.info("%s", line)
+
+
+_batched_logged = False
 
 _gc_frozen = False
 """Whether this process's objects were frozen out of CPython's collections (:func:`freeze_gc_once`)."""
@@ -101,6 +119,8 @@ class Supervision(EngineState):
 
     async def _start(self, tg: TaskGroup) -> None:
         cfg = self.config
+        if self._transport is None:
+            use_batched_copies(cfg.nixl_backend, self.pool.device.type)
         transport = self._transport or NixlTransport(
             self.agent_name,
             cfg.nixl_backend,
