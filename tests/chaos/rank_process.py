@@ -11,6 +11,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,12 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+HEARTBEAT = 0.5
+"""The heartbeat interval of the rank processes the kill tests start (:func:`start_rank`)."""
+BOUND = 2.25 * HEARTBEAT + 0.3
+"""How soon a killed peer's rooms fail: 2 intervals of silence + a quarter-interval check +
+scheduling and delivery slack on 2 cores."""
 
 
 class RankProcess:
@@ -128,3 +135,11 @@ def open_rooms(
         decode.expect("opened", room=room)
         prefill.send(cmd="send", room=room, pages=pages, chunks=[2, 2], hold=hold, layers=layers)
         prefill.expect("opened", room=room)
+
+
+def start_rank(role: str, port: int) -> RankProcess:
+    """One rank process (``tests.chaos.rank``) on this host, on bootstrap ``port``, beating every
+    :data:`HEARTBEAT` seconds."""
+    argv = [sys.executable, "-m", "tests.chaos.rank", "--role", role, "--bootstrap-port", str(port),
+            "--heartbeat", str(HEARTBEAT)]  # fmt: skip
+    return RankProcess(role, argv)

@@ -12,26 +12,14 @@ kill, plus scheduling slack (see ``BOUND``).
 
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
 
-from tests.chaos.rank_process import RankProcess, open_rooms
+from tests.chaos.rank_process import BOUND, open_rooms, start_rank
 from tests.integration.harness import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
-
-HEARTBEAT = 0.5
-BOUND = 2.25 * HEARTBEAT + 0.3
-"""2 intervals of silence + a quarter-interval check + scheduling and delivery slack on 2 cores."""
-
-
-def start_rank(role: str, port: int) -> RankProcess:
-    """One rank process on this host, on bootstrap ``port``."""
-    argv = [sys.executable, "-m", "tests.chaos.rank", "--role", role, "--bootstrap-port", str(port),
-            "--heartbeat", str(HEARTBEAT)]  # fmt: skip
-    return RankProcess(role, argv)
 
 
 def test_killed_decode_fails_its_rooms_and_a_new_decode_is_served() -> None:

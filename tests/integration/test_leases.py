@@ -6,7 +6,6 @@ each test crosses them by far; every byte that arrives is checked, and nothing m
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.chaos.helpers import engines, faulty_factory
-from tests.chaos.rank_process import RankProcess
+from tests.chaos.rank_process import BOUND, HEARTBEAT, start_rank
 from transfer_engine.errors import FailureReason, TransferFailed
 from transfer_engine.testing import patterns
 from transfer_engine.transport.faults import Fault, Rule, matching
@@ -141,27 +140,16 @@ async def test_a_prefill_room_no_decode_asks_for_ends_at_its_lease() -> None:
         c.assert_no_leaks()
 
 
-HEARTBEAT = 0.5
-BOUND = 2.25 * HEARTBEAT + 0.3
-"""As in tests/chaos/test_kill.py: 2 intervals of silence, a quarter-interval check, and slack."""
-
-
-def _rank(role: str, port: int) -> RankProcess:
-    argv = [sys.executable, "-m", "tests.chaos.rank", "--role", role, "--bootstrap-port", str(port),
-            "--heartbeat", str(HEARTBEAT)]  # fmt: skip
-    return RankProcess(role, argv)
-
-
 @pytest.mark.slow
 def test_a_killed_prefill_fails_the_waiting_decode_rooms_within_two_heartbeats() -> None:
     """Decode rooms waiting on a prefill that holds their requests stashed (never opened): SIGKILL the
     prefill, and they fail PEER_DEAD within the bound, leaving nothing held on the decode."""
     port = free_port()
-    prefill = _rank("prefill", port)
+    prefill = start_rank("prefill", port)
     ranks = [prefill]
     try:
         prefill.expect("up")
-        decode = _rank("decode", port)
+        decode = start_rank("decode", port)
         ranks.append(decode)
         decode.expect("up")
         for room, first in ((31, 0), (32, 4)):
@@ -184,11 +172,11 @@ def test_a_killed_decode_frees_its_stashed_requests_on_the_prefill() -> None:
     """Requests of a decode killed while the prefill held them stashed are dropped at its death, not
     kept for room_lease: the prefill quits with nothing held."""
     port = free_port()
-    prefill = _rank("prefill", port)
+    prefill = start_rank("prefill", port)
     ranks = [prefill]
     try:
         prefill.expect("up")
-        decode = _rank("decode", port)
+        decode = start_rank("decode", port)
         ranks.append(decode)
         decode.expect("up")
         decode.send(cmd="recv", room=33, pages=[0, 1, 2, 3])
