@@ -17,7 +17,7 @@ from transfer_engine.errors import ConfigError
 
 with warnings.catch_warnings():  # vLLM's own imports warn about torch APIs it uses (warnings are errors here)
     warnings.simplefilter("ignore", DeprecationWarning)
-    from transfer_engine.integrations.vllm.connector import CONNECTOR_DEFAULTS, engine_config, engine_cpus
+    from transfer_engine.integrations.vllm.settings import CONNECTOR_DEFAULTS, engine_config, engine_cpus
 
 pytestmark = pytest.mark.timeout(60)
 

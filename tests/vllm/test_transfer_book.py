@@ -17,7 +17,8 @@ with warnings.catch_warnings():  # vLLM's own imports warn about torch APIs it u
     warnings.simplefilter("ignore", DeprecationWarning)
     from vllm.v1.request import RequestStatus
 
-    from transfer_engine.integrations.vllm.connector import Plan, Transfer, TransferBook, plan_of
+    from transfer_engine.integrations.vllm.book import Transfer, TransferBook
+    from transfer_engine.integrations.vllm.params import Plan, plan_of
 
 pytestmark = pytest.mark.timeout(60)
 
