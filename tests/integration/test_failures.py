@@ -41,7 +41,7 @@ async def test_a_room_the_decode_aborted_before_the_prefill_opened_it_fails_once
 ) -> None:
     """The decode aborts a room (after asking for it, or without ever asking) before the prefill
     opens it: sender() then fails the room at once, ABORTED, instead of holding the prefill's pages
-    until bootstrap_timeout for a request that can no longer come (issue 20: vLLM's prefill kept a
+    until bootstrap_timeout for a request that can no longer come (vLLM's prefill once kept a
     cancelled request's blocks that long)."""
     async with cluster(small_layout(), 2, 1, bootstrap_timeout=120) as c:
         receiver = await c.decode[0].receiver(7, c.bootstrap, np.arange(3) if requested else None)

@@ -31,7 +31,7 @@ from transfer_engine.protocol.receiver_room import ReceiverRoom
 from transfer_engine.protocol.rooms import RoomStatus, SenderRoom
 from transfer_engine.runtime.peers import Peer
 
-from .render import _chunks_text, _ranks_text
+from .render import chunks_text, ranks_text
 from .schema import (
     AllocationSnapshot,
     Counters,
@@ -237,7 +237,7 @@ def _sender_progress(
         finished = {c for c, rank in core.done if rank == d}
         missing = [c for c in range(n_chunks) if c not in finished]
         wants_aux = d in core.aux_targets and d not in core.aux_done
-        parts = [_chunks_text(missing)] if missing else []
+        parts = [chunks_text(missing)] if missing else []
         if not core.sealed:
             parts.append(f"chunk {n_chunks} onward")
         if wants_aux:
@@ -260,7 +260,7 @@ def _sender_waiting(core: SenderRoom, progress: Sequence[PeerProgress]) -> str:
         if core.decode_tp is None:
             return "TransferRequests from the decode ranks"
         missing = sorted(set(range(core.decode_tp)) - core.requested)
-        return f"TransferRequest from decode {_ranks_text(missing)}"
+        return f"TransferRequest from decode {ranks_text(missing)}"
     if status is RoomStatus.WAITING_FOR_INPUT:
         return "send() of the first chunk"
     if status is RoomStatus.TRANSFERRING:
@@ -284,12 +284,12 @@ def _receiver_progress(
         if expected_chunks is not None:
             missing = [c for c in range(expected_chunks) if c not in landed]
             if missing:
-                parts.append(_chunks_text(missing))
+                parts.append(chunks_text(missing))
         elif not core.writer_done(w):
             highest = max(landed, default=-1)
             gaps = [c for c in range(highest + 1) if c not in landed]
             if gaps:
-                parts.append(_chunks_text(gaps))
+                parts.append(chunks_text(gaps))
             parts.append(f"chunk {highest + 1} onward")
         if core.wants_aux_from == w and not core.aux_landed:
             parts.append("aux")
@@ -332,10 +332,10 @@ def _receiver_waiting(core: ReceiverRoom, progress: Sequence[PeerProgress]) -> s
             everywhere = set.intersection(*(core.landed[w] for w in core.writers)) if core.writers else set()
             unscattered = sorted(everywhere - core.scattered)
             if unscattered:
-                parts.append(f"scatter of {_chunks_text(unscattered)}")
+                parts.append(f"scatter of {chunks_text(unscattered)}")
         return "; ".join(parts)
     if status is RoomStatus.FAILED and core.awaiting_acks:
-        return f"AbortAck from prefill {_ranks_text(sorted(core.awaiting_acks))}"
+        return f"AbortAck from prefill {ranks_text(sorted(core.awaiting_acks))}"
     return ""
 
 

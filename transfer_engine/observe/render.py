@@ -26,7 +26,7 @@ def _runs(ids: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _chunks_text(ids: Iterable[int]) -> str:
+def chunks_text(ids: Iterable[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``chunks 0-2, 5``; ``[3]`` -> ``chunk 3``."""
     runs = _runs(ids)
     text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
@@ -34,7 +34,7 @@ def _chunks_text(ids: Iterable[int]) -> str:
     return f"chunk {text}" if single else f"chunks {text}"
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
+def ranks_text(ranks: Sequence[int]) -> str:
     """``[1]`` -> ``rank 1``; ``[0, 2]`` -> ``ranks 0, 2``."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
