@@ -26,13 +26,10 @@ checks it (:func:`digest_of`), so two IDs whose rooms collide can never hand one
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import threading
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -40,87 +37,31 @@ import torch
 
 from transfer_engine import (
     EngineConfig,
-    PeerUnreachableError,
-    Receiver,
-    Sender,
-    TransferAborted,
     TransferEngine,
-    TransferTimeout,
     room_id,
 )
 from transfer_engine.errors import ConfigError, LocalProtocolError, TransferError
 from transfer_engine.facade import LoopThread
 
 from .layouts import VllmKV, pool_from_vllm
+from .records import (
+    DIGEST_BYTES,
+    DigestSlots,
+    LayerQueue,
+    Ready,
+    Reports,
+    RequestRecord,
+    digest_of,
+    failure_kind,
+    no_stats,
+)
 
 __all__ = ["DIGEST_BYTES", "ConnectorCore", "digest_of", "failure_kind"]
 
 log = logging.getLogger(__name__)
 
-DIGEST_BYTES = 16
 START_TIMEOUT_S = 60.0
 """How long :meth:`ConnectorCore.start` waits for the engine to come up."""
-
-Ready = torch.cuda.Event | None
-
-
-def digest_of(transfer_id: str) -> bytes:
-    """The 16 bytes the prefill WRITEs beside the KV and the decode checks: the full ID's digest."""
-    return hashlib.blake2b(transfer_id.encode(), digest_size=DIGEST_BYTES, person=b"te-vllm").digest()
-
-
-def failure_kind(exc: BaseException) -> str:
-    """The kind of a room's failure, as :meth:`ConnectorCore.take_stats` counts it."""
-    if isinstance(exc, TransferTimeout):
-        return "timeout"
-    if isinstance(exc, TransferAborted):
-        return "aborted"
-    if isinstance(exc, PeerUnreachableError):
-        return "unreachable"
-    return "failed"
-
-
-@dataclass
-class _Request:
-    """One request's room on this rank (loop thread only, once handed over)."""
-
-    req_id: str
-    transfer_id: str
-    room: int
-    block_ids: tuple[int, ...]
-    handle: Sender | Receiver | None = None
-    aborted: bool = False
-    opened: float = field(default_factory=time.monotonic)
-    pages: int = 0
-    """Pool pages this rank moved for the room (set once known)."""
-    failure: str = "failed"
-
-
-@dataclass
-class _Layers:
-    """A layer-wise request's layers as the worker thread reports them (worker thread only)."""
-
-    queue: asyncio.Queue[tuple[int, int, Ready]]
-    handed: int = 0
-    """Layers ``[0, handed)`` were handed to the loop."""
-    end: int = 0
-    """Layers ``[0, end)`` were reported written."""
-    stream: torch.cuda.Stream | None = None
-    """CUDA: the stream that writes layers ``[handed, end)``."""
-
-
-@dataclass
-class _Reports:
-    """What ended since the last look (under the core's lock)."""
-
-    sent: set[str] = field(default_factory=set)
-    received: set[str] = field(default_factory=set)
-    load_errors: set[int] = field(default_factory=set)
-    stats: dict[str, Any] = field(default_factory=lambda: _no_stats())
-
-
-def _no_stats() -> dict[str, Any]:
-    return {"transfers": 0, "bytes": 0, "seconds": [], "failures": {}}
 
 
 class ConnectorCore:
@@ -157,10 +98,7 @@ class ConnectorCore:
         first = next(iter(kv_caches.values()), None)
         device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
         # the aux item travels with the KV and lives in the same kind of memory (one memory type a rank)
-        self._aux = torch.zeros(max_requests, DIGEST_BYTES, dtype=torch.uint8, device=device)
-        self._aux_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        """CUDA: where the loop thread copies digests in and out (a stream of its own: no wait on
-        the forward's work)."""
+        self._slots = DigestSlots(max_requests, device)
         self.kv: VllmKV = pool_from_vllm(
             kv_caches,
             layout=layout,
@@ -169,7 +107,7 @@ class ConnectorCore:
             tp_size=config.tp_size,
             tp_rank=config.tp_rank,
             num_kv_heads=num_kv_heads,
-            aux=self._aux,
+            aux=self._slots.tensor,
         )
         self.pool = self.kv.pool
         self.num_layers = self.pool.layout.num_layers
@@ -183,13 +121,12 @@ class ConnectorCore:
         self._up = threading.Event()
         self._served = threading.Event()
         self._error: BaseException | None = None
-        self._free_aux = list(range(max_requests))
-        self._live: dict[int, _Request] = {}
+        self._live: dict[int, RequestRecord] = {}
         """Rooms of this rank by room (loop thread only)."""
-        self._layerwise: dict[str, _Layers] = {}
+        self._layerwise: dict[str, LayerQueue] = {}
         """Layer-wise requests whose layers are not all reported (worker thread only)."""
         self._lock = threading.Lock()
-        self._reports = _Reports()
+        self._reports = Reports()
         self._outstanding = 0
         """Requests handed to the loop and not reported yet (under ``_lock``)."""
         self._news = threading.Event()
@@ -291,7 +228,7 @@ class ConnectorCore:
         if req_id in self._layerwise:
             raise LocalProtocolError(f"request {req_id!r} already has layers pending")
         request = self._request(req_id, transfer_id, block_ids)
-        layers = _Layers(asyncio.Queue())
+        layers = LayerQueue(asyncio.Queue())
         self._layerwise[req_id] = layers
         self._hand(self._send, request, layers.queue, None)
 
@@ -361,7 +298,7 @@ class ConnectorCore:
         """Requests whose room ended since the last call: (prefill side, decode side)."""
         with self._lock:
             reports = self._reports
-            self._reports = _Reports(load_errors=reports.load_errors, stats=reports.stats)
+            self._reports = Reports(load_errors=reports.load_errors, stats=reports.stats)
             self._news.clear()
         return reports.sent, reports.received
 
@@ -370,7 +307,7 @@ class ConnectorCore:
         rank ends each room) ``transfers`` that succeeded, their ``seconds`` from hand-over to end,
         and ``failures`` by kind (:func:`failure_kind`; requests vLLM aborted are not counted)."""
         with self._lock:
-            stats, self._reports.stats = self._reports.stats, _no_stats()
+            stats, self._reports.stats = self._reports.stats, no_stats()
         return stats
 
     def take_load_errors(self) -> set[int]:
@@ -389,18 +326,18 @@ class ConnectorCore:
 
     # ---- worker-thread helpers ---------------------------------------------------------------------
 
-    def _request(self, req_id: str, transfer_id: str, block_ids: Sequence[int]) -> _Request:
+    def _request(self, req_id: str, transfer_id: str, block_ids: Sequence[int]) -> RequestRecord:
         if not isinstance(transfer_id, str) or not transfer_id:
             raise ConfigError(f"request {req_id!r}: transfer_id={transfer_id!r} must be a non-empty string")
         self.kv.pages_of(block_ids)  # a bad block raises here, on the caller's thread
-        return _Request(req_id, transfer_id, room_id(transfer_id), tuple(int(b) for b in block_ids))
+        return RequestRecord(req_id, transfer_id, room_id(transfer_id), tuple(int(b) for b in block_ids))
 
     def _hand(self, fn: Any, *args: Any) -> None:
         with self._lock:
             self._outstanding += 1
         self._loop.spawn(fn, *args)
 
-    def _hand_layers(self, layers: _Layers) -> None:
+    def _hand_layers(self, layers: LayerQueue) -> None:
         if layers.end == layers.handed:
             return
         stream = layers.stream
@@ -416,23 +353,7 @@ class ConnectorCore:
 
     # ---- on the loop ---------------------------------------------------------------------------------
 
-    def _set_aux(self, slot: int, data: bytes) -> None:
-        """Write aux slot ``slot``; done when this returns (CUDA: on the aux stream, waited for)."""
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if self._aux_stream is None:
-            self._aux[slot] = src
-            return
-        with torch.cuda.stream(self._aux_stream):
-            self._aux[slot].copy_(src)
-        self._aux_stream.synchronize()
-
-    def _get_aux(self, slot: int) -> bytes:
-        if self._aux_stream is None:
-            return bytes(self._aux[slot].tolist())
-        with torch.cuda.stream(self._aux_stream):
-            return bytes(self._aux[slot].cpu().tolist())
-
-    def _claim(self, request: _Request) -> int | None:
+    def _claim(self, request: RequestRecord) -> int | None:
         """Register ``request`` for its room and give it an aux slot; None (logged) when another
         request holds the room or no slot is free."""
         other = self._live.get(request.room)
@@ -442,39 +363,28 @@ class ConnectorCore:
                 request.room, request.transfer_id, other.transfer_id, request.req_id,
             )  # fmt: skip
             return None
-        if not self._free_aux:
+        if not self._slots.free:
             log.error(
                 "no free aux slot for request %s (more live requests than max_requests)", request.req_id
             )
             return None
         self._live[request.room] = request
-        return self._free_aux.pop()
+        return self._slots.free.pop()
 
-    def _release(self, request: _Request, slot: int) -> None:
-        self._free_aux.append(slot)
+    def _release(self, request: RequestRecord, slot: int) -> None:
+        self._slots.free.append(slot)
         del self._live[request.room]
 
-    def _report(self, request: _Request, ok: bool, prefill: bool) -> None:
+    def _report(self, request: RequestRecord, ok: bool, prefill: bool) -> None:
         with self._lock:
             self._outstanding -= 1
             self._news.set()
-            stats = self._reports.stats
-            if ok:
-                stats["bytes"] += request.pages * self._page_bytes
-            if self.config.tp_rank == 0 and ok:
-                stats["transfers"] += 1
-                stats["seconds"].append(time.monotonic() - request.opened)
-            elif self.config.tp_rank == 0 and not request.aborted:
-                stats["failures"][request.failure] = stats["failures"].get(request.failure, 0) + 1
-            if prefill:
-                self._reports.sent.add(request.req_id)
-                return
-            self._reports.received.add(request.req_id)
-            if not ok and not request.aborted:
-                self._reports.load_errors.update(request.block_ids)
+            self._reports.record(
+                request, ok, prefill, page_bytes=self._page_bytes, counts_rooms=self.config.tp_rank == 0
+            )
 
     async def _send(
-        self, request: _Request, layers: asyncio.Queue[tuple[int, int, Ready]] | None, ready: Ready
+        self, request: RequestRecord, layers: asyncio.Queue[tuple[int, int, Ready]] | None, ready: Ready
     ) -> None:
         """One prefill room: the whole request at once, or (``layers`` given) as the worker thread
         reports its layers."""
@@ -487,7 +397,7 @@ class ConnectorCore:
             return
         ok = False
         try:
-            self._set_aux(slot, digest_of(request.transfer_id))
+            self._slots.write(slot, digest_of(request.transfer_id))
             sender = request.handle = engine.sender(request.room)
             if request.aborted:
                 await sender.abort("vLLM aborted the request")
@@ -517,7 +427,7 @@ class ConnectorCore:
             self._release(request, slot)
             self._report(request, ok, prefill=True)
 
-    async def _receive(self, request: _Request, bootstrap: str, prefix_len: int) -> None:
+    async def _receive(self, request: RequestRecord, bootstrap: str, prefix_len: int) -> None:
         engine = self._engine
         assert engine is not None
         slot = self._claim(request)
@@ -527,7 +437,7 @@ class ConnectorCore:
             return
         ok = False
         try:
-            self._set_aux(slot, bytes(DIGEST_BYTES))
+            self._slots.write(slot, bytes(DIGEST_BYTES))
             pages = self.kv.pages_of(request.block_ids)
             request.pages = len(pages)
             receiver = request.handle = await engine.receiver(
@@ -536,7 +446,7 @@ class ConnectorCore:
             if request.aborted:
                 await receiver.abort("vLLM aborted the request")
             await receiver.wait()
-            ok = self._get_aux(slot) == digest_of(request.transfer_id)
+            ok = self._slots.read(slot) == digest_of(request.transfer_id)
             if not ok:
                 request.failure = "digest"
                 log.error(
