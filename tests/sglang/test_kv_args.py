@@ -134,6 +134,15 @@ def test_kv_args_that_do_not_fit_are_refused_naming_the_value(
         pool_from_kv_args(args, is_mla=False)
 
 
+@pytest.mark.parametrize(
+    "end", [2, 3, None], ids=["pool end_layer (last, inclusive)", "layer shard (exclusive)", "unset"]
+)
+def test_prefill_end_layer_is_read_as_sglang_fills_it(end: int | None) -> None:
+    args = Pool(layers=3, heads_local=2, head_bytes=128).kv_args("auto")
+    args.prefill_end_layer = end
+    assert pool_from_kv_args(args, is_mla=False).target_layers == 3
+
+
 def test_draft_with_another_page_width_is_refused() -> None:
     args = Pool(layers=2, heads_local=2, head_bytes=128, draft_layers=1, draft_head_bytes=64).kv_args("auto")
     with pytest.raises(LayoutError, match="kv_item_lens\\[4\\]=512 \\(draft\\)"):
