@@ -10,9 +10,7 @@ socket, NIXL handle and registration.
 from __future__ import annotations
 
 import gc
-import importlib.metadata
 import logging
-import os
 import time
 import zlib
 from types import TracebackType
@@ -46,7 +44,6 @@ from transfer_engine.runtime.ports import (
     WorkerShards,
 )
 from transfer_engine.transport.nixl import NixlTransport, default_params
-from transfer_engine.transport.posting import SGL_ENV, batched_copies
 
 SHUTDOWN_DRAIN_S = 10.0
 """How long leaving the engine waits for live rooms to end and posted WRITEs to finish."""
@@ -54,25 +51,6 @@ SHUTDOWN_DRAIN_S = 10.0
 
 log = logging.getLogger("transfer_engine.engine")
 
-
-def use_batched_copies(backend: str, device_type: str) -> None:
-    """Set UCX's batched copies for this process as :func:`~transfer_engine.transport.posting.
-    batched_copies` decides, before the first agent is made (UCX reads it then), and log what was
-    decided once per process."""
-    global _batched_logged
-    try:
-        nixl_version: str | None = importlib.metadata.version("nixl")
-    except importlib.metadata.PackageNotFoundError:
-        nixl_version = None
-    value, line = batched_copies(backend, device_type, dict(os.environ), nixl_version)
-    if value is not None:
-        os.environ[SGL_ENV] = value
-    if not _batched_logged:
-        _batched_logged = True
-        log.info("%s", line)
-
-
-_batched_logged = False
 
 _gc_frozen = False
 """Whether this process's objects were frozen out of CPython's collections (:func:`freeze_gc_once`)."""
@@ -119,8 +97,6 @@ class Supervision(EngineState):
 
     async def _start(self, tg: TaskGroup) -> None:
         cfg = self.config
-        if self._transport is None:
-            use_batched_copies(cfg.nixl_backend, self.pool.device.type)
         transport = self._transport or NixlTransport(
             self.agent_name,
             cfg.nixl_backend,

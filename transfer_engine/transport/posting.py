@@ -79,38 +79,3 @@ def spread(
     cut = np.minimum(size, length[which] - offset)
     cut_devices = devices[which] if isinstance(devices, np.ndarray) else devices
     return src[which] + offset, dst[which] + offset, cut, cut_devices
-
-
-SGL_ENV = "NIXL_UCX_SGL_ENABLE"
-"""UCX's batched copies (NIXL's UCX plugin): with it set to 1, a WRITE between GPUs is issued as one
-batched ``cuMemcpyBatchAsync`` instead of one copy per descriptor. On two H100s (one call, same
-processes, contiguous pages) direct c8 went 0.78 -> 0.89 of raw NIXL, c1 0.60 -> 0.63, and the small
-room's added latency 1.19 -> 0.84 ms (docs/PERF.md, "Page tables on two H100s")."""
-SGL_MIN_NIXL = (1, 5)
-"""The NIXL release whose UCX plugin was measured with batched copies (nixl-cu13 1.5.1)."""
-
-
-def batched_copies(
-    backend: str, device_type: str, environ: dict[str, str] | None, nixl_version: str | None
-) -> tuple[str | None, str]:
-    """Whether to turn UCX's batched copies on for this process: ``(value to set SGL_ENV to, or None
-    to leave the environment alone; the line to log)``. On for UCX with KV in GPU memory and a NIXL at
-    least SGL_MIN_NIXL, unless the user set SGL_ENV themselves (their value wins, even "0"). CPU pools
-    leave it alone: UCX copies DRAM inside ``transfer()`` there, and the CPU figures were measured
-    without it."""
-    env = environ or {}
-    if SGL_ENV in env:
-        return None, f"{SGL_ENV}={env[SGL_ENV]} as set in the environment"
-    if backend != "UCX" or device_type != "cuda":
-        return None, f"{SGL_ENV} left unset: backend {backend}, KV on {device_type}"
-    try:
-        version = tuple(int(p) for p in (nixl_version or "").split(".")[:2])
-    except ValueError:
-        version = ()
-    if len(version) < 2 or version < SGL_MIN_NIXL:
-        wanted = ".".join(map(str, SGL_MIN_NIXL))
-        return None, (
-            f"{SGL_ENV} left unset (fallback: one copy per descriptor): NIXL {nixl_version or 'unknown'} "
-            f"is older than {wanted}, the release its batched copies were measured with"
-        )
-    return "1", f"{SGL_ENV}=1: UCX's batched copies for GPU WRITEs (NIXL {nixl_version})"
