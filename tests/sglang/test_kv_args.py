@@ -16,7 +16,8 @@ import torch
 from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 
 from transfer_engine import ConfigError, LayoutError
-from transfer_engine.integrations.sglang.conn import pool_from_kv_args, refuse_unsupported, registry_host
+from transfer_engine.integrations.sglang.kv_args import pool_from_kv_args, refuse_unsupported
+from transfer_engine.integrations.sglang.settings import registry_host
 
 PAGE_SLOTS = 64  # pages in every fake buffer
 BASE = 1 << 32  # fake addresses: nothing is mapped, pool_from_kv_args only reads numbers
