@@ -104,7 +104,12 @@ async def test_every_flipped_room_is_caught_and_none_succeeds(
     rule = Rule(Fault.FLIP, match=of_flipped_rooms, times=None)
     rng = random.Random(70)
     async with engines(
-        P, D, path=path, layers_per_write=1, prefill_transport=faulty_factory([], writes=[rule]), integrity=True
+        P,
+        D,
+        path=path,
+        layers_per_write=1,
+        prefill_transport=faulty_factory([], writes=[rule]),
+        integrity=True,
     ) as c:
         src = rng.sample(range(64), 4 * len(rooms))
         dst = rng.sample(range(64), 4 * len(rooms))
