@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +144,11 @@ def start_rank(role: str, port: int) -> RankProcess:
     argv = [sys.executable, "-m", "tests.chaos.rank", "--role", role, "--bootstrap-port", str(port),
             "--heartbeat", str(HEARTBEAT)]  # fmt: skip
     return RankProcess(role, argv)
+
+
+def expect_peer_dead(rank: RankProcess, rooms: Iterable[int], killed_at: float) -> None:
+    """Each of ``rooms`` on ``rank`` fails PEER_DEAD within :data:`BOUND` of the peer's SIGKILL."""
+    for room in rooms:
+        failed = rank.expect("room", timeout=10, room=room)
+        assert not failed["ok"] and failed["reason"] == "PEER_DEAD", failed
+        assert 0 < failed["t"] - killed_at <= BOUND, (failed["t"] - killed_at, failed)

@@ -7,7 +7,7 @@ mid-transfer.
 
 Bound: a peer silent for 2 heartbeat intervals is dead and leases are checked every quarter
 interval, so a room fails within 2.25 intervals of the peer's last heartbeat, which precedes the
-kill, plus scheduling slack (see ``BOUND``).
+kill, plus scheduling slack (see ``rank_process.BOUND``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.chaos.rank_process import BOUND, open_rooms, start_rank
+from tests.chaos.rank_process import expect_peer_dead, open_rooms, start_rank
 from tests.integration.harness import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -38,10 +38,7 @@ def test_killed_decode_fails_its_rooms_and_a_new_decode_is_served() -> None:
         open_rooms(prefill, decode, {5: 16}, hold=True, layers=True)  # held between two layers
         time.sleep(0.2)  # the first chunks are written: the rooms are mid-transfer
         killed_at = decode.kill()
-        for room in (3, 4, 5):
-            failed = prefill.expect("room", timeout=10, room=room)
-            assert not failed["ok"] and failed["reason"] == "PEER_DEAD", failed
-            assert 0 < failed["t"] - killed_at <= BOUND, (failed["t"] - killed_at, failed)
+        expect_peer_dead(prefill, (3, 4, 5), killed_at)
         # A fresh decode process registers and is served, every byte verified.
         fresh = start_rank("decode", port)
         ranks.append(fresh)
@@ -72,10 +69,7 @@ def test_killed_prefill_fails_the_decode_rooms_instead_of_hanging() -> None:
         open_rooms(prefill, decode, {8: 4}, hold=True, layers=True)  # held between two layers
         time.sleep(0.2)
         killed_at = prefill.kill()
-        for room in (7, 8):
-            failed = decode.expect("room", timeout=10, room=room)
-            assert not failed["ok"] and failed["reason"] == "PEER_DEAD", failed
-            assert 0 < failed["t"] - killed_at <= BOUND, (failed["t"] - killed_at, failed)
+        expect_peer_dead(decode, (7, 8), killed_at)
         assert all(v == 0 for v in decode.quit().values())
     finally:
         for rank in ranks:
