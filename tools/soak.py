@@ -114,8 +114,8 @@ to them (nothing repeats those), and 20 s per such room would make the run mostl
 ROOM_GUARD_S = 40.0
 """A room whose handles have not ended by then is counted as hung (failed unexpectedly)."""
 LEAK_WAIT_S = BOOTSTRAP_TIMEOUT_S + 5.0
-"""After an epoch: how long engines may take to become idle (stashed requests expire after
-``bootstrap_timeout``, checked by the heartbeat loop)."""
+"""After an epoch: how long engines may take to become idle (a stashed request nobody renews expires
+after ``room_lease``, set to BOOTSTRAP_TIMEOUT_S here, checked by the heartbeat loop)."""
 
 ABORT_REASONS = frozenset({FailureReason.ABORTED, FailureReason.REMOTE, FailureReason.BOOTSTRAP_TIMEOUT})
 """What a side may fail with when a room was aborted. BOOTSTRAP_TIMEOUT: a decode rank's request
@@ -420,6 +420,7 @@ def _engine(
         ring_bytes=cfg.ring_bytes(),
         num_workers=cfg.num_workers,
         bootstrap_timeout=BOOTSTRAP_TIMEOUT_S,
+        room_lease=BOOTSTRAP_TIMEOUT_S,
         waiting_timeout=PHASE_TIMEOUT_S if injector.loss is None else LOSS_PHASE_TIMEOUT_S,
         transfer_timeout=PHASE_TIMEOUT_S if injector.loss is None else LOSS_PHASE_TIMEOUT_S,
     )
