@@ -241,6 +241,37 @@ async def test_delayed_and_reordered_control_messages_still_complete() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_request_that_arrives_after_its_room_failed_is_told_the_failure() -> None:
+    """Decode TP 2: rank 1's TransferRequest is held until after the prefill room failed (its writer
+    aborted it once rank 0 asked). The late request is for the failed room, not a new room under the
+    same id: rank 1 is told the failure at once, not left waiting for input until its deadline."""
+    room = 63
+    async with engines(1, 2, bootstrap_timeout=30.0) as c:
+        c.decode[1].control.faults = ControlFaults(
+            [Rule(Fault.DELAY, match=matching(m.TransferRequest, room=room), times=None, delay_s=1.0)], seed=0
+        )
+        pages = np.arange(4)
+        for engine in c.prefill:
+            patterns.fill(engine.pool, room, pages)
+        receivers = [await engine.receiver(room, c.bootstrap, pages) for engine in c.decode]
+        sender = c.prefill[0].sender(room)
+        with anyio.fail_after(5):
+            while not c.prefill[0].rooms.get(room) or 0 not in c.prefill[0].rooms[room].requests:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        assert 1 not in c.prefill[0].rooms[room].requests  # rank 1's request is still held
+        await sender.abort()
+        with pytest.raises(TransferAborted):
+            await sender.wait()
+        failures = [await failure_of(receiver) for receiver in receivers]  # within 10 s, not 30
+        assert [f.reason for f in failures] == [FailureReason.ABORTED] * 2, failures
+        assert c.decode[1].control.faults.fired["delay"] >= 1  # type: ignore[union-attr]
+        c.decode[1].control.faults = None
+        assert not c.prefill[0].leaks()["stashed"]
+        await run_rooms(c, [64], [2, 2], seed=64, aux=False)
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
 async def test_abort_during_delayed_notifications_waits_for_the_writes() -> None:
     """An abort while notifications are held: the room ends only once no WRITE can land, then the id is free."""
     rule = Rule(Fault.DELAY, match=matching(m.ChunkLanded, room=91), times=None, delay_s=0.3)

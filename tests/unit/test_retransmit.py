@@ -104,30 +104,33 @@ def _ended(
     at: float = 0.0,
     opened: bool = True,
     by: frozenset[str] = frozenset(),
-    askers: frozenset[str] = frozenset({"d0", "d1"}),
+    askers: dict[int, str] | None = None,
 ) -> Ended:
     reason = None if status is S.SUCCESS else FailureReason.ABORTED
+    askers = {0: "d0", 1: "d1"} if askers is None else askers
     return Ended(status, reason, "why", at, opened=opened, aborted_by=by, askers=askers)
 
 
 @pytest.mark.parametrize(
-    ("ended", "agent", "expected"),
+    ("ended", "agent", "rank", "expected"),
     [
-        (None, "d0", Late.STASH),
-        (_ended(S.SUCCESS), "d0", Late.DROP),
-        (_ended(S.FAILED), "d0", Late.TELL_FAILURE),
-        (_ended(S.FAILED, by=frozenset({"d0"})), "d0", Late.DROP),
-        (_ended(S.FAILED, by=frozenset({"d0"})), "d1", Late.TELL_FAILURE),
-        (_ended(S.FAILED, opened=False, by=frozenset({"d0"})), "d1", Late.TELL_FAILURE),
-        # the same room id asked for by a decode agent that was not part of the ended room: a new room
-        (_ended(S.FAILED), "d9", Late.STASH),
-        (_ended(S.SUCCESS), "d9", Late.STASH),
+        (None, "d0", 0, Late.STASH),
+        (_ended(S.SUCCESS), "d0", 0, Late.DROP),
+        (_ended(S.FAILED), "d0", 0, Late.TELL_FAILURE),
+        (_ended(S.FAILED, by=frozenset({"d0"})), "d0", 0, Late.DROP),
+        (_ended(S.FAILED, by=frozenset({"d0"})), "d1", 1, Late.TELL_FAILURE),
+        (_ended(S.FAILED, opened=False, by=frozenset({"d0"})), "d1", 1, Late.TELL_FAILURE),
+        # another agent asks as a rank that was asked for in the ended room: a new room, same id
+        (_ended(S.FAILED), "d9", 0, Late.STASH),
+        (_ended(S.SUCCESS), "d9", 1, Late.STASH),
+        # a rank whose request had not arrived when the room failed (decode TP 4, two ranks asked)
+        (_ended(S.FAILED), "d2", 2, Late.TELL_FAILURE),
         # a room that ended before any decode asked: every request is late for it
-        (_ended(S.FAILED, askers=frozenset()), "d9", Late.TELL_FAILURE),
+        (_ended(S.FAILED, askers={}), "d9", 3, Late.TELL_FAILURE),
     ],
 )
-def test_request_for_a_room_not_live_here(ended: Ended | None, agent: str, expected: Late) -> None:
-    assert answer_late_request(ended, agent) is expected
+def test_request_for_a_room_not_live_here(ended: Ended | None, agent: str, rank: int, expected: Late) -> None:
+    assert answer_late_request(ended, agent, rank) is expected
 
 
 def test_tombstones_expire_by_age_and_are_bounded_in_count() -> None:

@@ -32,13 +32,13 @@ class Dispatch(EngineState):
                 self.control.count_drop(
                     "TransferRequest", ident, f"room {room} from {agent!r}, which never said PeerHello"
                 )
-            case m.TransferRequest(room=room, agent=agent) if self.config.role == "prefill":
+            case m.TransferRequest(room=room, agent=agent, decode_rank=rank) if self.config.role == "prefill":
                 ended = self.tombstones.get(room, time.monotonic())
                 if (
-                    answer_late_request(ended, agent) is not Late.STASH
+                    answer_late_request(ended, agent, rank) is not Late.STASH
                 ):  # a repeat, or overtaken by its room's end
                     assert ended is not None
-                    self._answer_late(room, agent, ended)
+                    self._answer_late(room, agent, rank, ended)
                 elif not await self._to_room(room, message) and not self._stash.add(
                     room, message, time.monotonic()
                 ):
@@ -52,7 +52,7 @@ class Dispatch(EngineState):
                                 RoomStatus.FAILED, FailureReason.ABORTED, f"aborted by decode {agent} before "
                                 f"prefill rank {self.config.tp_rank} opened it: {message.detail}",
                                 time.monotonic(), opened=False, aborted_by=frozenset({agent}),
-                                askers=self._stash.agents(room) | {agent},
+                                askers=self._stash.askers(room) | {rank: agent},
                             ))  # fmt: skip
                         self._answer(
                             self._stash.abort(room, message, agent=self.agent_name, rank=self.config.tp_rank)
@@ -84,10 +84,10 @@ class Dispatch(EngineState):
                     type(message).__name__, ident, f"not accepted by a {self.config.role} engine"
                 )
 
-    def _answer_late(self, room: int, agent: str, ended: Ended) -> None:
+    def _answer_late(self, room: int, agent: str, rank: int, ended: Ended) -> None:
         """Answer a TransferRequest for ``room``, which is no longer live here (protocol.retransmit)."""
         peer = self.peers.get(agent)
-        if answer_late_request(ended, agent) is not Late.TELL_FAILURE or peer is None:
+        if answer_late_request(ended, agent, rank) is not Late.TELL_FAILURE or peer is None:
             self.counters["requests_repeated"] += 1
             return
         assert ended.reason is not None

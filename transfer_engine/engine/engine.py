@@ -261,6 +261,6 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
                 Ended(actor.status, None if failure is None else failure.reason,
                       "" if failure is None else failure.detail, time.monotonic(),
                       aborted_by=frozenset(actor.failed_by),
-                      askers=frozenset(request.agent for request in actor.requests.values())),
+                      askers={rank: request.agent for rank, request in actor.requests.items()}),
             )  # fmt: skip
         record_ended(self, actor, self.ended_rooms)

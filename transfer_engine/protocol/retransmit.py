@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from transfer_engine.errors import FailureReason
 from transfer_engine.protocol.rooms import RoomStatus
@@ -149,10 +150,11 @@ class Ended:
     """False for a room aborted by a decode rank before this rank opened it."""
     aborted_by: frozenset[str] = frozenset()
     """Decode agents that aborted or failed the room themselves (they need not be told)."""
-    askers: frozenset[str] = frozenset()
-    """Decode agents that asked for this room. When any did, a request from another agent is for a
-    new room under the same id; when none did (the room ended before any request), every request is
-    a late one for this room."""
+    askers: Mapping[int, str] = field(default_factory=dict)
+    """Decode rank -> the decode agent that asked for this room as that rank. A request from another
+    agent for a rank already asked for is for a new room under the same id (a decode process that
+    replaced a dead one); a request for a rank nobody asked for yet is a late one for this room (with
+    decode TP > 1, the room may end before every rank's request arrived)."""
 
 
 class Late(enum.Enum):
@@ -166,13 +168,15 @@ class Late(enum.Enum):
     """A repeat for a room that succeeded, or from the decode rank that aborted it: nothing to say."""
 
 
-def answer_late_request(ended: Ended | None, agent: str) -> Late:
-    """The answer to a TransferRequest from ``agent`` for a room not live here (``ended``: its tombstone)."""
+def answer_late_request(ended: Ended | None, agent: str, rank: int) -> Late:
+    """The answer to a TransferRequest from ``agent``, decode rank ``rank``, for a room not live here
+    (``ended``: its tombstone)."""
     if ended is None:
         return Late.STASH
-    if ended.askers and agent not in ended.askers | ended.aborted_by:
-        # The room ended after other decode agents asked for it: this agent's request is for a new
-        # room under the same id (a decode process that replaced a dead one, say), not a late one.
+    asked = ended.askers.get(rank)
+    if asked is not None and asked != agent and agent not in ended.aborted_by:
+        # Another agent asked as this rank before the room ended: this request is for a new room
+        # under the same id (a decode process that replaced a dead one, say), not a late one.
         return Late.STASH
     if ended.status is RoomStatus.SUCCESS or agent in ended.aborted_by:
         return Late.DROP

@@ -75,6 +75,10 @@ class EarlyRequests:
         """The decode agents whose requests for ``room`` are kept."""
         return frozenset(request.agent for _, request in self._rooms.get(room, []))
 
+    def askers(self, room: int) -> dict[int, str]:
+        """Decode rank -> the agent whose request for ``room`` is kept as that rank."""
+        return {request.decode_rank: request.agent for _, request in self._rooms.get(room, [])}
+
     def take(self, room: int) -> list[m.TransferRequest]:
         """The room opened: its stashed requests, in arrival order (the stash forgets them)."""
         return [request for _, request in self._rooms.pop(room, [])]
