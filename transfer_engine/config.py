@@ -105,10 +105,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Prefill: a whole chunk (``send()``) whose KV on this rank is at least ``pipeline_min_bytes`` is
     written to a decode rank that asked for the host path as groups of this many layers, so that the
     gather of one group, the slow host WRITE of the one before and the decode's scatter overlap
-    (docs/DECISIONS.md, "Host-path chunks cut by the prefill room"). 0: whole. Other paths are not
-    cut: there a group's control work costs more than its copy saves."""
+    (docs/DECISIONS.md, "Host-path chunks cut by the prefill room"). 0: whole. The direct and slice
+    paths are not cut: there a group's control work costs more than its copy saves."""
+    staged_pipeline_layers: int = 0
+    """Prefill: as ``host_pipeline_layers``, for a decode rank that asked for the staged path (GPU
+    staging): a whole chunk of at least ``pipeline_min_bytes`` goes as groups of this many layers,
+    each gathered, WRITTEN and scattered while the next one is (docs/DECISIONS.md, "Staged-path
+    chunks cut by the prefill room"). 0 (the default, to be set from ``tools/gpu_e2e.sh pipeline``):
+    whole."""
     pipeline_min_bytes: int = 64 << 20
-    """The smallest chunk (bytes of KV on this rank) that ``host_pipeline_layers`` cuts."""
+    """The smallest chunk (bytes of KV on this rank) that ``host_pipeline_layers`` and
+    ``staged_pipeline_layers`` cut."""
     # --- what tuners set: poll cadences ---------------------------------------------------------
     poll_interval: float = 0.0002
     """Sleep between NIXL polls while WRITEs or rooms are live: a quarter of it just after activity,
@@ -188,10 +195,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("ring_bytes", "staging_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0 sizes it automatically)")
-        if not isinstance(self.host_pipeline_layers, int) or self.host_pipeline_layers < 0:
-            raise ConfigError(
-                f"host_pipeline_layers={self.host_pipeline_layers!r} must be an integer >= 0 (0: off)"
-            )
+        for name in ("host_pipeline_layers", "staged_pipeline_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 0 (0: off)")
         if self.pipeline_min_bytes < 0:
             raise ConfigError(f"pipeline_min_bytes={self.pipeline_min_bytes} must be >= 0")
         if not isinstance(self.layers_per_write, int) or self.layers_per_write < 1:
@@ -268,7 +275,7 @@ USER_FIELDS: tuple[str, ...] = (
 
 TUNER_FIELDS: tuple[str, ...] = (
     "num_workers", "staging_chunk_pages", "ring_bytes", "staging_bytes", "grant_with_request",
-    "layers_per_write", "host_pipeline_layers", "pipeline_min_bytes",
+    "layers_per_write", "host_pipeline_layers", "staged_pipeline_layers", "pipeline_min_bytes",
     "poll_interval", "poll_spin", "poll_relaxed", "early_drive",
     "gil_switch_interval", "nixl_params", "nixl_progress_thread", "trace_steps",
 )  # fmt: skip

@@ -100,7 +100,9 @@ async def outcome(handle: Sender | Receiver) -> str:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("layerwise", [False, True, "host-cut"], ids=["chunks", "layers", "host-cut"])
+@pytest.mark.parametrize(
+    "layerwise", [False, True, "host-cut", "staged-cut"], ids=["chunks", "layers", "host-cut", "staged-cut"]
+)
 @pytest.mark.parametrize(("P", "D"), [(1, 1), (2, 1)], ids=["direct", "staged"])
 @pytest.mark.parametrize(
     ("fault", "detail"), [(Fault.ERROR, "ended in error"), (Fault.FAIL_POST, "injected fault")]
@@ -111,7 +113,8 @@ async def test_one_failed_write_fails_the_room_on_both_sides(
     """The prefill rank whose WRITE failed: TRANSPORT; the decode: REMOTE; the other writers stop.
     ``layers``: the room goes layer-wise (one WRITE per layer), and the failed one is a layer's.
     ``host-cut``: whole chunks on the host path, which the prefill room cuts into one-layer groups
-    itself (``host_pipeline_layers``): the failed WRITE is one group's."""
+    itself (``host_pipeline_layers``): the failed WRITE is one group's. ``staged-cut``: the same on
+    the staged path (``staged_pipeline_layers``)."""
     wrapped: list[FaultyTransport] = []
     landed = matching(m.ChunkLanded, room=51)
     groups: list[tuple[int, int] | None] = []  # the layers of every WRITE of the room the rule saw
@@ -126,11 +129,10 @@ async def test_one_failed_write_fails_the_room_on_both_sides(
 
     rule = Rule(fault, match=match, skip=1)  # the room's second WRITE
     transport = faulty_factory(wrapped, writes=[rule])
-    cut = (
-        {"path": "host", "host_pipeline_layers": 1, "pipeline_min_bytes": 0}
-        if layerwise == "host-cut"
-        else {}
-    )
+    cut = {
+        "host-cut": {"path": "host", "host_pipeline_layers": 1, "pipeline_min_bytes": 0},
+        "staged-cut": {"path": "staged", "staged_pipeline_layers": 1, "pipeline_min_bytes": 0},
+    }.get(str(layerwise), {})
     layerwise = layerwise is True
     async with engines(P, D, prefill_transport=transport, layers_per_write=1, **cut) as c:
         senders, receiver = await open_room(c, 51, [2, 2, 2], seed=51, layerwise=layerwise)

@@ -225,17 +225,35 @@ def test_block_runs_put_each_group_tensor_where_the_whole_block_has_it(mla, num_
     assert (placed[mask] == block[mask]).all() and mask.sum() == gathered.size
 
 
+HOST4 = {"host": 4}
+
+
 @pytest.mark.parametrize(
     ("cut", "num_layers", "nbytes", "path", "expected"),
     [
-        (ChunkCut(4, 100), 10, 100, "host", [(0, 4, False), (4, 8, False), (8, 10, True)]),
-        (ChunkCut(5, 0), 10, 0, "host", [(0, 5, False), (5, 10, True)]),
-        (ChunkCut(4, 100), 10, 99, "host", None),  # under min_bytes: whole
-        (ChunkCut(4, 0), 10, 100, "staged", None),  # not a path it cuts
-        (ChunkCut(4, 0), 10, 100, "direct", None),
-        (ChunkCut(0, 0), 10, 100, "host", None),  # off
-        (ChunkCut(10, 0), 10, 100, "host", None),  # one group would be the whole chunk
-        (ChunkCut(1, 0, frozenset({"staged"})), 2, 1, "staged", [(0, 1, False), (1, 2, True)]),
+        (ChunkCut(HOST4, 100), 10, 100, "host", [(0, 4, False), (4, 8, False), (8, 10, True)]),
+        (ChunkCut({"host": 5}), 10, 0, "host", [(0, 5, False), (5, 10, True)]),
+        (ChunkCut(HOST4, 100), 10, 99, "host", None),  # under min_bytes: whole
+        (ChunkCut(HOST4), 10, 100, "staged", None),  # a path the table does not name
+        (ChunkCut(HOST4), 10, 100, "direct", None),
+        (ChunkCut({"host": 0}), 10, 100, "host", None),  # off
+        (ChunkCut({"host": 10}), 10, 100, "host", None),  # one group would be the whole chunk
+        (ChunkCut({"staged": 1}), 2, 1, "staged", [(0, 1, False), (1, 2, True)]),
+        (ChunkCut({"staged": 1}), 2, 1, "host", None),
+        # each staging path its own group size; the bar is shared
+        (ChunkCut({"host": 4, "staged": 32}, 64), 64, 64, "staged", [(0, 32, False), (32, 64, True)]),
+        (
+            ChunkCut({"host": 4, "staged": 32}, 64),
+            64,
+            64,
+            "host",
+            [(a, a + 4, a == 60) for a in range(0, 64, 4)],
+        ),
+        (ChunkCut({"host": 4, "staged": 32}, 64), 64, 63, "staged", None),
+        (ChunkCut({"host": 4, "staged": 0}), 64, 0, "staged", None),
+        (ChunkCut({"staged": 24}), 64, 0, "staged", [(0, 24, False), (24, 48, False), (48, 64, True)]),
+        (ChunkCut(), 64, 1 << 30, "staged", None),  # the empty table cuts nothing
+        (ChunkCut({"staged": 8}), 64, 1 << 30, "slice", None),
     ],
 )
 def test_chunk_cut_by_path_and_size(cut, num_layers, nbytes, path, expected):
@@ -247,9 +265,9 @@ def test_chunk_cut_by_path_and_size(cut, num_layers, nbytes, path, expected):
         assert [(g.start, g.end, g.closes) for g in groups] == expected
 
 
-@given(st.integers(1, 100), st.integers(1, 100))
-def test_chunk_cut_tiles_every_layer_once(num_layers, per_group):
-    groups = ChunkCut(per_group).groups(0, num_layers, 0, "host")
+@given(st.integers(1, 100), st.integers(1, 100), st.sampled_from(["host", "staged"]))
+def test_chunk_cut_tiles_every_layer_once(num_layers, per_group, path):
+    groups = ChunkCut({path: per_group}).groups(0, num_layers, 0, path)
     if per_group >= num_layers:
         assert groups is None
         return
@@ -259,8 +277,22 @@ def test_chunk_cut_tiles_every_layer_once(num_layers, per_group):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "names"), [({"per_group": -1}, "per_group=-1"), ({"min_bytes": -5}, "min_bytes=-5")]
+    ("kwargs", "names"),
+    [
+        ({"per_path": {"host": -1}}, "per_path\\['host'\\]=-1"),
+        ({"per_path": {"staged": 2.5}}, "per_path\\['staged'\\]=2.5"),
+        ({"per_path": {"direct": 4}}, "path='direct'"),
+        ({"per_path": {"slice": 0}}, "path='slice'"),
+        ({"min_bytes": -5}, "min_bytes=-5"),
+    ],
 )
 def test_chunk_cut_refuses_bad_settings_by_name(kwargs, names):
     with pytest.raises(ConfigError, match=names):
         ChunkCut(**kwargs)
+
+
+def test_chunk_cut_keeps_its_own_table():
+    table = {"staged": 8}
+    cut = ChunkCut(table)
+    table["staged"] = 0
+    assert cut.per_group("staged") == 8 and cut.per_group("host") == 0

@@ -169,7 +169,10 @@ class Supervision(EngineState):
             ring=None if self.ring is None else self.ring.inbox,
             ring_port=self.ring,
             scatter=None if self.scatter is None else self.scatter.inbox,
-            chunk_cut=ChunkCut(cfg.host_pipeline_layers, cfg.pipeline_min_bytes),
+            chunk_cut=ChunkCut(
+                {"host": cfg.host_pipeline_layers, "staged": cfg.staged_pipeline_layers},
+                cfg.pipeline_min_bytes,
+            ),
             checksums=self.checksums,
             costs=self.costs,
         )  # fmt: skip

@@ -7,6 +7,8 @@ closes the chunk. The engine posts one WRITE per *layer group*: consecutive read
 until they hold at least ``layers_per_write`` layers (or close the chunk).
 
 - :class:`LayerChunks` (prefill handle): validates each ready range and cuts the groups.
+- :class:`ChunkCut` (prefill room): a whole chunk (``send()``) written as layer groups on its own, by
+  path, so that on a staging path one group's gather, WRITE and scatter overlap the next one's.
 - :class:`LayerTally` (prefill room: groups written per decode rank; decode room: groups landed per
   writer): a chunk is complete for a key once its groups cover every layer exactly once.
 - :func:`group_tensors`, :func:`group_tensor_runs` and :func:`group_block_runs`: which KV tensors a
@@ -19,8 +21,9 @@ changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +31,7 @@ import numpy.typing as npt
 from transfer_engine.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
+    "CUT_PATHS",
     "ChunkCut",
     "LayerChunks",
     "LayerGroup",
@@ -37,6 +41,10 @@ __all__ = [
     "group_tensor_runs",
     "group_tensors",
 ]
+
+
+CUT_PATHS = frozenset({"host", "staged"})
+"""The paths on which :class:`ChunkCut` may write a whole chunk as layer groups."""
 
 
 def _is_int(value: object) -> bool:
@@ -69,26 +77,39 @@ class LayerGroup:
 
 @dataclass(frozen=True, slots=True)
 class ChunkCut:
-    """When a prefill room writes a whole chunk to one decode rank as layer groups on its own: on the
-    paths in ``paths``, a chunk of at least ``min_bytes`` on this rank, in groups of ``per_group``
-    layers (the last one shorter). The room decides once the decode's request names the path, which
-    ``send()`` cannot know (``EngineConfig.host_pipeline_layers``; docs/DECISIONS.md). Pure."""
+    """When a prefill room writes a whole chunk to one decode rank as layer groups on its own.
 
-    per_group: int = 0
+    ``per_path`` is the table: a chunk of at least ``min_bytes`` on this rank, written on a path it
+    names, goes as groups of that many layers (the last one shorter); a path it does not name, or
+    names with 0, gets the chunk whole. Only the staging paths (:data:`CUT_PATHS`) may be cut: there
+    a group's gather, WRITE and the decode's scatter overlap with the next group's; on the direct
+    and slice paths a group's control work costs more than its copy saves. The room decides once the
+    decode's request names the path, which ``send()`` cannot know (``EngineConfig.host_pipeline_layers``
+    and ``staged_pipeline_layers``; docs/DECISIONS.md). Pure."""
+
+    per_path: Mapping[str, int] = field(default_factory=dict)
     min_bytes: int = 0
-    paths: frozenset[str] = frozenset({"host"})
 
     def __post_init__(self) -> None:
-        if not _is_int(self.per_group) or self.per_group < 0:
-            raise ConfigError(f"per_group={self.per_group!r} must be an integer >= 0 (0: never)")
+        table = dict(self.per_path)
+        for path, per in table.items():
+            if path not in CUT_PATHS:
+                raise ConfigError(f"path={path!r} is not one a chunk is cut on (one of {sorted(CUT_PATHS)})")
+            if not _is_int(per) or per < 0:
+                raise ConfigError(f"per_path[{path!r}]={per!r} must be an integer >= 0 (0: whole)")
         if not _is_int(self.min_bytes) or self.min_bytes < 0:
             raise ConfigError(f"min_bytes={self.min_bytes!r} must be an integer >= 0")
+        object.__setattr__(self, "per_path", MappingProxyType({p: int(n) for p, n in table.items()}))
+
+    def per_group(self, path: str) -> int:
+        """Layers per group on ``path``; 0: whole."""
+        return self.per_path.get(path, 0)
 
     def groups(self, chunk_id: int, num_layers: int, nbytes: int, path: str) -> list[LayerGroup] | None:
         """The groups chunk ``chunk_id`` (``nbytes`` on this rank) is written as on ``path``, or None:
-        whole (another path, too small, or groups that would be the whole chunk)."""
-        per = self.per_group
-        if not per or per >= num_layers or path not in self.paths or nbytes < self.min_bytes:
+        whole (a path not cut, too small, or groups that would be the whole chunk)."""
+        per = self.per_group(path)
+        if not per or per >= num_layers or nbytes < self.min_bytes:
             return None
         return [
             LayerGroup(chunk_id, start, min(start + per, num_layers), start + per >= num_layers)
