@@ -1,7 +1,7 @@
 """Drive one ``tests/chaos/rank.py`` process: JSON-line commands on stdin, events on stdout.
 
-Shared by the tests that need an engine in a process of its own (``test_kill``: SIGKILL it;
-``test_netns``: run it inside a network namespace).
+Shared by the tests that need an engine in a process of its own (``test_kill`` and
+``tests/integration/test_leases.py``: SIGKILL it; ``test_netns``: run it inside a network namespace).
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from transfer_engine.testing.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,6 +147,33 @@ def start_rank(role: str, port: int) -> RankProcess:
     argv = [sys.executable, "-m", "tests.chaos.rank", "--role", role, "--bootstrap-port", str(port),
             "--heartbeat", str(HEARTBEAT)]  # fmt: skip
     return RankProcess(role, argv)
+
+
+class RankProcesses:
+    """Rank processes of one test on one bootstrap port; :func:`rank_processes` closes them all."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.started: list[RankProcess] = []
+
+    def start(self, role: str) -> RankProcess:
+        """One more rank process (:func:`start_rank`), returned once it is up."""
+        rank = start_rank(role, self.port)
+        self.started.append(rank)
+        rank.expect("up")
+        return rank
+
+
+@contextmanager
+def rank_processes() -> Iterator[RankProcesses]:
+    """Start rank processes on a free bootstrap port with ``.start(role)``; on leaving, whatever
+    happened, each one still running is killed and every pipe is closed."""
+    ranks = RankProcesses(free_port())
+    try:
+        yield ranks
+    finally:
+        for rank in ranks.started:
+            rank.close()
 
 
 def expect_peer_dead(rank: RankProcess, rooms: Iterable[int], killed_at: float) -> None:

@@ -16,21 +16,14 @@ import time
 
 import pytest
 
-from tests.chaos.rank_process import expect_peer_dead, open_rooms, start_rank
-from tests.integration.harness import free_port
+from tests.chaos.rank_process import expect_peer_dead, open_rooms, rank_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
 def test_killed_decode_fails_its_rooms_and_a_new_decode_is_served() -> None:
-    port = free_port()
-    prefill = start_rank("prefill", port)
-    ranks = [prefill]
-    try:
-        prefill.expect("up")
-        decode = start_rank("decode", port)
-        ranks.append(decode)
-        decode.expect("up")
+    with rank_processes() as ranks:
+        prefill, decode = ranks.start("prefill"), ranks.start("decode")
         open_rooms(prefill, decode, {1: 0, 2: 4}, hold=False)
         for room in (1, 2):
             assert prefill.expect("room", room=room)["ok"] and decode.expect("room", room=room)["ok"]
@@ -40,9 +33,7 @@ def test_killed_decode_fails_its_rooms_and_a_new_decode_is_served() -> None:
         killed_at = decode.kill()
         expect_peer_dead(prefill, (3, 4, 5), killed_at)
         # A fresh decode process registers and is served, every byte verified.
-        fresh = start_rank("decode", port)
-        ranks.append(fresh)
-        fresh.expect("up")
+        fresh = ranks.start("decode")
         open_rooms(prefill, fresh, {3: 20, 6: 24}, hold=False)
         open_rooms(prefill, fresh, {9: 28}, hold=False, layers=True)
         for room in (3, 6, 9):
@@ -51,26 +42,14 @@ def test_killed_decode_fails_its_rooms_and_a_new_decode_is_served() -> None:
             assert result["ok"], result
         assert all(v == 0 for v in fresh.quit().values())
         assert all(v == 0 for v in prefill.quit().values())
-    finally:
-        for rank in ranks:
-            rank.close()
 
 
 def test_killed_prefill_fails_the_decode_rooms_instead_of_hanging() -> None:
-    port = free_port()
-    prefill = start_rank("prefill", port)
-    ranks = [prefill]
-    try:
-        prefill.expect("up")
-        decode = start_rank("decode", port)
-        ranks.append(decode)
-        decode.expect("up")
+    with rank_processes() as ranks:
+        prefill, decode = ranks.start("prefill"), ranks.start("decode")
         open_rooms(prefill, decode, {7: 0}, hold=True)
         open_rooms(prefill, decode, {8: 4}, hold=True, layers=True)  # held between two layers
         time.sleep(0.2)
         killed_at = prefill.kill()
         expect_peer_dead(decode, (7, 8), killed_at)
         assert all(v == 0 for v in decode.quit().values())
-    finally:
-        for rank in ranks:
-            rank.close()

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from tests.chaos.helpers import engines, faulty_factory
-from tests.chaos.rank_process import BOUND, HEARTBEAT, expect_peer_dead, start_rank
+from tests.chaos.rank_process import BOUND, HEARTBEAT, expect_peer_dead, rank_processes
 from transfer_engine.errors import FailureReason, TransferFailed
 from transfer_engine.testing import patterns
 from transfer_engine.transport.faults import Fault, Rule, matching
 
-from .harness import Cluster, cluster, free_port, small_layout
+from .harness import Cluster, cluster, small_layout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,14 +144,8 @@ async def test_a_prefill_room_no_decode_asks_for_ends_at_its_lease() -> None:
 def test_a_killed_prefill_fails_the_waiting_decode_rooms_within_two_heartbeats() -> None:
     """Decode rooms waiting on a prefill that holds their requests stashed (never opened): SIGKILL the
     prefill, and they fail PEER_DEAD within the bound, leaving nothing held on the decode."""
-    port = free_port()
-    prefill = start_rank("prefill", port)
-    ranks = [prefill]
-    try:
-        prefill.expect("up")
-        decode = start_rank("decode", port)
-        ranks.append(decode)
-        decode.expect("up")
+    with rank_processes() as ranks:
+        prefill, decode = ranks.start("prefill"), ranks.start("decode")
         for room, first in ((31, 0), (32, 4)):
             decode.send(cmd="recv", room=room, pages=list(range(first, first + 4)))
             decode.expect("opened", room=room)
@@ -159,29 +153,17 @@ def test_a_killed_prefill_fails_the_waiting_decode_rooms_within_two_heartbeats()
         killed_at = prefill.kill()
         expect_peer_dead(decode, (31, 32), killed_at)
         assert all(v == 0 for v in decode.quit().values())
-    finally:
-        for rank in ranks:
-            rank.close()
 
 
 @pytest.mark.slow
 def test_a_killed_decode_frees_its_stashed_requests_on_the_prefill() -> None:
     """Requests of a decode killed while the prefill held them stashed are dropped at its death, not
     kept for room_lease: the prefill quits with nothing held."""
-    port = free_port()
-    prefill = start_rank("prefill", port)
-    ranks = [prefill]
-    try:
-        prefill.expect("up")
-        decode = start_rank("decode", port)
-        ranks.append(decode)
-        decode.expect("up")
+    with rank_processes() as ranks:
+        prefill, decode = ranks.start("prefill"), ranks.start("decode")
         decode.send(cmd="recv", room=33, pages=[0, 1, 2, 3])
         decode.expect("opened", room=33)
         time.sleep(2 * HEARTBEAT)
         decode.kill()
         time.sleep(BOUND)
         assert all(v == 0 for v in prefill.quit().values())
-    finally:
-        for rank in ranks:
-            rank.close()
