@@ -240,6 +240,9 @@ class Supervision(EngineState):
         try:
             await tg.__aexit__(exc_type, exc, tb)
         finally:
+            checksums = getattr(self, "checksums", None)  # (None when the start failed before it)
+            if checksums is not None:  # its thread: no room waits for a check any more
+                checksums.close()
             self._close_transport()
 
     def _close_transport(self) -> None:

@@ -1,21 +1,28 @@
 """Checksums of the KV a chunk covers, over a rank's own pool (docs/INTEGRITY.md).
 
-Both sides call :meth:`PoolChecksums.chunk` over their own pages: the prefill with its token slots
-and source head slice when a chunk's (or layer group's) WRITE starts, through the notification
-:func:`sealed` builds; the decode with its slots and destination head slice once the bytes are in
-its pages (landed, or scattered out of the ring). Equal bytes give equal sums whatever the two page
-layouts, paths or TP sizes (``protocol/integrity.py``).
+Both sides call :class:`PoolChecksums` over their own pages: the prefill with its token slots and
+source head slice before a chunk's (or layer group's) WRITE starts, through the notification
+its :class:`Seal` makes; the decode with its slots and destination head slice once the bytes are
+in its pages (landed, or scattered out of the ring). Equal bytes give equal sums whatever the two
+page layouts, paths or TP sizes (``protocol/integrity.py``).
 
-On CUDA the sum runs on this object's own stream, ordered after nothing but the caller's
-promise that the bytes are final (their event completed, or the WRITE landed), and the caller's
-thread waits for it (a read of the chunk's bytes at HBM speed). On CPU it runs on the caller's
-thread with torch.
+No thread waits for a sum that is not done. :meth:`PoolChecksums.enqueue` starts one and returns
+a :class:`Sum`: on CUDA its kernel is enqueued on a stream (this object's own, or the caller's:
+a staged chunk's is summed on its gather stream, behind the gather) after the events the bytes
+wait for, into pinned host memory, and ``Sum.done`` is the stream's event after it; on CPU it runs
+on this object's one checksum thread (numpy), which first waits for the ``threading.Event`` s the
+bytes wait for, and ``Sum.done`` is set when it is known. Whoever needs the value waits for
+``done`` through a :class:`~transfer_engine.runtime.completion.CompletionWaiter` (the prefill's
+worker holds the WRITE until then; the decode's room hears :meth:`PoolChecksums.submit`'s
+callback) and then reads it without a synchronisation.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -28,13 +35,63 @@ from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_tensors
 
-__all__ = ["PoolChecksums", "sealed"]
+__all__ = ["Completion", "PoolChecksums", "Seal", "Sum", "sealed"]
+
+Completion = torch.cuda.Event | threading.Event
+"""What a sum's readiness is: its stream's event (CUDA) or an Event its thread sets (CPU)."""
+
+WAIT_CHECK_S = 0.05
+"""How often the checksum thread, waiting for the bytes' ``threading.Event`` s, looks whether its
+pool's checksums were closed (a room cancelled before its KV was written never sets them)."""
+
+
+def is_reached(done: Completion) -> bool:
+    """Whether ``done`` has completed (never blocks)."""
+    return done.is_set() if isinstance(done, threading.Event) else bool(done.query())
+
+
+class Sum:
+    """A checksum that was started and may not be known yet: read :meth:`value` once ``done`` has
+    completed (it waits for it otherwise)."""
+
+    __slots__ = ("done", "_read")
+
+    def __init__(self, done: Completion, read: Callable[[], int]) -> None:
+        self.done = done
+        self._read = read
+
+    @classmethod
+    def known(cls, value: int) -> Sum:
+        """A sum already taken (on the thread that took it)."""
+        done = threading.Event()
+        done.set()
+        return cls(done, lambda: value)
+
+    def value(self) -> int:
+        """The checksum (raises what taking it raised). Waits for ``done`` if it has not completed:
+        the callers wait for it first, so that no thread of theirs blocks here."""
+        if not is_reached(self.done):
+            if isinstance(self.done, threading.Event):
+                self.done.wait()
+            else:
+                self.done.synchronize()
+        return self._read()
+
+
+class _Failed:
+    """What a CPU sum raised, kept to be raised by its reader."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
 
 
 class PoolChecksums:
     """Checksums over one pool's KV: every tensor, or a layer group's, of some slots and a head slice.
 
-    Thread-safe: the prefill calls it from the loop or from a worker's completion waiter thread."""
+    Thread-safe: the prefill calls it from the loop, a worker's gather thread or its completion
+    waiter's thread. :meth:`close` ends its checksum thread (the engine's end)."""
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
@@ -48,6 +105,10 @@ class PoolChecksums:
         self._groups: dict[tuple[int, int], KVTable] = {}
         self._lock = threading.Lock()
         self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = threading.Event()
+        self.pending = 0
+        """Sums :meth:`submit` started whose callback has not run yet (the loop's count)."""
 
     def _table(self, layers: tuple[int, int] | None) -> KVTable:
         if layers is None:
@@ -60,12 +121,30 @@ class PoolChecksums:
                 table = self._groups[layers] = as_kv_table([self.pool.kv_views[i] for i in rows])
             return table
 
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The one checksum thread (made on first use): CPU sums, and the decode's waits for CUDA ones."""
+        with self._lock:
+            if self._closed.is_set():
+                raise RuntimeError("the pool's checksums were closed (the engine ended)")
+            if self._thread is None:
+                self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="te-checksum")
+            return self._thread
+
+    def close(self) -> None:
+        """End the checksum thread; sums not started are dropped (nobody waits for them any more)."""
+        self._closed.set()
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=False, cancel_futures=True)
+
     def chunk(
         self, slots: np.ndarray, head_start: int, num_heads: int, layers: tuple[int, int] | None
     ) -> int:
         """The checksum of heads ``[head_start, head_start + num_heads)`` of ``slots`` (this pool's token
         slots, in the chunk's order) over every tensor, or layers ``[start, end)``'s: the gather
-        layout ``kernels.checksum`` defines. Blocks the calling thread until it is known."""
+        layout ``kernels.checksum`` defines. Blocks the calling thread until it is known: for a
+        thread that has the time (a CPU gather's), and tests."""
         index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
         result = checksum_heads(self._table(layers), index, head_start, num_heads, stream=self.stream)
         if self.stream is None:
@@ -73,15 +152,143 @@ class PoolChecksums:
         with torch.cuda.stream(self.stream):  # the read waits for this stream only, not the default one
             return checksum_value(result)
 
+    def enqueue(
+        self,
+        slots: np.ndarray,
+        head_start: int,
+        num_heads: int,
+        layers: tuple[int, int] | None,
+        *,
+        after: Sequence[Completion] = (),
+        stream: torch.cuda.Stream | None = None,
+    ) -> Sum:
+        """Start the checksum :meth:`chunk` takes, once every completion of ``after`` has (the bytes
+        are final then), without waiting for it.
+
+        CUDA: enqueued on ``stream`` (default: this object's own), which first waits for the CUDA
+        events of ``after``; the sum lands in pinned host memory and ``done`` is the stream's event
+        after it. A ``threading.Event`` in ``after`` must be set already on CUDA (the stream cannot
+        wait for it): ValueError otherwise. CPU: taken on the checksum thread, which first waits for
+        ``after``; ``done`` is set when it is known (or failed: :meth:`Sum.value` raises it)."""
+        if self.pool.device.type == "cuda":
+            on = stream or self.stream
+            assert on is not None
+            for wait in after:
+                if isinstance(wait, threading.Event):
+                    if not wait.is_set():
+                        raise ValueError("a CUDA checksum cannot wait for a threading.Event that is not set")
+                else:
+                    on.wait_event(wait)
+            index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+            out = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            checksum_heads(self._table(layers), index, head_start, num_heads, stream=on, out=out)
+            done = torch.cuda.Event()
+            done.record(on)
+            return Sum(done, lambda: checksum_value(out))
+        finished = threading.Event()
+        box: list[int | _Failed] = []
+
+        def take() -> None:
+            try:
+                for wait in after:
+                    assert isinstance(wait, threading.Event), "a CPU pool's KV is ordered by threading.Events"
+                    while not wait.wait(WAIT_CHECK_S):
+                        if self._closed.is_set():
+                            raise RuntimeError("the pool's checksums were closed before the KV was written")
+                box.append(self.chunk(slots, head_start, num_heads, layers))
+            except BaseException as exc:
+                box.append(_Failed(exc))
+            finally:
+                finished.set()
+
+        def read() -> int:
+            (result,) = box
+            if isinstance(result, _Failed):
+                raise result.exc
+            return result
+
+        self._executor().submit(take)
+        return Sum(finished, read)
+
+    def submit(
+        self,
+        slots: np.ndarray,
+        head_start: int,
+        num_heads: int,
+        layers: tuple[int, int] | None,
+        then: Callable[[int | None, str], object],
+    ) -> None:
+        """From the loop: start the checksum :meth:`chunk` takes over bytes that are in the pages now
+        (they landed, or their scatter completed), and call ``then(value, "")`` on the loop once it is
+        known, or ``then(None, why)`` if taking it failed. Nothing on the loop waits for it: the sum
+        runs on this object's stream (CUDA) or its thread (CPU), and the thread waits for the
+        stream's event and wakes the loop."""
+        loop = asyncio.get_running_loop()
+        self.pending += 1
+
+        def answer(value: int | None, why: str) -> None:
+            self.pending -= 1
+            then(value, why)
+
+        def wake(value: int | None, why: str) -> None:
+            try:
+                loop.call_soon_threadsafe(answer, value, why)
+            except RuntimeError:  # the loop closed: nobody waits any more
+                pass
+
+        try:
+            started = self.enqueue(slots, head_start, num_heads, layers)
+
+            def finish() -> None:
+                try:
+                    value = started.value()
+                except Exception as exc:
+                    wake(None, f"{type(exc).__name__}: {exc}")
+                    return
+                wake(value, "")
+
+            self._executor().submit(finish)
+        except Exception as exc:
+            loop.call_soon(answer, None, f"{type(exc).__name__}: {exc}")
+
+
+class Seal:
+    """The notification a chunk's WRITE starts with: its ``ChunkLanded`` carrying the checksum of the
+    bytes it moves (``WriteSpec.seal``). The worker starts the sum (:attr:`sum`) once the bytes are
+    final and starts the WRITE only once it is known, so calling the seal reads a known value.
+    With no sum started it takes one then, on the calling thread."""
+
+    def __init__(self, notif: bytes, take: Callable[[], int], start: Callable[..., Sum]) -> None:
+        landed = m.decode_notification(notif)
+        if not isinstance(landed, m.ChunkLanded):
+            raise TypeError(f"only a chunk's notification carries a checksum, not {type(landed).__name__}")
+        self._landed = landed
+        self._take = take
+        self._start = start
+        self.sum: Sum | None = None
+
+    def start(self, *, after: Sequence[Completion] = (), stream: torch.cuda.Stream | None = None) -> Sum:
+        """Start the sum (:meth:`PoolChecksums.enqueue`); once only."""
+        assert self.sum is None, "a seal's sum is started once"
+        self.sum = self._start(after=after, stream=stream)
+        return self.sum
+
+    def take_now(self) -> None:
+        """Take the sum on this thread (one that has the time: a CPU gather's)."""
+        self.sum = Sum.known(self._take())
+
+    @property
+    def ready(self) -> bool:
+        """Whether reading the seal now waits for nothing: its sum is known (or was never started)."""
+        return self.sum is None or is_reached(self.sum.done)
+
+    def __call__(self) -> bytes:
+        value = self._take() if self.sum is None else self.sum.value()
+        return m.encode(msgspec.structs.replace(self._landed, checksum=value))
+
 
 def sealed(notif: bytes, checksum: Callable[[], int]) -> Callable[[], bytes]:
     """The notification of a WRITE as it starts: ``notif`` (an encoded ``ChunkLanded``) carrying
-    ``checksum()``, taken then (the WRITE's bytes are final when it starts)."""
-    landed = m.decode_notification(notif)
-    if not isinstance(landed, m.ChunkLanded):
-        raise TypeError(f"only a chunk's notification carries a checksum, not {type(landed).__name__}")
-
-    def seal() -> bytes:
-        return m.encode(msgspec.structs.replace(landed, checksum=checksum()))
-
+    ``checksum()``, taken then (a seal whose sum is taken on the starting thread)."""
+    seal = Seal(notif, checksum, lambda **_: Sum.known(checksum()))
     return seal

@@ -443,6 +443,17 @@ class Scattered:
     freed: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """Checksum thread -> room (decode): the checksum of bytes that landed in the room's pages, taken
+    off the loop (``landed``; None: taking it failed, ``detail`` says why). ``key`` is the room's
+    own name for what it asked (docs/INTEGRITY.md)."""
+
+    key: tuple[int, int, tuple[int, int] | None]
+    landed: int | None
+    detail: str = ""
+
+
 RoomMail = (
     QueueChunk
     | LayersReady
@@ -453,6 +464,7 @@ RoomMail = (
     | RegionGranted
     | StagingFailed
     | Scattered
+    | Checked
     | LocalAbort
     | PeerDead
     | LeaseRenewed

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import anyio
@@ -39,6 +40,7 @@ from transfer_engine.protocol.rooms import (
 )
 from transfer_engine.protocol.staging import RegionLayout, writer_block_bytes
 from transfer_engine.runtime.mail import (
+    Checked,
     LocalAbort,
     MailboxOverflow,
     PeerDead,
@@ -72,6 +74,43 @@ class _ToScatter(NamedTuple):
     """Layer-wise: the group's layers; None: the whole chunk."""
     final: bool
     """The chunk's last copy: the chunk is then wholly in the pages and its region is freed."""
+
+
+CheckKey = tuple[int, int, tuple[int, int] | None]
+"""What one integrity check covers: (chunk id, writer, layer group or None for the whole chunk)."""
+
+
+class _Outcome(enum.Enum):
+    """What starting the check of a landed chunk (or layer group) of one writer came to."""
+
+    COUNT = "count"
+    """Nothing to compare (counted unchecked): the chunk counts now."""
+    WAIT = "wait"
+    """Its checksum is being taken off the loop: the chunk counts when :class:`Checked` comes."""
+    FAILED = "failed"
+    """The room failed (the landing broke the protocol): the chunk never counts."""
+
+
+@dataclass(eq=False)
+class _ScatterChecks:
+    """A staged copy that is in the pages, waiting for the checks of the writers it covered before
+    its scatter's end counts (``left``: checks still out)."""
+
+    item: _ToScatter
+    freed: bool
+    left: int = 0
+    intact: bool = True
+
+
+@dataclass(frozen=True)
+class _Check:
+    """A check out (:meth:`ReceiverRoomActor._check`): what the writer carried, and what waits for it."""
+
+    carried: int
+    landed: m.ChunkLanded | None
+    """Direct and slice paths: the notification, counted once its bytes match."""
+    scatter: _ScatterChecks | None
+    """Staged and host paths: the copy whose end waits for it."""
 
 
 class ReceiverRoomActor(RoomActor):
@@ -125,8 +164,10 @@ class ReceiverRoomActor(RoomActor):
         """Copies out of the ring waiting for a scatter slot."""
         self.scattering: deque[_ToScatter] = deque()
         """Copies at the scatter actor, in the order it answers them (it runs jobs in arrival order)."""
-        self.carried: dict[tuple[int, int, tuple[int, int] | None], int | None] = {}
+        self.carried: dict[CheckKey, int | None] = {}
         """Staged: the checksum each (chunk, writer, layer group) landed with, until it is scattered."""
+        self.checking: dict[CheckKey, _Check] = {}
+        """Integrity checks out: their sums are being taken off the loop (docs/INTEGRITY.md)."""
         self.whole: set[int] = set()
         """Staged chunks some writer sent whole (not layer-wise): scattered whole once complete."""
         self.remote_failure = False
@@ -266,44 +307,23 @@ class ReceiverRoomActor(RoomActor):
                 )
             case m.AuxLanded(sender=sender) if self.core.aux_landed and sender == self.core.wants_aux_from:
                 self.ports.counters["notifs_duplicate"] += 1
-            case m.ChunkLanded(sender=sender, chunk_id=chunk_id, last=last):
+            case m.ChunkLanded(sender=sender, chunk_id=chunk_id):
                 if self.ports.costs is not None:
                     self.ports.costs.started(self.room, now)
+                key = (chunk_id, sender, mail.layers)
                 if self.staged:  # checked once in the pages (docs/INTEGRITY.md)
-                    self.carried[(chunk_id, sender, mail.layers)] = mail.checksum
-                elif not self._intact(
-                    chunk_id, sender, mail.layers, mail.checksum, mail.page_start, mail.num_pages
+                    self.carried[key] = mail.checksum
+                elif key in self.checking:  # a duplicate of one whose check is out
+                    self.ports.counters["notifs_duplicate"] += 1
+                    return
+                elif (
+                    self._check(key, mail.checksum, mail.page_start, mail.num_pages, mail, None)
+                    is not _Outcome.COUNT
                 ):
-                    return  # never counted: the room failed
-                granted = self.regions.get(chunk_id) if self.staged else None
-                held = (
-                    None
-                    if granted is None
-                    else HeldRegion(
-                        granted.allocation.alloc_id, granted.page_start, granted.num_pages, granted.ahead
-                    )
-                )
-                if check_landed(mail, self.path, held):
-                    assert granted is not None
-                    self._landed_ahead(granted, mail)
-                group = mail.layers
-                if group is not None:
-                    if self.core.layers_landed(sender, chunk_id, group):
-                        self.ports.counters["notifs_duplicate"] += 1
-                        return
-                    if not self.core.on_layers(sender, chunk_id, group, now):
-                        # more groups of this chunk are still to land from this writer
-                        self._queue_scatter(_ToScatter(chunk_id, sender, group, False))
-                        return
-                elif self.staged:
-                    self.whole.add(chunk_id)
-                complete = self.core.on_chunk(sender, chunk_id, last, now)
-                if chunk_id in self.whole:
-                    if complete:
-                        self.whole.discard(chunk_id)
-                        self._queue_scatter(_ToScatter(chunk_id, None, None, True))
-                else:
-                    self._queue_scatter(_ToScatter(chunk_id, sender, group, complete))
+                    return  # counted once its check matches (Checked), or never: the room failed
+                self._landed(mail, now)
+            case Checked(key=key, landed=landed, detail=detail):
+                self._checked(key, landed, detail, now)
             case m.AuxLanded(sender=sender):
                 self.core.on_aux(sender, now)
             case RequestPages():
@@ -312,12 +332,19 @@ class ReceiverRoomActor(RoomActor):
                 self.regions[chunk_id] = mail
             case Scattered(chunk_id=chunk_id, ok=ok, detail=detail, freed=freed):
                 item = self.scattering.popleft()
-                intact = not ok or self._scattered_intact(item)  # a mismatch fails the room here
+                granted = self.regions.get(chunk_id)
                 if freed:
                     self.regions.pop(chunk_id, None)  # the scatter actor freed it
-                self.core.scatter_ended(chunk_id, ok and intact, now, freed)
                 if not ok:
+                    self._drop_carried(item)
+                    self.core.scatter_ended(chunk_id, False, now, freed)
                     self._fail(FailureReason.TRANSPORT, detail)
+                else:
+                    assert granted is not None, "a scattered chunk's region is held until its last copy"
+                    checks = self._check_scattered(item, granted, freed)
+                    if checks.left:
+                        return  # its end counts once its checks came back (Checked)
+                    self.core.scatter_ended(chunk_id, checks.intact, now, freed)
                 self._pump_scatter()
             case StagingFailed(detail=detail):
                 self._fail(FailureReason.STAGING, detail)
@@ -341,6 +368,38 @@ class ReceiverRoomActor(RoomActor):
                 self._fail(FailureReason.SHUTDOWN, "engine closed")
             case _:
                 raise ProtocolError(f"{type(mail).__name__} is not for a decode room")
+
+    def _landed(self, mail: m.ChunkLanded, now: float) -> None:
+        """Count a landed chunk (or layer group) of one writer: checked (or with nothing to check) on
+        the direct paths; on the staged paths its check comes once it is scattered."""
+        sender, chunk_id, last = mail.sender, mail.chunk_id, mail.last
+        granted = self.regions.get(chunk_id) if self.staged else None
+        held = (
+            None
+            if granted is None
+            else HeldRegion(granted.allocation.alloc_id, granted.page_start, granted.num_pages, granted.ahead)
+        )
+        if check_landed(mail, self.path, held):
+            assert granted is not None
+            self._landed_ahead(granted, mail)
+        group = mail.layers
+        if group is not None:
+            if self.core.layers_landed(sender, chunk_id, group):
+                self.ports.counters["notifs_duplicate"] += 1
+                return
+            if not self.core.on_layers(sender, chunk_id, group, now):
+                # more groups of this chunk are still to land from this writer
+                self._queue_scatter(_ToScatter(chunk_id, sender, group, False))
+                return
+        elif self.staged:
+            self.whole.add(chunk_id)
+        complete = self.core.on_chunk(sender, chunk_id, last, now)
+        if chunk_id in self.whole:
+            if complete:
+                self.whole.discard(chunk_id)
+                self._queue_scatter(_ToScatter(chunk_id, None, None, True))
+        else:
+            self._queue_scatter(_ToScatter(chunk_id, sender, group, complete))
 
     def _queue_scatter(self, item: _ToScatter) -> None:
         """Staged paths: queue a copy out of the ring (a whole chunk, or a layer group of a writer)."""
@@ -396,25 +455,29 @@ class ReceiverRoomActor(RoomActor):
             )  # fmt: skip
         )
 
-    def _intact(
+    def _check(
         self,
-        chunk_id: int,
-        sender: int,
-        layers: tuple[int, int] | None,
+        key: CheckKey,
         carried: int | None,
         page_start: int,
         num_pages: int,
-    ) -> bool:
-        """Compare the checksum ``sender`` carried for a chunk (or layer group) with this rank's over
-        the pages it landed in (docs/INTEGRITY.md); count the result. A mismatch fails the room with
-        INTEGRITY and returns False: the chunk must not count."""
+        landed: m.ChunkLanded | None,
+        scatter: _ScatterChecks | None,
+    ) -> _Outcome:
+        """Start comparing the checksum a writer carried for a chunk (or layer group, ``key``) with
+        this rank's over the pages it is in now (docs/INTEGRITY.md). The sum is taken off the loop
+        (``PoolChecksums.submit``) and comes back as :class:`Checked`, which judges it
+        (:meth:`_checked`); meanwhile the chunk does not count, so the room cannot succeed before
+        it matched. Nothing to compare (the writer carried none, or this side's integrity is off):
+        counted unchecked, the chunk counts now."""
+        chunk_id, sender, layers = key
         checksums = self.ports.checksums
         writer = self.writers.get(sender)
         if writer is None:  # not a writer of this room: the core refuses the notification
-            return True
+            return _Outcome.COUNT
         if carried is None or checksums is None:
             self.ports.counters["integrity_unchecked"] += 1
-            return True
+            return _Outcome.COUNT
         writer_ps = writer.layout.page_size
         page_size = self.ports.pool.layout.page_size
         start = page_start * writer_ps
@@ -422,29 +485,71 @@ class ReceiverRoomActor(RoomActor):
         try:
             tokens = descriptors.chunk_tokens(start, num_pages, writer_ps, len(self.pages) * page_size)
             slots = descriptors.slots_of(self.pages, page_size, start, tokens)
-            landed = checksums.chunk(slots, spec.dst_head_start, spec.num_heads, layers)
         except TransferError as exc:  # pages outside the room's: the peer broke the protocol
             self._fail(FailureReason.PROTOCOL, f"chunk {chunk_id} from prefill rank {sender}: {exc}")
-            return False
-        if verdict(carried, landed) is Verdict.MATCH:
-            self.ports.counters["integrity_match"] += 1
-            return True
-        self.ports.counters["integrity_mismatch"] += 1
-        self._fail(FailureReason.INTEGRITY, mismatch_detail(chunk_id, sender, layers, carried, landed))
-        return False
+            return _Outcome.FAILED
+        self.checking[key] = _Check(carried, landed, scatter)
+        checksums.submit(
+            slots,
+            spec.dst_head_start,
+            spec.num_heads,
+            layers,
+            lambda value, why: self._post_checked(Checked(key, value, why)),
+        )
+        return _Outcome.WAIT
 
-    def _scattered_intact(self, item: _ToScatter) -> bool:
-        """A staged copy is in the pages: check each writer it covered (every writer of a whole chunk,
-        or the one writer of a layer group) as :meth:`_intact` does."""
-        granted = self.regions[item.chunk_id]
+    def _post_checked(self, mail: Checked) -> None:
+        """On the loop, from the checksum thread: hand a check's sum to the room."""
+        try:
+            self.inbox.post(mail)
+        except anyio.ClosedResourceError:  # the room ended meanwhile (it failed): nobody waits
+            log.debug("decode room %d: a check came back after the room ended", self.room)
+
+    def _checked(self, key: CheckKey, landed: int | None, detail: str, now: float) -> None:
+        """A check's sum is known: judge it and count the result; a mismatch (or a sum that could not
+        be taken: integrity fails closed) fails the room with INTEGRITY. Then count what waited for
+        it: the chunk (direct paths), or the scatter's end (staged paths) once all its checks came."""
+        chunk_id, sender, layers = key
+        check = self.checking.pop(key)
+        intact = landed is not None and verdict(check.carried, landed) is Verdict.MATCH
+        self.ports.counters["integrity_match" if intact else "integrity_mismatch"] += 1
+        if landed is None:
+            self._fail(FailureReason.INTEGRITY, f"integrity: chunk {chunk_id} could not be checked: {detail}")
+        elif not intact:
+            self._fail(
+                FailureReason.INTEGRITY, mismatch_detail(chunk_id, sender, layers, check.carried, landed)
+            )
+        scatter = check.scatter
+        if scatter is not None:
+            scatter.left -= 1
+            scatter.intact = scatter.intact and intact
+            if scatter.left == 0:
+                self.core.scatter_ended(scatter.item.chunk_id, scatter.intact, now, scatter.freed)
+                self._pump_scatter()
+        elif intact and check.landed is not None and not self.core.status.final:
+            self._landed(check.landed, now)
+
+    def _check_scattered(self, item: _ToScatter, granted: RegionGranted, freed: bool) -> _ScatterChecks:
+        """A staged copy is in the pages: start the check of each writer it covered (every writer of a
+        whole chunk, or the one writer of a layer group), as :meth:`_check` does. The scatter's end
+        counts once ``left`` is 0 (now, when nothing is to be compared)."""
+        checks = _ScatterChecks(item, freed)
         senders = [s.prefill_rank for s in self.slices] if item.sender is None else [item.sender]
         for sender in senders:
-            carried = self.carried.pop((item.chunk_id, sender, item.layers), None)
-            if not self._intact(
-                item.chunk_id, sender, item.layers, carried, granted.page_start, granted.num_pages
-            ):
-                return False
-        return True
+            key = (item.chunk_id, sender, item.layers)
+            carried = self.carried.pop(key, None)
+            outcome = self._check(key, carried, granted.page_start, granted.num_pages, None, checks)
+            if outcome is _Outcome.FAILED:
+                checks.intact = False
+                break
+            checks.left += outcome is _Outcome.WAIT
+        return checks
+
+    def _drop_carried(self, item: _ToScatter) -> None:
+        """A copy that failed: forget what its writers carried (nothing will be checked)."""
+        senders = [s.prefill_rank for s in self.slices] if item.sender is None else [item.sender]
+        for sender in senders:
+            self.carried.pop((item.chunk_id, sender, item.layers), None)
 
     async def on_status_change(self, before: RoomStatus) -> None:
         if not self.core.status.final:
