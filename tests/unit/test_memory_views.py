@@ -1,4 +1,4 @@
-"""Pools over memory a serving system owns: raw pointers (SGLang), per-layer tensors (vLLM), aux packing.
+"""Pools over memory a serving system owns: raw pointers (SGLang), aux packing.
 
 No sockets: the views are checked to alias the caller's memory (a write through one is seen by the
 other) and every bad input to raise LayoutError naming the value.
@@ -17,7 +17,6 @@ from transfer_engine.memory.views import (
     AuxBuffers,
     check_disjoint,
     pool_from_pointers,
-    pool_from_vllm,
     view_of,
 )
 
@@ -67,31 +66,6 @@ def test_pool_from_pointers_refuses_bad_input(
     bufs = buffers()
     with pytest.raises(LayoutError, match=match):
         pool_from_pointers(LAYOUT, 2, 0, *mutate(*args(bufs)))
-
-
-def test_pool_from_vllm_takes_the_k_and_v_halves() -> None:
-    layers = {f"model.layers.{i}.attn": torch.zeros(2, 5, 4, 2, 8, dtype=torch.float16) for i in range(2)}
-    pool = pool_from_vllm(LAYOUT, 2, 0, layers)
-    assert pool.num_pages == 5
-    pool.tensors[1][6, 0, 2] = 2.0  # K of layer 1: block 1, slot 2
-    pool.tensors[3][0, 1, 1] = 3.0  # V of layer 1
-    t = layers["model.layers.1.attn"]
-    assert t[0, 1, 2, 0, 2] == 2.0 and t[1, 0, 0, 1, 1] == 3.0
-
-
-@pytest.mark.parametrize(
-    ("tensor", "match"),
-    [
-        (torch.zeros(2, 5, 8, 2, 8, dtype=torch.float16), "layer 'b' has shape \\(2, 5, 8, 2, 8\\)"),
-        (torch.zeros(2, 5, 4, 4, 8, dtype=torch.float16), "expected \\(2, num_blocks, 4, 2, 8\\)"),
-        (torch.zeros(2, 5, 2, 4, 8, dtype=torch.float16).transpose(2, 3), "strides"),
-        (torch.zeros(2, 5, 4, 2, 8, dtype=torch.bfloat16), "dtype torch.bfloat16"),
-    ],
-)
-def test_pool_from_vllm_names_the_bad_layer(tensor: torch.Tensor, match: str) -> None:
-    good = torch.zeros(2, 5, 4, 2, 8, dtype=torch.float16)
-    with pytest.raises(LayoutError, match=match):
-        pool_from_vllm(LAYOUT, 2, 0, {"a": good, "b": tensor})
 
 
 def test_aux_buffers_pack_and_unpack_items_of_different_sizes() -> None:

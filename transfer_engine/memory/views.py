@@ -1,4 +1,5 @@
-"""KV pools from memory that serving systems own: raw pointers (SGLang) and per-layer tensors (vLLM).
+"""KV pools from memory that serving systems own: raw pointers (SGLang). vLLM's per-layer caches
+become a pool in ``integrations/vllm/layouts.py`` (``pool_from_vllm``, exported by the root).
 
 Nothing here copies or allocates KV: each function builds zero-copy tensor views of the caller's
 memory and hands them to :class:`~transfer_engine.memory.layout.KVPool`, whose constructor validates them
@@ -8,8 +9,6 @@ Bad input raises :class:`LayoutError` naming the bad value; nothing is registere
 - :func:`pool_from_pointers`: SGLang's ``KVArgs`` shape. ``kv_data_ptrs`` are the K buffers of
   every layer, then the V buffers (one latent buffer per layer for MLA); ``kv_data_lens`` their
   byte lengths; ``kv_item_lens`` the bytes of one page of one buffer.
-- :func:`pool_from_vllm`: per-layer ``(2, num_blocks, block_size, H, D)`` tensors (FlashAttention
-  layout); K and V of a layer are its two ``[num_blocks * block_size, H, D]`` halves.
 - :class:`AuxBuffers`: several aux buffers of different item sizes (SGLang's metadata buffers:
   first output token, logprobs...). The engine moves one aux item per room, so their items are
   packed into one row of a pool aux tensor before the last chunk is sent, and unpacked from it on
@@ -19,7 +18,7 @@ Bad input raises :class:`LayoutError` naming the bad value; nothing is registere
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ import torch
 from transfer_engine.errors import LayoutError
 from transfer_engine.memory.layout import KVLayout, KVPool
 
-__all__ = ["AuxBuffers", "check_disjoint", "pool_from_pointers", "pool_from_vllm", "view_of"]
+__all__ = ["AuxBuffers", "check_disjoint", "pool_from_pointers", "view_of"]
 
 
 class _CudaArray:
@@ -122,45 +121,6 @@ def pool_from_pointers(
         for p, n in zip(ptrs, lens, strict=True)
     ]
     return KVPool(layout, tp_size, tp_rank, tensors, aux)
-
-
-def pool_from_vllm(
-    layout: KVLayout,
-    tp_size: int,
-    tp_rank: int,
-    kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-    *,
-    aux: torch.Tensor | None = None,
-) -> KVPool:
-    """A pool over vLLM's per-layer ``(2, num_blocks, block_size, H, D)`` KV tensors, in layer order.
-
-    ``block_size`` must be the layout's ``page_size``; H this rank's heads. LayoutError names the
-    layer (its name when a mapping is given) whose tensor does not fit.
-    """
-    items = list(kv_caches.items()) if isinstance(kv_caches, Mapping) else list(enumerate(kv_caches))
-    if layout.mla:
-        raise LayoutError(
-            "pool_from_vllm takes (2, blocks, block_size, H, D) tensors; MLA caches have no K/V pair"
-        )
-    if len(items) != layout.num_layers:
-        raise LayoutError(f"got {len(items)} layer tensors, the layout has num_layers={layout.num_layers}")
-    heads_local = layout.heads_local(tp_size)
-    keys, values = [], []
-    for name, t in items:
-        if not isinstance(t, torch.Tensor):
-            raise LayoutError(f"layer {name!r} is a {type(t).__name__}, expected a torch.Tensor")
-        want = (2, layout.page_size, heads_local, layout.head_dim)
-        if t.dim() != 5 or (t.shape[0], *t.shape[2:]) != want:
-            raise LayoutError(
-                f"layer {name!r} has shape {tuple(t.shape)}, expected (2, num_blocks, {layout.page_size}, "
-                f"{heads_local}, {layout.head_dim})"
-            )
-        if not t.is_contiguous():
-            raise LayoutError(f"layer {name!r} has strides {t.stride()}; it must be contiguous")
-        slots = t.shape[1] * t.shape[2]
-        keys.append(t[0].view(slots, heads_local, layout.head_dim))
-        values.append(t[1].view(slots, heads_local, layout.head_dim))
-    return KVPool(layout, tp_size, tp_rank, [*keys, *values], aux)
 
 
 class AuxBuffers:
