@@ -156,3 +156,58 @@ async def test_every_flipped_room_is_caught_and_none_succeeds(
         assert c.decode[0].counters["integrity_mismatch"] >= len(flipped)
         assert rule.fired >= len(flipped)
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("path", "P", "D"), [PATHS[0], PATHS[2], PATHS[4]])
+async def test_a_flip_in_the_last_layer_group_fails_the_room_at_its_last_check(
+    path: str, P: int, D: int
+) -> None:
+    """Layer-wise, only the room's very last group is flipped: every group before it matched (each
+    checked as it landed), so the mismatch is found at the room's last check, the one left when
+    every byte has landed. The room still fails with INTEGRITY, its pages are not reported
+    loaded, and nothing leaks."""
+    layers = 3
+
+    def last_group(payload: bytes) -> bool:
+        if not matching(m.ChunkLanded, room=63)(payload):
+            return False
+        landed = m.decode(payload)
+        assert isinstance(landed, m.ChunkLanded)
+        return landed.last and landed.layers is not None and landed.layers[1] == layers
+
+    rule = Rule(Fault.FLIP, match=last_group)
+    rng = random.Random(63)
+    async with engines(
+        P,
+        D,
+        path=path,
+        layers_per_write=1,
+        prefill_transport=faulty_factory([], writes=[rule]),
+        integrity=True,
+    ) as c:
+        assert c.prefill[0].pool.layout.num_layers == layers
+        pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
+        for engine in c.prefill:
+            patterns.fill(engine.pool, 63, pages)
+        receivers = [await engine.receiver(63, c.bootstrap, dst) for engine in c.decode]
+        senders = [engine.sender(63) for engine in c.prefill]
+        for sender in senders:
+            await sender.begin_chunk(pages[:2], last=False)
+            for layer in range(layers):
+                await sender.layers_ready(layer, layer + 1)
+            await sender.begin_chunk(pages[2:], last=True)
+            for layer in range(layers):
+                with contextlib.suppress(LocalProtocolError):  # the room failed meanwhile
+                    await sender.layers_ready(layer, layer + 1)
+        failures = [await failure_of(receiver) for receiver in receivers]
+        assert [f.reason for f in failures] == [FailureReason.INTEGRITY] * D
+        assert f"layers [{layers - 1}, {layers})" in failures[0].detail
+        assert rule.fired == 1
+        decode = c.decode[0]
+        assert decode.counters["integrity_mismatch"] == 1
+        # every group but the flipped one matched: two chunks of four groups from each writer
+        assert decode.counters["integrity_match"] == 2 * layers * P - 1
+        for sender in senders:
+            assert await outcome(sender) in ("SUCCESS", "INTEGRITY")  # its WRITEs may all have ended
+        c.assert_no_leaks()

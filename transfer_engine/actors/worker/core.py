@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 
 from transfer_engine.errors import FailureReason
-from transfer_engine.memory.integrity import PoolChecksums, sealed
+from transfer_engine.memory.integrity import PoolChecksums, Seal
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
 from transfer_engine.runtime.completion import CompletionWaiter
@@ -40,6 +40,18 @@ from .plan import staged_slots
 
 Made = tuple[int, WriteSpec]
 """A WRITE made ahead and not started: its transport handle and what it moves."""
+
+
+def seal_of(spec: WriteSpec) -> Seal | None:
+    """The integrity seal of ``spec`` (:meth:`WorkerCore.sealed`), if it has one."""
+    return spec.seal if isinstance(spec.seal, Seal) else None
+
+
+def seal_ready(made: Made) -> bool:
+    """Whether ``made`` may start without waiting for its checksum: none to take, or known."""
+    seal = seal_of(made[1])
+    return seal is None or seal.ready
+
 
 WorkerMail = (
     WriteJob
@@ -73,7 +85,7 @@ class WorkerCore(Actor["WorkerMail"]):
     ) -> None:
         super().__init__(capacity, reserve)
         self.checksums = checksums
-        """Integrity on: what a chunk's WRITE is sealed with as it starts (:meth:`sealed`)."""
+        """Integrity on: what a chunk's WRITE is sealed with (:meth:`sealed`)."""
         self.index = index
         self.me = me
         self.pool = pool
@@ -100,16 +112,23 @@ class WorkerCore(Actor["WorkerMail"]):
 
     def sealed(self, job: WriteJob, spec: WriteSpec) -> WriteSpec:
         """``spec`` sealed with the checksum of the KV its chunk (or layer group) reads from this
-        rank's pages, taken when the WRITE starts, its bytes final then (docs/INTEGRITY.md): the
-        prefill side of integrity, on every path. ``spec`` itself with integrity off, or for the aux item."""
+        rank's pages (docs/INTEGRITY.md): the prefill side of integrity, on every path. The sum is
+        started once the bytes are final and the WRITE starts once it is known (:func:`seal_of`):
+        after the gather on a staged path, as a held WRITE's last wait on a direct one. ``spec``
+        itself with integrity off, or for the aux item."""
         if self.checksums is None or job.chunk is None:
             return spec
         head = job.request.slices[0] if job.request.slices else None
         heads = int(self.pool.kv_views[0].shape[-2])
         start, count = (head.src_head_start, head.num_heads) if head else (0, heads)
         layers = None if job.group is None else job.group.layers
-        take = functools.partial(self.checksums.chunk, staged_slots(job, self.pool), start, count, layers)
-        return dataclasses.replace(spec, seal=sealed(spec.notif, take))
+        part = (staged_slots(job, self.pool), start, count, layers)
+        seal = Seal(
+            spec.notif,
+            functools.partial(self.checksums.chunk, *part),
+            functools.partial(self.checksums.enqueue, *part),
+        )
+        return dataclasses.replace(spec, seal=seal)
 
     async def done(self, job: WriteJob, ok: bool, detail: str, reason: FailureReason) -> None:
         """The one reply for ``job`` that does not come from the poller."""

@@ -22,7 +22,7 @@ from transfer_engine.errors import FailureReason, TransferError
 from transfer_engine.runtime.mail import WriteJob
 from transfer_engine.transport.interface import WriteSpec
 
-from .core import Made
+from .core import Made, seal_of
 from .held import HeldJobs, is_ready
 from .plan import chunk_descriptors, chunk_notification, group_index, group_rows, plan_write, shares_lists
 
@@ -165,7 +165,18 @@ class DirectPath(HeldJobs):
                 return
             self.me.trace.mark(job.room, "ready")
         try:
-            self.start_made(job, made if made is not None else self._make_direct(job))
+            if made is None:
+                made = self._make_direct(job)
+            seal = seal_of(made[1])
+            if seal is not None:
+                self.start_seal(made, ())
+                if not seal.ready:
+                    # integrity: the WRITE starts once its checksum is known (docs/INTEGRITY.md); the
+                    # worker goes on meanwhile, and the completion waiter's thread starts it
+                    assert seal.sum is not None
+                    await self.hold(job, [seal.sum.done], made)
+                    return
+            self.start_made(job, made)
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             await self.done(job, False, str(exc), FailureReason.TRANSPORT)

@@ -31,7 +31,7 @@ from transfer_engine.errors import FailureReason, TransferError
 from transfer_engine.runtime.completion import Completion
 from transfer_engine.runtime.mail import Mailbox, Ready, WriteJob
 
-from .core import Made, WorkerCore
+from .core import Made, WorkerCore, seal_of, seal_ready
 from .plan import is_staged_job
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class HeldJobs(WorkerCore):
                 made = await self.prepare(job)
                 if made is None:
                     return
+            pending = [*pending, *self.start_seal(made, pending)]
             held = self._prepared[id(job)] = Held(made)
             first = functools.partial(self.start_early, job, held)
         self._unready.append(job)
@@ -128,6 +129,21 @@ class HeldJobs(WorkerCore):
         # skipping those would hold the job with nothing left to wake it (a room that never ended).
         for wait in pending:
             self.completions.notify(wait, functools.partial(self.on_reached, job), first)
+
+    def start_seal(self, made: Made, after: Sequence[Completion]) -> list[Completion]:
+        """Start the checksum ``made``'s notification carries (integrity), once every completion of
+        ``after`` has (the KV it reads is written then): the WRITE is held until it is known too
+        (docs/INTEGRITY.md). Returns what to wait for: the sum's completion, or nothing (no seal, or
+        one started already). A CUDA pool's KV ordered by a ``threading.Event`` not set yet cannot
+        be summed ahead: its seal is taken as the WRITE starts, on the starting thread."""
+        seal = seal_of(made[1])
+        if seal is None or seal.sum is not None:
+            return []
+        try:
+            return [seal.start(after=after).done]
+        except ValueError:
+            self.counters["seals_at_start"] += 1
+            return []
 
     def on_reached(self, job: WriteJob) -> None:
         """On the loop, from the completion waiter: a wait of the held ``job`` completed.
@@ -152,7 +168,7 @@ class HeldJobs(WorkerCore):
                 return
             log.warning("worker %d: room %d: %s", self.index, job.room, refusal)
             self._failed_starts.append((job, str(refusal)))
-        elif held is not None and held_ready(job) and held.take():
+        elif held is not None and held_ready(job) and seal_ready(held.made) and held.take():
             self.unhold(job)
             self.me.trace.mark(job.room, "started")
             try:
@@ -172,7 +188,7 @@ class HeldJobs(WorkerCore):
         """On the completion waiter's thread, as a wait of held ``job`` completes: if every wait has,
         start its made WRITE now (:meth:`claim_and_start`); the loop adopts it in :meth:`on_reached`."""
         self.me.trace.mark(job.room, "woken")  # back from the wait, the GIL held again
-        if held_ready(job):
+        if held_ready(job) and seal_ready(held.made):
             # the group that closes its chunk is small: its bytes land within a fraction of a
             # millisecond, and the decode hears of them sooner if this thread looks until they have
             # (``early_drive``). Earlier groups are left to the poller: their notifications are not
@@ -227,6 +243,11 @@ class HeldJobs(WorkerCore):
         self.poller.adopt(*held.made, reply_to, token, relaxed=relaxed)
         return None
 
+    def _sealed(self, job: WriteJob) -> bool:
+        """Whether held ``job``'s WRITE (if one was made) has its checksum known, or none to take."""
+        held = self._prepared.get(id(job))
+        return held is None or seal_ready(held.made)
+
     def claim_held(self, job: WriteJob) -> bool:
         """Claim held ``job``'s made WRITE for the loop (True for a job with none made)."""
         held = self._prepared.get(id(job))
@@ -236,7 +257,7 @@ class HeldJobs(WorkerCore):
         """Claim every held job whose KV is written, in arrival order, with the WRITE made for it (None
         for a staged job). A job whose WRITE the waiter's thread claimed is left to its callback
         (:meth:`on_reached`)."""
-        done = [held_ready(job) and self.claim_held(job) for job in self._unready]
+        done = [held_ready(job) and self._sealed(job) and self.claim_held(job) for job in self._unready]
         ready = [job for job, ok in zip(self._unready, done, strict=True) if ok]
         if not ready:
             return []

@@ -18,6 +18,7 @@ import functools
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +42,22 @@ from transfer_engine.runtime.completion import recorded
 from transfer_engine.runtime.mail import WriteEnded, WriteJob
 from transfer_engine.transport.interface import WriteSpec
 
+from .core import seal_of
 from .direct import DirectPath
 from .held import Held, Start, is_ready
 from .plan import chunk_notification, staged_slots
 
 log = logging.getLogger(__name__)
+
+
+def _then(first: Callable[[], object], second: Callable[[], object]) -> Callable[[], None]:
+    """One call that makes ``first()`` then ``second()`` (a CPU gather, then its seal's checksum)."""
+
+    def both() -> None:
+        first()
+        second()
+
+    return both
 
 
 @dataclass(eq=False)
@@ -333,18 +345,23 @@ class StagedPath(DirectPath):
         )
         leases = self._buffers[staged.host][1]
         spec = self.sealed(job, self._staged_spec(staged, memory, offset))
+        seal = seal_of(spec)
         made: int | TransferError | None = None
         gathered = None
         try:
             # The WRITE is made (checked, lists prepared) while the gather runs: only its start
             # waits for the gathered bytes (docs/DECISIONS.md, "A staged WRITE is made while its gather runs").
+            # Integrity: the seal's checksum is taken right behind the gather, by whoever runs it (the
+            # gather's stream, or the gather's thread), so the WRITE's start waits for nothing more.
             if self.stream is None:
                 made = self._make(spec)
-                await run_cpu_copy(gather, staged.nbytes)
+                await run_cpu_copy(gather if seal is None else _then(gather, seal.take_now), staged.nbytes)
             else:
                 if job.ready is not None:
                     self.stream.wait_event(job.ready)  # the gather reads KV the caller's stream wrote
                 gather()
+                if seal is not None:
+                    seal.start(stream=self.stream)
                 made = self._make(spec)
                 gathered = recorded(self.stream)
         except Exception as exc:  # a kernel error fails the room, never the worker

@@ -1,0 +1,146 @@
+"""When integrity's checksums are known (docs/INTEGRITY.md, "Where it is taken and compared"): the
+decode takes its sum off the loop and counts a chunk only once it matched; the prefill starts a
+WRITE only once the checksum its notification carries is known.
+
+The sums here are the real ones over real pages, on both sides, moved over real NIXL; a gate
+around ``PoolChecksums.enqueue`` holds a sum back (as a slow GPU or a loaded core would) to make
+the order visible: a room whose last check is out has not succeeded; a WRITE whose seal never
+comes never starts, and its room fails at its deadline, not hangs. Nothing leaks.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.chaos.helpers import engines
+from transfer_engine.errors import FailureReason, TransferFailed
+from transfer_engine.memory.integrity import PoolChecksums, Sum
+from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.testing import patterns
+
+from .harness import shuffled_pages
+from .test_inspection import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@contextmanager
+def gated(checksums: PoolChecksums) -> Iterator[tuple[threading.Event, list[Sum]]]:
+    """Hold every sum ``checksums`` starts until the gate is set: its value is read only then (the
+    sum itself is the real one). Yields the gate and the sums started."""
+    gate = threading.Event()
+    started: list[Sum] = []
+    real = checksums.enqueue
+
+    def enqueue(*args: Any, **kwargs: Any) -> Sum:
+        inner = real(*args, **kwargs)
+        done = threading.Event()
+
+        def release() -> None:
+            gate.wait()
+            inner.value()
+            done.set()
+
+        threading.Thread(target=release, daemon=True).start()
+        held = Sum(done, inner.value)
+        started.append(held)
+        return held
+
+    checksums.enqueue = enqueue  # type: ignore[method-assign]
+    try:
+        yield gate, started
+    finally:
+        gate.set()
+        checksums.enqueue = real  # type: ignore[method-assign]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunks", "layers"])
+@pytest.mark.parametrize("path", ["direct", "staged"])
+async def test_a_room_succeeds_only_after_its_last_check(path: str, layerwise: bool) -> None:
+    """Every chunk (or group) of the room landed and only the decode's checks are out: the room
+    has not succeeded; once they come back it does, byte-exact."""
+    rng = random.Random(81)
+    async with engines(1, 1, path=path, layers_per_write=2, integrity=True) as c:
+        decode = c.decode[0]
+        checksums = decode.checksums
+        assert checksums is not None
+        pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
+        patterns.fill(c.prefill[0].pool, 81, pages)
+        with gated(checksums) as (gate, started):
+            receiver = await decode.receiver(81, c.bootstrap, dst)
+            sender = c.prefill[0].sender(81)
+            if layerwise:
+                await sender.begin_chunk(pages, last=True)
+                for layer in range(c.prefill[0].pool.layout.num_layers):
+                    await sender.layers_ready(layer, layer + 1)
+            else:
+                await sender.send(pages, last=True)
+            await sender.wait()  # every WRITE of the room ended: its bytes are in the decode's memory
+            await wait_for(lambda: checksums.pending > 0, "a check out")
+            await anyio.sleep(0.2)  # time to succeed, were the checks not awaited
+            assert receiver.status is not RoomStatus.SUCCESS
+            assert not receiver.status.final
+            assert decode.counters["integrity_match"] == 0
+        with anyio.fail_after(10):
+            await receiver.wait()
+        assert checksums.pending == 0 and started
+        assert decode.counters["integrity_match"] == decode.poller.counters["notifs"]
+        tokens = patterns.received_tokens(
+            4, c.prefill[0].pool.layout.page_size, 4, decode.pool.layout.page_size
+        )
+        assert patterns.mismatches(decode.pool, 81, dst, tokens) == 0
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunks", "layers"])
+async def test_a_seal_that_never_comes_fails_the_room_at_its_deadline(layerwise: bool) -> None:
+    """The prefill's checksum of a chunk (or of a layer group, summed once its layers are written)
+    never completes: its WRITE never starts (no byte moves unsealed) and the room fails at its
+    deadline on both sides instead of hanging; the held WRITE is dropped, nothing leaks, and the
+    next room (sums flowing again) succeeds. (Direct path: a staged chunk's seal is summed behind
+    its gather, by the gather's stream or thread, and is known when the gather is.)"""
+    rng = random.Random(82)
+    async with engines(
+        1, 1, path="direct", layers_per_write=2, integrity=True, transfer_timeout=1.0, room_lease=1.0
+    ) as c:
+        prefill = c.prefill[0]
+        checksums = prefill.checksums
+        assert checksums is not None
+        pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
+        patterns.fill(prefill.pool, 82, pages)
+        with gated(checksums) as (gate, started):
+            receiver = await c.decode[0].receiver(82, c.bootstrap, dst)
+            sender = prefill.sender(82)
+            if layerwise:
+                await sender.begin_chunk(pages, last=True)
+                for layer in range(prefill.pool.layout.num_layers):
+                    await sender.layers_ready(layer, layer + 1)
+            else:
+                await sender.send(pages, last=True)
+            with anyio.fail_after(15), pytest.raises(TransferFailed) as failed:
+                await receiver.wait()
+            assert failed.value.reason in (FailureReason.TRANSFER_TIMEOUT, FailureReason.REMOTE), failed.value
+            with anyio.fail_after(15), pytest.raises(TransferFailed):
+                await sender.wait()
+            assert started and not started[0].done.is_set()  # ended with its seal still out
+            assert prefill.poller.counters["writes_posted"] == 0
+            assert c.decode[0].poller.counters["notifs"] == 0
+        c.assert_no_leaks()
+        pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
+        patterns.fill(prefill.pool, 83, pages)
+        receiver = await c.decode[0].receiver(83, c.bootstrap, dst)
+        sender = prefill.sender(83)
+        await sender.send(pages, last=True)
+        with anyio.fail_after(10):
+            await receiver.wait()
+            await sender.wait()
+        c.assert_no_leaks()
