@@ -19,13 +19,12 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.chaos.helpers import engines
 from transfer_engine.errors import FailureReason, TransferFailed
 from transfer_engine.memory.integrity import PoolChecksums, Sum
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.testing import patterns
 
-from .harness import shuffled_pages
+from .harness import cluster, shuffled_pages, small_layout
 from .test_inspection import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,7 +67,7 @@ async def test_a_room_succeeds_only_after_its_last_check(path: str, layerwise: b
     """Every chunk (or group) of the room landed and only the decode's checks are out: the room
     has not succeeded; once they come back it does, byte-exact."""
     rng = random.Random(81)
-    async with engines(1, 1, path=path, layers_per_write=2, integrity=True) as c:
+    async with cluster(small_layout(), 1, 1, path=path, layers_per_write=2, integrity=True) as c:
         decode = c.decode[0]
         checksums = decode.checksums
         assert checksums is not None
@@ -109,8 +108,15 @@ async def test_a_seal_that_never_comes_fails_the_room_at_its_deadline(layerwise:
     next room (sums flowing again) succeeds. (Direct path: a staged chunk's seal is summed behind
     its gather, by the gather's stream or thread, and is known when the gather is.)"""
     rng = random.Random(82)
-    async with engines(
-        1, 1, path="direct", layers_per_write=2, integrity=True, transfer_timeout=1.0, room_lease=1.0
+    async with cluster(
+        small_layout(),
+        1,
+        1,
+        path="direct",
+        layers_per_write=2,
+        integrity=True,
+        transfer_timeout=1.0,
+        room_lease=1.0,
     ) as c:
         prefill = c.prefill[0]
         checksums = prefill.checksums

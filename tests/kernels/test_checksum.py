@@ -9,7 +9,10 @@ Triton kernels under the interpreter and the torch reference on CPU, compiled wi
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +28,8 @@ from transfer_engine.kernels.checksum import (
     checksum_numpy,
     checksum_value,
 )
+from transfer_engine.memory.integrity import PoolChecksums
+from transfer_engine.memory.layout import KVLayout, KVPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -256,3 +261,119 @@ def test_a_landed_flip_is_seen_over_the_pages() -> None:
 def test_bad_input_is_named(make: object, message: str) -> None:
     with pytest.raises(KernelInputError, match=message):
         make()  # type: ignore[operator]
+
+
+# --- the pool's sums, started without waiting for them (memory/integrity.py) -------------------------
+
+POOL_DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def pool_checksums(device: str, seed: int) -> tuple[PoolChecksums, np.ndarray]:
+    """A small random pool's checksums, and 13 shuffled token slots of it."""
+    layout = KVLayout(num_layers=3, num_heads=4, head_dim=16, dtype=torch.bfloat16, page_size=4)
+    pool = KVPool.allocate(layout, 1, 0, 8, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    for tensor in pool.kv_views:
+        tensor.view(torch.int16).copy_(torch.randint(-(1 << 15), 1 << 15, tensor.shape, generator=gen))
+    slots = np.array(random.Random(seed).sample(range(32), 13), dtype=np.int64)
+    return PoolChecksums(pool), slots
+
+
+def written(pool: KVPool, value: int) -> None:
+    for tensor in pool.kv_views:
+        tensor.view(torch.int16).fill_(value)
+
+
+@pytest.mark.parametrize("device", POOL_DEVICES)
+@pytest.mark.parametrize("layers", [None, (1, 3)], ids=["all", "group"])
+def test_a_started_sum_is_the_one_taken_at_once(device: str, layers: tuple[int, int] | None) -> None:
+    checksums, slots = pool_checksums(device, 5)
+    try:
+        started = checksums.enqueue(slots, 1, 2, layers)
+        assert started.value() == checksums.chunk(slots, 1, 2, layers) != 0
+        assert started.done.query() if isinstance(started.done, torch.cuda.Event) else started.done.is_set()
+    finally:
+        checksums.close()
+
+
+@pytest.mark.parametrize("device", POOL_DEVICES)
+def test_a_started_sum_waits_for_the_bytes_to_be_written(device: str) -> None:
+    """``after``: the sum reads the bytes only once they are written (a CUDA event the checksum stream
+    waits for, behind a long kernel on another stream; a threading.Event the checksum thread waits
+    for, set by the thread that writes them)."""
+    checksums, slots = pool_checksums(device, 6)
+    pool = checksums.pool
+    try:
+        if device == "cuda":
+            writer = torch.cuda.Stream(pool.device)
+            with torch.cuda.stream(writer):
+                torch.cuda._sleep(200_000_000)  # about 0.1 s: long after the sum is enqueued
+                written(pool, 7)
+            done = torch.cuda.Event()
+            done.record(writer)
+            started = checksums.enqueue(slots, 0, 4, None, after=[done])
+        else:
+            ready = threading.Event()
+            started = checksums.enqueue(slots, 0, 4, None, after=[ready])
+            time.sleep(0.05)
+            assert not started.done.is_set()  # waiting for the bytes
+            written(pool, 7)
+            ready.set()
+        value = started.value()
+        assert value == checksums.chunk(slots, 0, 4, None)
+        assert value == checksum_numpy(torch.full((2 * 3 * 13 * 4 * 16,), 7, dtype=torch.int16).numpy())
+    finally:
+        checksums.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_sum_cannot_wait_for_a_threading_event_not_set() -> None:
+    checksums, slots = pool_checksums("cuda", 7)
+    try:
+        with pytest.raises(ValueError, match="threading.Event"):
+            checksums.enqueue(slots, 0, 4, None, after=[threading.Event()])
+    finally:
+        checksums.close()
+
+
+@pytest.mark.parametrize("device", POOL_DEVICES)
+def test_a_submitted_sum_is_answered_on_the_loop(device: str) -> None:
+    """``submit`` (the decode's check): the callback runs on the loop's thread with the value, and
+    nothing is counted pending after it; a sum that cannot be taken answers None and why."""
+    checksums, slots = pool_checksums(device, 8)
+    answers: list[tuple[int | None, str, int]] = []
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        def then(value: int | None, why: str) -> None:
+            answers.append((value, why, threading.get_ident()))
+            if len(answers) == 2:
+                done.set()
+
+        checksums.submit(slots, 0, 4, (0, 1), then)
+        checksums.submit(np.array([99], dtype=np.int64), 0, 4, None, then)  # slot 99: outside the pool
+        assert checksums.pending == 2
+        await asyncio.wait_for(done.wait(), 30)
+
+    try:
+        asyncio.run(main())
+    finally:
+        checksums.close()
+    assert checksums.pending == 0
+    (value, why, thread), (bad, bad_why, _) = answers
+    assert value == checksums.chunk(slots, 0, 4, (0, 1)) and why == "" and thread == threading.get_ident()
+    assert bad is None and "99" in bad_why
+
+
+def test_closed_checksums_end_a_sum_still_waiting_for_its_bytes() -> None:
+    """The engine ended with a sum waiting for KV that was never written (its room was cancelled):
+    the checksum thread stops waiting, the sum fails, and no new one starts."""
+    checksums, slots = pool_checksums("cpu", 9)
+    started = checksums.enqueue(slots, 0, 4, None, after=[threading.Event()])
+    checksums.close()
+    assert started.done.wait(5)
+    with pytest.raises(RuntimeError, match="closed"):
+        started.value()
+    with pytest.raises(RuntimeError, match="closed"):
+        checksums.enqueue(slots, 0, 4, None)
