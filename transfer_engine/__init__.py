@@ -32,6 +32,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.memory.layout import KVLayout, KVPool, views_vllm_cpu
 from transfer_engine.memory.views import AuxBuffers, pool_from_pointers
+from transfer_engine.protocol.cost import DEFAULT_PRIOR_RATE, choose
 from transfer_engine.protocol.room_ids import room_id
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.transport.security import Curve
@@ -43,6 +44,7 @@ from transfer_engine.integrations.vllm.layouts import pool_from_vllm
 
 __all__ = [
     "__version__",
+    "DEFAULT_PRIOR_RATE",
     "AuxBuffers",
     "ConfigError",
     "Curve",
@@ -64,6 +66,7 @@ __all__ = [
     "TransferError",
     "TransferFailed",
     "TransferTimeout",
+    "choose",
     "pool_from_pointers",
     "pool_from_vllm",
     "room_id",
