@@ -58,6 +58,7 @@ from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
 from transfer_engine.errors import PeerUnreachableError
 from transfer_engine.memory.layout import KVLayout, KVPool
+from transfer_engine.protocol.layers import ChunkCut
 from transfer_engine.testing import pagetables, patterns
 from transfer_engine.testing.cluster import free_port
 
@@ -318,6 +319,7 @@ async def _prefill(
         if args.gc_freeze:
             gc.freeze()
         pauses = GcPauses().start()
+        round_writes: list[int] = []  # WRITEs this rank posted in each round (--ab cut: groups or chunks)
         for rnd in range(args.rounds):
             # Each round: the raw ceiling, then the engine's rooms, so both see the same machine.
             # Every rank waits at both barriers: no rank's rooms run while the ceiling is taken.
@@ -329,7 +331,9 @@ async def _prefill(
                 conn.send(room_bytes * args.raw_reps / (time.perf_counter() - t0) / 1e9)
             await anyio.to_thread.run_sync(barrier.wait)
             _ab(args, engine, rnd)
+            before = engine.poller.counters["writes_posted"]
             await rooms(_round_rooms(args, rnd))
+            round_writes.append(engine.poller.counters["writes_posted"] - before)
         lat_page = _room_pages(args, 0, "prefill")[:1]
         rooms_posted = engine.poller.counters["descriptors_posted"]  # the warm-up's and the rounds'
         for i in range(args.lat_rooms):
@@ -352,6 +356,7 @@ async def _prefill(
                     engine.me.trace.take(),
                     post_ns,
                     pauses.summary(),
+                    round_writes,
                 )  # fmt: skip
             )
             await anyio.to_thread.run_sync(conn.recv)
@@ -434,6 +439,7 @@ async def _decode(
         engine_s = 0.0
         raw_rounds: list[float] = []
         ratios: list[float] = []
+        round_lat: list[list[float]] = []  # the latencies of each round's rooms
         for rnd in range(args.rounds):
             ids = _round_rooms(args, rnd)
             _ab(args, engine, rnd)
@@ -443,7 +449,9 @@ async def _decode(
                 raw_gbps = conn.recv()
                 raw_rounds.append(raw_gbps)
             await anyio.to_thread.run_sync(barrier.wait)
+            first = len(room_lat)
             elapsed = await rooms(ids)
+            round_lat.append(room_lat[first:])
             engine_s += elapsed
             if raw_rounds:
                 ratios.append(room_bytes * len(ids) / elapsed / 1e9 / raw_rounds[-1])
@@ -489,11 +497,21 @@ async def _decode(
                         "ratio": round(statistics.median(ratios[k::2]), 3) if ratios[k::2] else None,
                         "added_ms": round(statistics.median(added[k::2]) * 1e3, 3) if added[k::2] else None,
                         "small_p50_ms": round(statistics.median(lat[k::2]) * 1e3, 3) if lat[k::2] else None,
+                        "room_p50_ms": _half_p50(round_lat[k::2]),
+                        "rounds": [round(r, 3) for r in ratios[k::2]],
                     }
                     for k, half in ((0, "on"), (1, "off"))
                 }
             pauses.stop()
-            posted, prefill_marks, post_ns, prefill_gc = await anyio.to_thread.run_sync(conn.recv)
+            posted, prefill_marks, post_ns, prefill_gc, round_writes = await anyio.to_thread.run_sync(
+                conn.recv
+            )
+            if "ab" in result:  # WRITEs prefill rank 0 posted per room of each half (a cut room posts more)
+                for k, half in ((0, "on"), (1, "off")):
+                    rooms_of = sum(len(_round_rooms(args, r)) for r in range(k, args.rounds, 2))
+                    result["ab"][half]["writes_per_room"] = (
+                        round(sum(round_writes[k::2]) / rooms_of, 1) if rooms_of else None
+                    )
             result["gc"] = {"prefill": prefill_gc, "decode": pauses.summary()}
             result["post_us"] = {
                 k: round(v / 1e3 / max(post_ns.get("writes", 1), 1), 1)
@@ -519,6 +537,12 @@ async def _decode(
         out.put(result)
 
 
+def _half_p50(rounds: list[list[float]]) -> float | None:
+    """Median room latency (ms) over the rooms of ``rounds``; None when they hold none."""
+    values = [v for lat in rounds for v in lat]
+    return round(statistics.median(values) * 1e3, 2) if values else None
+
+
 def _ab(args: argparse.Namespace, engine: TransferEngine, index: int) -> None:
     """``--ab``: what the rooms opened next run with, on iff ``index`` is even (flipped between rounds
     and between small-room samples, on both sides: both halves run in the same processes).
@@ -526,6 +550,9 @@ def _ab(args: argparse.Namespace, engine: TransferEngine, index: int) -> None:
     ``grant``: the decode ring grants chunk 0's region with the request (``EngineConfig.
     grant_with_request``). ``integrity``: the prefill's workers seal chunks with their checksums and
     the decode's rooms verify them (``EngineConfig.integrity``: off, no checksum is taken or compared).
+    ``cut``: the prefill rooms write whole chunks as layer groups as the config says
+    (``TE_STAGED_PIPELINE_LAYERS``, ``TE_HOST_PIPELINE_LAYERS``, ``TE_PIPELINE_MIN_BYTES``), against every
+    chunk whole (docs/DECISIONS.md, "Staged-path chunks cut by the prefill room").
     """
     on = index % 2 == 0
     if args.ab == "grant" and engine.ring is not None:
@@ -536,6 +563,10 @@ def _ab(args: argparse.Namespace, engine: TransferEngine, index: int) -> None:
             worker.checksums = checksums
         if engine.room_ports is not None:
             engine.room_ports.checksums = checksums
+    if args.ab == "cut" and engine.room_ports is not None:
+        cfg = engine.config
+        configured = {"host": cfg.host_pipeline_layers, "staged": cfg.staged_pipeline_layers}
+        engine.room_ports.chunk_cut = ChunkCut(configured if on else {}, cfg.pipeline_min_bytes)
 
 
 def _peer_copy_gbps(args: argparse.Namespace, nbytes: int) -> float | None:
@@ -614,10 +645,11 @@ def main() -> int:
     parser.add_argument(
         "--ab",
         default="none",
-        choices=["none", "grant", "integrity"],
+        choices=["none", "grant", "integrity", "cut"],
         help="even rounds and small-room samples with this on, odd ones with it off; prints both halves "
         "(use an even --rounds). grant: chunk 0's ring region granted with the request (staged paths); "
-        "integrity: chunks checksummed and verified (docs/INTEGRITY.md)",
+        "integrity: chunks checksummed and verified (docs/INTEGRITY.md); cut: whole chunks written as layer "
+        "groups as TE_STAGED_PIPELINE_LAYERS / TE_HOST_PIPELINE_LAYERS say, against whole",
     )
     args = parser.parse_args()
     if args.warmup < 0:
@@ -700,7 +732,8 @@ def main() -> int:
     if "ab" in r:
         for half, got in r["ab"].items():
             print(
-                f"  --ab {args.ab} {half:3s}: ratio {got['ratio']} (median of its rounds), small room "
+                f"  --ab {args.ab} {half:3s}: ratio {got['ratio']} (median of its rounds {got['rounds']}), room "
+                f"p50 {got['room_p50_ms']} ms, WRITEs/room {got['writes_per_room']}, small room "
                 f"p50 {got['small_p50_ms']} ms, added {got['added_ms']} ms (median of its pairs)"
             )
     if args.trace:

@@ -8,6 +8,7 @@
 #   tools/gpu_e2e.sh host-threads   # the host path with and without NIXL's posting threads (< 8 min)
 #   tools/gpu_e2e.sh goals          # the docs/PERF.md goals on TWO GPUs: the last group's steps, then the c1/c8 table (< 8 min)
 #   tools/gpu_e2e.sh pagetables     # TWO GPUs: the goal table's rows over realistic/scattered/contiguous page tables (< 8 min)
+#   tools/gpu_e2e.sh pipeline       # TWO GPUs: staged chunks cut in 8/16/32-layer groups, A/B against whole, c1 and c8 (< 5 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -147,6 +148,63 @@ EOF
   row auto-scattered-c8 0 --path auto --page-table scattered $C8
   row auto-scattered-c1 0 --path auto --page-table scattered $C1
   echo "pagetables: $((SECONDS - start)) s"
+  exit 0
+fi
+if [ "$phase" = pipeline ]; then  # the staged path pipelined inside a room: TWO GPUs, one call (< 5 min)
+  # Qwen3-32B-shaped 1.07 GB rooms (one chunk each) over a realistic page table on the staged path,
+  # prefill on GPU 0 and decode on GPU 1. For 1 and 8 rooms in flight and each group size in PL_GROUPS
+  # (of 64 layers), one bench_transfer run with --ab cut: its even rounds write each chunk as groups of
+  # that many layers (TE_STAGED_PIPELINE_LAYERS), its odd rounds whole, in the same processes, each
+  # round against the raw NIXL ceiling taken just before it. One markdown row per run in
+  # $OUT/pipeline.md, every run's JSON in $OUT/pipeline.jsonl, every log as $OUT/pl-*.log.
+  # (PL_ARGS, PL_GROUPS and TE_PIPELINE_MIN_BYTES replace the sizes and device, the group sizes and the
+  # bar: a dry run on CPU with small rooms. The default of staged_pipeline_layers is set from the
+  # cut / whole column: transfer_engine/config.py; docs/DECISIONS.md, "Staged-path chunks cut by the
+  # prefill room".)
+  QWEN=${PL_ARGS:-"--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"}
+  QWEN="$QWEN --json --path staged --page-table realistic --ab cut"
+  export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
+  start=$SECONDS
+  budget=${BUDGET:-200}
+  : >"$OUT/pipeline.md"
+  echo "| staged, groups of | in flight | page table | cut: engine / raw (rounds) | whole: engine / raw (rounds) | cut / whole | room p50 ms cut / whole | WRITEs/room cut / whole | raw GB/s | mismatches |" \
+    | tee -a "$OUT/pipeline.md"
+  echo "|---|---|---|---|---|---|---|---|---|---|" | tee -a "$OUT/pipeline.md"
+  for conc in 1 8; do
+    if [ "$conc" = 1 ]; then
+      runs="--concurrency 1 --rooms 8 --rounds 4 --lat-rooms 4"
+    else
+      runs="--concurrency 8 --rooms 32 --rounds 4 --lat-rooms 4"
+    fi
+    for g in ${PL_GROUPS:-8 16 32}; do
+      name=g$g-c$conc
+      if [ $((SECONDS - start)) -gt "$budget" ]; then
+        echo "| $g | $conc | skipped: the phase's $budget s were spent |" | tee -a "$OUT/pipeline.md"
+        continue
+      fi
+      TE_STAGED_PIPELINE_LAYERS=$g timeout 75 python3 tools/bench_transfer.py $QWEN $runs >"$OUT/pl-$name.log" 2>&1
+      rc=$?
+      grep -o '{"room_bytes".*' "$OUT/pl-$name.log" >>"$OUT/pipeline.jsonl"
+      python3 - "$g" "$conc" "$rc" "$OUT/pl-$name.log" <<'EOF' | tee -a "$OUT/pipeline.md"
+import json, sys
+g, conc, rc, log = sys.argv[1:]
+lines = [line[line.index('{"room_bytes"'):] for line in open(log) if '{"room_bytes"' in line]
+if not lines:
+    tail = [line.strip() for line in open(log) if "NIXL INFO" not in line][-3:]
+    print(f"| {g} | {conc} | failed, rc {rc}: {' / '.join(tail)} |")
+    sys.exit(0)
+r = json.loads(lines[-1])
+on, off = r["ab"]["on"], r["ab"]["off"]
+gain = f"{on['ratio'] / off['ratio']:.2f}" if on["ratio"] and off["ratio"] else "-"
+print(
+    f"| {g} | {r['concurrency']} | {r['page_table']} | {on['ratio']} ({', '.join(map(str, on['rounds']))}) "
+    f"| {off['ratio']} ({', '.join(map(str, off['rounds']))}) | {gain} | {on['room_p50_ms']} / {off['room_p50_ms']} "
+    f"| {on['writes_per_room']} / {off['writes_per_room']} | {r['raw_gbps']:.1f} | {r['mismatches']} |"
+)
+EOF
+    done
+  done
+  echo "pipeline: $((SECONDS - start)) s"
   exit 0
 fi
 if [ "$phase" = goals ]; then  # the docs/PERF.md goals, for a machine with two GPUs (prefill on 0, decode on 1)
