@@ -30,8 +30,9 @@ from .test_matrix import _matrix
 pytestmark = pytest.mark.timeout(60)
 
 CUT: dict[str, Any] = {"path": "staged", "staged_pipeline_layers": 1, "pipeline_min_bytes": 0}
-ROOM_CUT: dict[str, Any] = {k: v for k, v in CUT.items() if k != "path"}
 """Every whole chunk to a staged decode rank goes as one group per layer."""
+ROOM_CUT: dict[str, Any] = {k: v for k, v in CUT.items() if k != "path"}
+""":data:`CUT` without the path (for helpers that take it apart)."""
 
 
 def _tensor_bytes(pages: int, heads: int = 8) -> int:
