@@ -111,6 +111,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from transfer_engine import EngineConfig
 __all__ = [
     "CONNECTOR_DEFAULTS",
     "Plan",
@@ -257,8 +259,14 @@ class TransferEngineConnector(KVConnectorBase_V1):
             head_size=None if model.use_mla else model.get_head_size(),
             num_kv_heads=model.get_total_num_kv_heads(),
             cpus=self.engine_cpus,
+            transport=self.make_transport(config),
         )
         self._core.start()
+
+    def make_transport(self, config: EngineConfig) -> Any:
+        """This rank's engine transport: None, the engine makes its own NIXL agent. A test's subclass
+        returns a fault-injecting wrapper around a real one named ``config.agent_name``."""
+        return None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before the step's forward: open the layer-wise rooms of the requests it completes."""

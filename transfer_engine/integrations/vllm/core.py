@@ -73,6 +73,8 @@ class ConnectorCore:
     requests live at once on this rank (each holds an aux slot; default ``config.max_rooms``).
     ``cpus``: the CPUs the engine's threads may run on (None: the caller's; vLLM's CPU worker pins its
     thread to one core before it registers the caches, and threads inherit their creator's mask).
+    ``transport``: the engine's NIXL transport (None: the engine makes its own; tests pass a
+    fault-injecting wrapper around a real one, whose agent is named ``config.agent_name``).
     Raises LayoutError/ConfigError naming a bad value; nothing is started then.
     """
 
@@ -87,6 +89,7 @@ class ConnectorCore:
         num_kv_heads: int | None = None,
         max_requests: int | None = None,
         cpus: frozenset[int] | None = None,
+        transport: Any = None,
     ) -> None:
         if max_requests is None:
             max_requests = config.max_rooms
@@ -115,6 +118,7 @@ class ConnectorCore:
         """Bytes of one pool page, every layer."""
         self._cuda = self.pool.device.type == "cuda"
         self._cpus = cpus
+        self._transport = transport
         self._loop = LoopThread(f"te-vllm-{config.role}-{config.tp_rank}")
         self._engine: TransferEngine | None = None
         self._stop: anyio.Event | None = None
@@ -175,7 +179,7 @@ class ConnectorCore:
         if self._cuda:  # the loop thread's CUDA calls (events, streams) are on the caches' device
             torch.cuda.set_device(self.pool.device)
         try:
-            async with TransferEngine(self.config, self.pool) as engine:
+            async with TransferEngine(self.config, self.pool, transport=self._transport) as engine:
                 self._engine = engine
                 log.info(
                     "transfer engine %s rank %d: transfer-engine dump --endpoint %s",

@@ -125,7 +125,11 @@ def readings_of(text: str) -> dict[str, PeerReading]:
     instance it never had a room with is absent. ValueError for text that is not Prometheus'."""
     backlog: dict[str, float] = {}
     rate: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, IndexError, KeyError, TypeError) as exc:  # the parser's errors, as one
+        raise ValueError(f"not Prometheus text ({type(exc).__name__}: {exc}): {text[:80]!r}") from None
+    for family in families:
         for sample in family.samples:
             into = {BACKLOG: backlog, RATE: rate}.get(sample.name)
             if into is not None and "instance" in sample.labels:
