@@ -40,7 +40,7 @@ from sglang.srt.disaggregation.decode import SchedulerDisaggregationDecodeMixin 
 from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin  # noqa: E402
 
 PAGE = 4
-"""Tokens per page, on both sides (``--page-size``)."""
+"""Tokens per page (``--page-size``), the prefill's always; a decode's may be larger (:attr:`Plan.page_size`)."""
 LAYERS = 3
 HEADS = 4
 HEAD_DIM = 16
@@ -115,6 +115,13 @@ class Plan:
     die_in_room: int = 0
     """Prefill: the process kills itself (SIGKILL) once this room is bootstrapped, before its forward."""
     timeout_s: float = 60.0
+    page_size: int = PAGE
+    """This side's ``--page-size``."""
+    chunk_tokens: int = 0
+    """Prefill: chunked prefill, one chunk of this many tokens per scheduler step, each sent as SGLang's
+    non-overlap scheduler sends it (a middle chunk by ``process_prefill_chunk``, the last after its
+    forward); 0: the whole prompt in one forward and one send. A room in :attr:`abort_rooms` is
+    aborted after its first chunk, mid-room, as SGLang aborts a request it is still chunking."""
 
 
 def token_bytes(room: int, num_tokens: int, buffers: int, heads: int, head_bytes: int) -> torch.Tensor:
@@ -137,7 +144,7 @@ def _server_args(plan: Plan) -> Any:
 
     return prepare_server_args(
         ["--model-path", plan.model, "--skip-tokenizer-init", "--device", "cpu", "--tp-size", str(plan.tp_size),
-         "--page-size", str(PAGE), "--disaggregation-mode", plan.role,
+         "--page-size", str(plan.page_size), "--disaggregation-mode", plan.role,
          "--disaggregation-transfer-backend", "transfer_engine",
          "--disaggregation-bootstrap-port", str(plan.bootstrap_port)]
     )  # fmt: skip
@@ -183,17 +190,19 @@ def _pools(plan: Plan) -> tuple[Any, Any, Any, Any]:
         )
     if plan.mla:
         kv: Any = MLATokenToKVPool(
-            tokens, PAGE, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=LAYERS,
+            tokens, plan.page_size, torch.bfloat16, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=LAYERS,
             device="cpu", enable_memory_saver=False,
         )  # fmt: skip
     else:
         kv = MHATokenToKVPool(
-            tokens, PAGE, torch.bfloat16, head_num=HEADS // plan.tp_size, head_dim=HEAD_DIM,
+            tokens, plan.page_size, torch.bfloat16, head_num=HEADS // plan.tp_size, head_dim=HEAD_DIM,
             layer_num=LAYERS, device="cpu", enable_memory_saver=False, enable_alt_stream=False,
         )  # fmt: skip
-    allocator = PagedTokenToKVPoolAllocator(tokens, PAGE, torch.bfloat16, "cpu", kv, need_sort=False)
+    allocator = PagedTokenToKVPoolAllocator(
+        tokens, plan.page_size, torch.bfloat16, "cpu", kv, need_sort=False
+    )
     cache = RadixCache(CacheInitParams(disable=True, req_to_token_pool=req_to_token,
-                                       token_to_kv_pool_allocator=allocator, page_size=PAGE))  # fmt: skip
+                                       token_to_kv_pool_allocator=allocator, page_size=plan.page_size))  # fmt: skip
     return req_to_token, kv, allocator, cache
 
 
@@ -308,8 +317,8 @@ def _forward(sched: Scheduler, req: Any) -> None:
     """The prefill forward's effect on memory: a row and pages allocated, the request's KV written."""
     n = len(req.origin_input_ids)
     sched.req_to_token_pool.alloc([req])
-    pages = -(-n // PAGE)
-    locs = sched.token_to_kv_pool_allocator.alloc(pages * PAGE)
+    page = sched.plan.page_size
+    locs = sched.token_to_kv_pool_allocator.alloc(-(-n // page) * page)
     assert locs is not None, "prefill pool exhausted"
     sched.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, n)), locs[:n].to(torch.int32))
     req.kv.kv_allocated_len = n
@@ -326,7 +335,18 @@ def _forward(sched: Scheduler, req: Any) -> None:
 def _pages_of(sched: Scheduler, req: Any) -> list[int]:
     n = len(req.origin_input_ids)
     locs = sched.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
-    return sorted({int(x) // PAGE for x in locs})
+    return sorted({int(x) // sched.plan.page_size for x in locs})
+
+
+def _settled_leaks(sched: Scheduler, within_s: float = 10.0) -> dict[str, int]:
+    """What the engine still holds once its rooms ended (a room aborted mid-chunk by this side ends
+    only after the peer's answer; SGLang never polls it again), or after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        leaks = {k: v for k, v in sched.kv_manager.engine.leaks().items() if v}
+        if not leaks or time.monotonic() > deadline:
+            return leaks
+        time.sleep(0.01)
 
 
 class _Waves:
@@ -339,6 +359,8 @@ class _Waves:
         self.done: dict[int, str] = {}
         self.pages: dict[int, list[int]] = {}
         self.bytes_checked = 0
+        self.sent: dict[int, list[int]] = {}
+        """Prefill, chunked: where each send of a room ended (``req.start_send_idx`` after it)."""
         self.deferred = 0
         """The most requests SGLang's decode held at once for deferred release."""
 
@@ -358,12 +380,13 @@ class _Waves:
             "done": self.done,
             "pages": self.pages,
             "bytes_checked": self.bytes_checked,
+            "sent": self.sent,
             "deferred": self.deferred,
             "free_tokens": sched.token_to_kv_pool_allocator.available_size(),
             "pool_tokens": _pool_tokens(self.plan),
             "free_rows": sched.req_to_token_pool.available_size(),
             "free_metadata": sched.req_to_metadata_buffer_idx_allocator.available_size(),
-            "leaks": {k: v for k, v in sched.kv_manager.engine.leaks().items() if v},
+            "leaks": _settled_leaks(sched),
         }
 
     def __str__(self) -> str:
@@ -382,8 +405,9 @@ def _run_prefill(plan: Plan, server_args: Any, group: Any, single: Any) -> dict[
     sched.disagg_prefill_bootstrap_queue = queue
     sched.kv_manager = queue.kv_manager
     waves = _Waves(plan)
+    chunking: list[Any] = []
     deadline = time.monotonic() + plan.timeout_s
-    while waves.next_wave(lambda req: queue.add(req, HEADS)):
+    while waves.next_wave(lambda req: queue.add(req, HEADS)) or chunking:
         if time.monotonic() > deadline:
             raise TimeoutError(f"prefill rank {plan.rank}: {waves}")
         for req in queue.pop_bootstrapped():
@@ -391,11 +415,16 @@ def _run_prefill(plan: Plan, server_args: Any, group: Any, single: Any) -> dict[
                 os.kill(os.getpid(), signal.SIGKILL)
             _forward(sched, req)
             waves.pages[req.bootstrap_room] = _pages_of(sched, req)
+            if plan.chunk_tokens:
+                req.extend_end = 0  # its chunks go out one per step, below
+                chunking.append(req)
+                continue
             sched.checkpoint_disagg_prefill(req)
             sched.disagg_prefill_inflight_queue.append(req)
             sched.send_kv_chunk(req, last_chunk=True)
             if req.bootstrap_room in plan.abort_rooms:
                 req.disagg_kv_sender.abort()
+        chunking = [req for req in chunking if _prefill_chunk(sched, req, waves)]
         for req in sched.process_disagg_prefill_inflight_queue():
             waves.done[req.bootstrap_room] = type(req.finished_reason).__name__
         for req in sched.streamed:
@@ -406,6 +435,43 @@ def _run_prefill(plan: Plan, server_args: Any, group: Any, single: Any) -> dict[
     report = waves.report(sched)
     queue.kv_manager.close()
     return report
+
+
+def _prefill_chunk(sched: Scheduler, req: Any, waves: _Waves) -> bool:
+    """One chunk of a chunked prefill (the KV is written already); whether ``req`` has chunks left.
+
+    A middle chunk is sent as SGLang's non-overlap ``process_prefill_chunk`` sends it (checkpoint,
+    then ``send_kv_chunk(req)``: whole pages up to ``extend_end``), the last as after its forward (on
+    the inflight queue, ``send_kv_chunk(req, last_chunk=True)``). A room the plan aborts is aborted
+    after its first chunk the way ``Scheduler.process_pending_chunked_abort`` aborts a request being
+    chunked (that module does not import on CPU): its pages are freed at once, before the room ended.
+    """
+    from sglang.srt.disaggregation.prefill import maybe_release_metadata_buffer
+    from sglang.srt.disaggregation.utils import prepare_abort
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    n = len(req.origin_input_ids)
+    req.extend_end = min(req.extend_end + sched.plan.chunk_tokens, n)
+    sched.checkpoint_disagg_prefill(req)
+    sent = waves.sent.setdefault(req.bootstrap_room, [])
+    if req.extend_end == n:
+        sched.disagg_prefill_inflight_queue.append(req)
+        sched.send_kv_chunk(req, last_chunk=True)
+        sent.append(req.start_send_idx)
+        return False
+    sched.send_kv_chunk(req)
+    sent.append(req.start_send_idx)
+    if req.bootstrap_room not in sched.plan.abort_rooms:
+        return True
+    prepare_abort(req, "Aborted")
+    sched.clear_pending_chunk_send(req)
+    req.disagg_kv_sender.abort()
+    maybe_release_metadata_buffer(req, sched.req_to_metadata_buffer_idx_allocator)
+    req.pending_bootstrap = False
+    sched._release_aborted_request(req)
+    release_kv_cache(req, sched.tree_cache, checkpoint=False)
+    waves.done[req.bootstrap_room] = type(req.finished_reason).__name__
+    return False
 
 
 def _check_received(sched: Scheduler, req: Any) -> int:

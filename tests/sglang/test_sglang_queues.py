@@ -5,9 +5,10 @@ inflight processing, or its ``DecodePreallocQueue`` and ``DecodeTransferQueue``,
 CPU pools and ``Req`` objects, with ``ServerArgs`` parsed from a command line with SGLang's defaults;
 the bootstrap registry runs here, as beside SGLang's HTTP server. Requests arrive in waves: each
 wave gets the pages the last one freed, and every byte of every request is checked on every decode
-rank. A decode abort, and a prefill process killed mid-room, go through SGLang's deferred release
-(``failure_exception``, ``ensure_abort_notified``, ``bootstrap_infos``, ``is_abort_release_safe``)
-before the pages come back. Nothing leaks: every page, request row and metadata slot is free at
+rank. Prefills are sent whole or chunked (several sends per room, one per scheduler step); decode
+pages may be larger than the prefill's. A decode abort, a prefill abort mid-chunking, and a prefill
+process killed mid-room, go through SGLang's deferred release (``failure_exception``,
+``ensure_abort_notified``, ``bootstrap_infos``, ``is_abort_release_safe``) before the pages come back. Nothing leaks: every page, request row and metadata slot is free at
 the end, and the engines hold nothing.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.sglang.queues import DECODE_POOL_TOKENS, POOL_TOKENS, Plan, run, write_model
+from tests.sglang.queues import DECODE_POOL_TOKENS, PAGE, POOL_TOKENS, Plan, run, write_model
 from transfer_engine.integrations.sglang import KVBootstrapServer
 from transfer_engine.testing.cluster import free_port
 
@@ -48,6 +49,9 @@ def _run_sides(
     decode_aborts: list[int],
     waves: list[list[tuple[int, int]]] = WAVES,
     prefill_dies_in: int = 0,
+    prefill_aborts: tuple[int, ...] = (),
+    chunk_tokens: int = 0,
+    decode_page: int = PAGE,
 ) -> list[Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local config.json; nothing to fetch
     model = write_model(str(tmp_path / "model"), mla)
@@ -57,12 +61,17 @@ def _run_sides(
     results = ctx.Queue()
     procs = []
     try:
-        for role, tp, aborts in (("prefill", prefill_tp, []), ("decode", decode_tp, decode_aborts)):
+        for role, tp, aborts in (
+            ("prefill", prefill_tp, list(prefill_aborts)),
+            ("decode", decode_tp, decode_aborts),
+        ):
             group_port = free_port()
             for rank in range(tp):
                 plan = Plan(role, tp, rank, group_port, port, mla, model, waves, aborts, timeout_s=90)
                 if role == "prefill":
-                    plan.die_in_room = prefill_dies_in
+                    plan.die_in_room, plan.chunk_tokens = prefill_dies_in, chunk_tokens
+                else:
+                    plan.page_size = decode_page
                 proc = ctx.Process(target=run, args=(plan, results), name=f"{role}-{rank}")
                 proc.start()
                 procs.append((plan, proc))
@@ -86,8 +95,15 @@ def _run_sides(
         server.close()
 
 
-def _check(reports: list[Any], decode_tp: int, prefill_tp: int, aborted: list[int]) -> None:
+def _check(
+    reports: list[Any],
+    decode_tp: int,
+    prefill_tp: int,
+    aborted: list[int],
+    prefill_aborted: tuple[int, ...] = (),
+) -> None:
     rooms = [room for wave in WAVES for room, _ in wave]
+    aborted = [*aborted, *prefill_aborted]
     decodes = [r for r in reports if r["pool_tokens"] == DECODE_POOL_TOKENS]
     prefills = [r for r in reports if r["pool_tokens"] == POOL_TOKENS]
     assert len(decodes) == decode_tp and len(prefills) == prefill_tp
@@ -103,6 +119,8 @@ def _check(reports: list[Any], decode_tp: int, prefill_tp: int, aborted: list[in
         for room in rooms:
             if room not in aborted:
                 assert r["done"][room] == "FINISH_LENGTH", (room, r["done"])
+            elif room in prefill_aborted:  # aborted before its last chunk went out: never Success
+                assert r["done"][room] == "FINISH_ABORT", (room, r["done"])
             else:
                 # the decode aborts as soon as the room is in its transfer queue: the prefill's room
                 # fails (ABORT) unless its WRITEs were all done and acknowledged by then (Success)
@@ -145,3 +163,28 @@ def test_a_killed_prefill_fails_the_room_and_its_pages_come_back(tmp_path: Any, 
     assert decode["bytes_checked"] > 0
     assert decode["free_tokens"] == decode["pool_tokens"] and decode["free_rows"] == 32, decode
     assert decode["free_metadata"] == 8 and not decode["leaks"], decode
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "decode_page", "prefill_aborted"),
+    [(2, 2, PAGE, (13,)), (1, 1, 2 * PAGE, ()), (2, 1, 2 * PAGE, (13,))],
+    ids=["P2-D2-abort", "P1-D1-decode-pages-8", "P2-D1-decode-pages-8-abort"],
+)
+def test_chunked_prefill_moves_every_byte(
+    tmp_path: Any, prefill_tp: int, decode_tp: int, decode_page: int, prefill_aborted: tuple[int, ...]
+) -> None:
+    """Chunked prefill, 6 tokens a step: every room goes out in 2 or 3 sends, each middle one cut to
+    whole prefill pages by SGLang (its partial page rides with the next send). Decode pages of 8
+    tokens take prefill pages of 4 (the staged path). Room 13, aborted by the prefill after its first
+    chunk, ends FINISH_ABORT on every rank of both sides; its prefill pages are freed at once."""
+    reports = _run_sides(
+        tmp_path, prefill_tp, decode_tp, False, [], prefill_aborts=prefill_aborted, chunk_tokens=6,
+        decode_page=decode_page,
+    )  # fmt: skip
+    _check(reports, decode_tp, prefill_tp, [], prefill_aborted)
+    for r in reports:
+        if (
+            r["pool_tokens"] == POOL_TOKENS
+        ):  # a middle send ends on a whole page; the last at the prompt's end
+            assert r["sent"][11] == [4, 10] and r["sent"][14] == [4, 8], r["sent"]
+            assert r["sent"][13] == ([4] if 13 in prefill_aborted else [4, 12, 17]), r["sent"]
