@@ -137,7 +137,7 @@ class NixlPoller:
         """When the poller's current sleep ends (inf: it is not asleep, or sleeps until woken)."""
         self._posted: list[_Posted] = []
         self._seals: dict[int, Callable[[], bytes]] = {}
-        """Made WRITEs whose notification is taken as they start (``WriteSpec.seal``: integrity)."""
+        """Made WRITEs whose notification is made as they start (``WriteSpec.seal``: integrity)."""
         self._wake = anyio.Event()
         self.counters: Counter[str] = Counter()
         self.book = LogBook(log, transport.name)
@@ -187,8 +187,10 @@ class NixlPoller:
         return handle
 
     def _seal(self, handle: int) -> bytes:
-        """The notification ``handle`` starts with: its seal's, taken now (b"": the one it was made
-        with). A seal that fails refuses the WRITE: TransportError, and the handle is released."""
+        """The notification ``handle`` starts with: its seal's (b"": the one it was made with). The
+        worker starts a sealed WRITE only once its checksum is known, so this reads it (integrity,
+        docs/INTEGRITY.md). A seal that fails refuses the WRITE: TransportError, and the handle is
+        released."""
         seal = self._seals.pop(handle, None)
         if seal is None:
             return b""

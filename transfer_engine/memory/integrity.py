@@ -35,7 +35,7 @@ from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_tensors
 
-__all__ = ["Completion", "PoolChecksums", "Seal", "Sum", "sealed"]
+__all__ = ["Completion", "PoolChecksums", "Seal", "Sum"]
 
 Completion = torch.cuda.Event | threading.Event
 """What a sum's readiness is: its stream's event (CUDA) or an Event its thread sets (CPU)."""
@@ -285,10 +285,3 @@ class Seal:
     def __call__(self) -> bytes:
         value = self._take() if self.sum is None else self.sum.value()
         return m.encode(msgspec.structs.replace(self._landed, checksum=value))
-
-
-def sealed(notif: bytes, checksum: Callable[[], int]) -> Callable[[], bytes]:
-    """The notification of a WRITE as it starts: ``notif`` (an encoded ``ChunkLanded``) carrying
-    ``checksum()``, taken then (a seal whose sum is taken on the starting thread)."""
-    seal = Seal(notif, checksum, lambda **_: Sum.known(checksum()))
-    return seal

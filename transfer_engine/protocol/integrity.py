@@ -4,9 +4,9 @@ Pure (docs/INTEGRITY.md). The checksum itself (``transfer_engine.kernels.checksu
 position-weighted sum of 32-bit words over a chunk's **gather layout**: ``[T, tokens, num_heads,
 head_dim]`` over the tensors its WRITE carries (every layer's K then V, or one layer group's
 ``[K_a..K_b, V_a..V_b]``), the chunk's tokens (``actors.worker.plan.chunk_slots``) and the writer's
-head slice. The prefill takes it when the WRITE starts (its bytes are final then) and carries it
-in ``ChunkLanded.checksum``; the decode takes it over the bytes that landed before the chunk
-counts. Sums over parts add (each part's words at their offset in the whole), which is how a
+head slice. The prefill takes it once the bytes are final, starts the WRITE once it is known, and
+carries it in ``ChunkLanded.checksum``; the decode takes it over the bytes that landed, and the
+chunk counts only once they match. Sums over parts add (each part's words at their offset in the whole), which is how a
 layer group's two runs of a staged block (its K tensors, then its V tensors) are checked.
 """
 
