@@ -210,6 +210,7 @@ class Supervision(EngineState):
             self.board,
             capacity=ACTOR_MAILBOX,
             reserve=SCATTERS_PER_ROOM * cfg.max_rooms,
+            checksums=self.checksums,
         )
         await tg.start(self.scatter.run)
         log.info("decode rank %d: %s staging ring of %d bytes", cfg.tp_rank, memory.mem_type, size)

@@ -429,18 +429,33 @@ class ScatterJob:
     """Layer-wise: copy only these runs of tensors instead (``blocks`` is then empty)."""
     free: bool = True
     """Free the region after this job: the chunk is then wholly in the pages."""
+    checks: tuple[ScatterCheck, ...] = ()
+    """Integrity: the checksums to take of the pages once the copy is in them (docs/INTEGRITY.md)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScatterCheck:
+    """The checksum of one writer's part of a scattered copy, taken over the pages behind the copy:
+    heads ``[head_start, head_start + num_heads)`` of the job's ``slots``, every tensor or the
+    layer group ``layers``'s."""
+
+    head_start: int
+    num_heads: int
+    layers: tuple[int, int] | None
 
 
 @dataclass(frozen=True, slots=True)
 class Scattered:
     """Scatter -> room: chunk ``chunk_id`` is in the KV pages (``ok``), or the scatter failed.
 
-    ``freed`` False: a layer group's job, the region is still held (more of the chunk follows)."""
+    ``freed`` False: a layer group's job, the region is still held (more of the chunk follows).
+    ``sums``: the job's ``checks``, in order (None: that one could not be taken, ``detail`` says why)."""
 
     chunk_id: int
     ok: bool
     detail: str = ""
     freed: bool = True
+    sums: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ from transfer_engine.runtime.mail import (
     RoomClosed,
     RoomMail,
     RoomOpened,
+    ScatterCheck,
     Scattered,
     ScatterJob,
     ScatterRun,
@@ -91,26 +92,13 @@ class _Outcome(enum.Enum):
     """The room failed (the landing broke the protocol): the chunk never counts."""
 
 
-@dataclass(eq=False)
-class _ScatterChecks:
-    """A staged copy that is in the pages, waiting for the checks of the writers it covered before
-    its scatter's end counts (``left``: checks still out)."""
-
-    item: _ToScatter
-    freed: bool
-    left: int = 0
-    intact: bool = True
-
-
 @dataclass(frozen=True)
 class _Check:
-    """A check out (:meth:`ReceiverRoomActor._check`): what the writer carried, and what waits for it."""
+    """A direct path's check out (:meth:`ReceiverRoomActor._check`): what the writer carried, and the
+    notification, counted once its bytes match."""
 
     carried: int
-    landed: m.ChunkLanded | None
-    """Direct and slice paths: the notification, counted once its bytes match."""
-    scatter: _ScatterChecks | None
-    """Staged and host paths: the copy whose end waits for it."""
+    landed: m.ChunkLanded
 
 
 class ReceiverRoomActor(RoomActor):
@@ -162,7 +150,7 @@ class ReceiverRoomActor(RoomActor):
         """Ring regions this room holds, by chunk id (until scattered, or freed at the end)."""
         self.to_scatter: deque[_ToScatter] = deque()
         """Copies out of the ring waiting for a scatter slot."""
-        self.scattering: deque[_ToScatter] = deque()
+        self.scattering: deque[tuple[_ToScatter, list[tuple[CheckKey, int]]]] = deque()
         """Copies at the scatter actor, in the order it answers them (it runs jobs in arrival order)."""
         self.carried: dict[CheckKey, int | None] = {}
         """Staged: the checksum each (chunk, writer, layer group) landed with, until it is scattered."""
@@ -317,7 +305,7 @@ class ReceiverRoomActor(RoomActor):
                     self.ports.counters["notifs_duplicate"] += 1
                     return
                 elif (
-                    self._check(key, mail.checksum, mail.page_start, mail.num_pages, mail, None)
+                    self._check(key, mail.checksum, mail.page_start, mail.num_pages, mail)
                     is not _Outcome.COUNT
                 ):
                     return  # counted once its check matches (Checked), or never: the room failed
@@ -330,21 +318,20 @@ class ReceiverRoomActor(RoomActor):
                 self.request(mail)
             case RegionGranted(chunk_id=chunk_id):
                 self.regions[chunk_id] = mail
-            case Scattered(chunk_id=chunk_id, ok=ok, detail=detail, freed=freed):
-                item = self.scattering.popleft()
-                granted = self.regions.get(chunk_id)
+            case Scattered(chunk_id=chunk_id, ok=ok, detail=detail, freed=freed, sums=sums):
+                _, checks = self.scattering.popleft()
                 if freed:
                     self.regions.pop(chunk_id, None)  # the scatter actor freed it
-                if not ok:
-                    self._drop_carried(item)
+                # each writer's part, summed over the pages behind the copy (docs/INTEGRITY.md)
+                if ok:
+                    judged = [
+                        self._judge(key, carried, landed, detail)
+                        for (key, carried), landed in zip(checks, sums, strict=True)
+                    ]
+                    self.core.scatter_ended(chunk_id, all(judged), now, freed)
+                else:
                     self.core.scatter_ended(chunk_id, False, now, freed)
                     self._fail(FailureReason.TRANSPORT, detail)
-                else:
-                    assert granted is not None, "a scattered chunk's region is held until its last copy"
-                    checks = self._check_scattered(item, granted, freed)
-                    if checks.left:
-                        return  # its end counts once its checks came back (Checked)
-                    self.core.scatter_ended(chunk_id, checks.intact, now, freed)
                 self._pump_scatter()
             case StagingFailed(detail=detail):
                 self._fail(FailureReason.STAGING, detail)
@@ -436,10 +423,11 @@ class ReceiverRoomActor(RoomActor):
                 for first, count in group_tensor_runs(layout.num_layers, layout.mla, *item.layers)
             )
             blocks = []
+        checks = self._scatter_checks(item)
         scatter = self.ports.scatter
         assert scatter is not None
         self.core.scatter_started()
-        self.scattering.append(item)
+        self.scattering.append((item, checks))
         self.ports.me.trace.mark(self.room, "scatter_posted")
         scatter.post(
             ScatterJob(
@@ -452,8 +440,29 @@ class ReceiverRoomActor(RoomActor):
                 slots,
                 runs,
                 item.final,
+                tuple(ScatterCheck(*self._heads(key[1]), item.layers) for key, _ in checks),
             )  # fmt: skip
         )
+
+    def _heads(self, sender: int) -> tuple[int, int]:
+        """``sender``'s destination head slice here: (its first head, its head count)."""
+        (spec,) = [s for s in self.slices if s.prefill_rank == sender]
+        return spec.dst_head_start, spec.num_heads
+
+    def _scatter_checks(self, item: _ToScatter) -> list[tuple[CheckKey, int]]:
+        """The integrity checks a staged copy takes behind itself, one per writer it covers (every
+        writer of a whole chunk, or the one of a layer group) that carried a checksum; a writer with
+        nothing to compare (none carried, or this side's integrity off) is counted unchecked now."""
+        senders = [s.prefill_rank for s in self.slices] if item.sender is None else [item.sender]
+        checks = []
+        for sender in senders:
+            key = (item.chunk_id, sender, item.layers)
+            carried = self.carried.pop(key, None)
+            if carried is None or self.ports.checksums is None:
+                self.ports.counters["integrity_unchecked"] += 1
+            else:
+                checks.append((key, carried))
+        return checks
 
     def _check(
         self,
@@ -461,11 +470,10 @@ class ReceiverRoomActor(RoomActor):
         carried: int | None,
         page_start: int,
         num_pages: int,
-        landed: m.ChunkLanded | None,
-        scatter: _ScatterChecks | None,
+        landed: m.ChunkLanded,
     ) -> _Outcome:
-        """Start comparing the checksum a writer carried for a chunk (or layer group, ``key``) with
-        this rank's over the pages it is in now (docs/INTEGRITY.md). The sum is taken off the loop
+        """Direct and slice paths: start comparing the checksum a writer carried for a chunk (or layer
+        group, ``key``) with this rank's over the pages it landed in (docs/INTEGRITY.md). The sum is taken off the loop
         (``PoolChecksums.submit``) and comes back as :class:`Checked`, which judges it
         (:meth:`_checked`); meanwhile the chunk does not count, so the room cannot succeed before
         it matched. Nothing to compare (the writer carried none, or this side's integrity is off):
@@ -488,7 +496,7 @@ class ReceiverRoomActor(RoomActor):
         except TransferError as exc:  # pages outside the room's: the peer broke the protocol
             self._fail(FailureReason.PROTOCOL, f"chunk {chunk_id} from prefill rank {sender}: {exc}")
             return _Outcome.FAILED
-        self.checking[key] = _Check(carried, landed, scatter)
+        self.checking[key] = _Check(carried, landed)
         checksums.submit(
             slots,
             spec.dst_head_start,
@@ -506,50 +514,23 @@ class ReceiverRoomActor(RoomActor):
             log.debug("decode room %d: a check came back after the room ended", self.room)
 
     def _checked(self, key: CheckKey, landed: int | None, detail: str, now: float) -> None:
-        """A check's sum is known: judge it and count the result; a mismatch (or a sum that could not
-        be taken: integrity fails closed) fails the room with INTEGRITY. Then count what waited for
-        it: the chunk (direct paths), or the scatter's end (staged paths) once all its checks came."""
-        chunk_id, sender, layers = key
+        """A direct path's check came back: judge it; a match counts the chunk."""
         check = self.checking.pop(key)
-        intact = landed is not None and verdict(check.carried, landed) is Verdict.MATCH
+        if self._judge(key, check.carried, landed, detail) and not self.core.status.final:
+            self._landed(check.landed, now)
+
+    def _judge(self, key: CheckKey, carried: int, landed: int | None, detail: str) -> bool:
+        """Compare what a writer carried with the sum over this rank's pages, and count the result
+        (True: a match). A mismatch, or a sum that could not be taken (``landed`` None: integrity
+        fails closed), fails the room with INTEGRITY."""
+        chunk_id, sender, layers = key
+        intact = landed is not None and verdict(carried, landed) is Verdict.MATCH
         self.ports.counters["integrity_match" if intact else "integrity_mismatch"] += 1
         if landed is None:
             self._fail(FailureReason.INTEGRITY, f"integrity: chunk {chunk_id} could not be checked: {detail}")
         elif not intact:
-            self._fail(
-                FailureReason.INTEGRITY, mismatch_detail(chunk_id, sender, layers, check.carried, landed)
-            )
-        scatter = check.scatter
-        if scatter is not None:
-            scatter.left -= 1
-            scatter.intact = scatter.intact and intact
-            if scatter.left == 0:
-                self.core.scatter_ended(scatter.item.chunk_id, scatter.intact, now, scatter.freed)
-                self._pump_scatter()
-        elif intact and check.landed is not None and not self.core.status.final:
-            self._landed(check.landed, now)
-
-    def _check_scattered(self, item: _ToScatter, granted: RegionGranted, freed: bool) -> _ScatterChecks:
-        """A staged copy is in the pages: start the check of each writer it covered (every writer of a
-        whole chunk, or the one writer of a layer group), as :meth:`_check` does. The scatter's end
-        counts once ``left`` is 0 (now, when nothing is to be compared)."""
-        checks = _ScatterChecks(item, freed)
-        senders = [s.prefill_rank for s in self.slices] if item.sender is None else [item.sender]
-        for sender in senders:
-            key = (item.chunk_id, sender, item.layers)
-            carried = self.carried.pop(key, None)
-            outcome = self._check(key, carried, granted.page_start, granted.num_pages, None, checks)
-            if outcome is _Outcome.FAILED:
-                checks.intact = False
-                break
-            checks.left += outcome is _Outcome.WAIT
-        return checks
-
-    def _drop_carried(self, item: _ToScatter) -> None:
-        """A copy that failed: forget what its writers carried (nothing will be checked)."""
-        senders = [s.prefill_rank for s in self.slices] if item.sender is None else [item.sender]
-        for sender in senders:
-            self.carried.pop((item.chunk_id, sender, item.layers), None)
+            self._fail(FailureReason.INTEGRITY, mismatch_detail(chunk_id, sender, layers, carried, landed))
+        return intact
 
     async def on_status_change(self, before: RoomStatus) -> None:
         if not self.core.status.final:
