@@ -197,6 +197,11 @@ def test_only_a_peer_of_the_room_renews_it(agent: str, peers: set[str], renews: 
     assert leases.renews(agent, peers) is renews
 
 
+@pytest.mark.parametrize("agent", ["d0", "d9"])
+def test_a_prefill_room_nobody_asked_for_is_renewed_by_any_peer_that_announces_it(agent: str) -> None:
+    assert leases.renews(agent, set(), unasked=True) is True
+
+
 def test_heartbeat_carries_rooms_compactly() -> None:
     beat = m.Heartbeat(agent="d0", rank=0, side="decode", seq=1, rooms=[3, 2**62])
     assert m.decode(m.encode(beat)) == beat

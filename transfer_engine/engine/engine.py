@@ -92,6 +92,9 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         """Per prefill bootstrap: the slice path's descriptors per page (see ``_slice_pieces``)."""
         self._connecting: dict[str, anyio.Event] = {}
         self._stash = EarlyRequests()
+        self._announced: dict[int, str] = {}
+        """Decode: rooms of requests queued here whose ``receiver()`` comes later, by the bootstrap of
+        their prefill instance (:meth:`announce`)."""
         self.tombstones = Tombstones(config.bootstrap_timeout + config.transfer_timeout)
         """Prefill: outcomes of rooms no longer live, to answer repeated requests (protocol.retransmit)."""
         self.workers: list[TransferWorker] = []
@@ -127,6 +130,7 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         return {
             "rooms": len(self.rooms),
             "stashed": len(self._stash),
+            "announced": len(self._announced),
             "nixl_handles": self._transport.live_handles() if self._transport else 0,
             "writes_in_flight": self.poller.in_flight(),
             "ring_allocations": self.ring.live() if self.ring else 0,
@@ -195,6 +199,7 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         checked = None if pages is None else check_request(self.pool, pages, aux_slot, decode_prefix_len)
         if room in self.rooms:
             raise RoomInUseError(room)
+        self._announced.pop(room, None)
         instance = await self._instance(bootstrap)
         if room in self.rooms:
             raise RoomInUseError(room)
@@ -230,6 +235,29 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
     def transfer_costs(self) -> dict[str, PeerLoad]:
         """Per prefill instance (bootstrap address): rooms and bytes queued and in flight, and the rate."""
         return self.costs.loads()
+
+    async def announce(self, room: int, bootstrap: str) -> None:
+        """Announce ``room``, whose request is queued on this decode and whose :meth:`receiver` comes
+        later (its pages are not allocated yet): until then, heartbeats to the prefill instance behind
+        ``bootstrap`` list the room as held live, which renews that instance's lease on a room it
+        opened and no decode rank asked for yet (the prefill finished first and holds its KV: vLLM's
+        sequential router protocol, docs/vllm.md). Connects first (PeerUnreachableError, LayoutError
+        as :meth:`receiver`; the room is not announced then). :meth:`receiver` or :meth:`withdraw`
+        ends the announcement."""
+        if self.config.role != "decode":
+            raise ConfigError("announce() is for decode engines; this one is prefill")
+        check_room(room)
+        self._announced[room] = bootstrap  # before connecting: a receiver() called next removes it
+        try:
+            await self._instance(bootstrap)
+        except BaseException:
+            if self._announced.get(room) == bootstrap:
+                del self._announced[room]
+            raise
+
+    def withdraw(self, room: int) -> None:
+        """End :meth:`announce` of ``room`` (its request ended without a receiver)."""
+        self._announced.pop(room, None)
 
     async def connect(self, bootstrap: str) -> None:
         """Handshake with the prefill instance behind ``bootstrap`` now, ahead of its first room."""

@@ -41,14 +41,15 @@ class Liveness(EngineState):
             now = time.monotonic()
             stall = leases.stalled(last_tick, now, tick, interval)
             if stall is not None:
-                log.warning("heartbeat loop stalled %.2f s; extending peer leases", stall)
+                log.warning("heartbeat loop stalled %.2f s; extending peer and room leases", stall)
                 for peer in self.peers.values():
                     peer.last_seen = leases.extended(peer.last_seen, now, interval)
+                self._extend_room_leases(now - interval)
             last_tick = now
             if now - last_beat >= interval / 2 - tick / 2:  # twice per interval: see leases.LEASE_SILENCE
                 last_beat = now
                 self._heartbeat_seq += 1
-                held = leases.held_rooms(self._held_rooms(), self.config.max_rooms)
+                held = leases.held_rooms(self._held_rooms(), self.config.max_rooms + len(self._announced))
                 for peer in list(self.peers.values()):
                     if peer.alive:
                         beat = m.Heartbeat(
@@ -89,12 +90,26 @@ class Liveness(EngineState):
     def _held_rooms(self) -> list[tuple[int, frozenset[str]]]:
         """Each room held live here, with the peer agents it is held with (:func:`leases.held_rooms`):
         an open prefill room with the decode ranks that asked for it, a stashed request with its
-        askers, a decode room whose requests went out with every prefill rank it asked."""
+        askers, a decode room whose requests went out with every prefill rank it asked, and a room
+        announced by ``announce()`` with every rank of its prefill instance."""
         held = [(room, self._stash.agents(room)) for room in self._stash.rooms()]
         for room, actor in self.rooms.items():
             if not actor.core.status.final:
                 held.append((room, _room_peers(actor)))
+        for room, bootstrap in self._announced.items():  # queued here, its receiver() to come (announce)
+            instance = self.instances.get(bootstrap)
+            if instance is not None and room not in self.rooms:
+                held.append((room, frozenset(peer.agent_name for peer in instance.ranks)))
         return held
+
+    def _extend_room_leases(self, at: float) -> None:
+        """After our own stall, the renewals of leased rooms are queued unread as the peers'
+        heartbeats are: renew each as of ``at`` (as :func:`leases.extended` does for the peers), so
+        a lease that ran out while we stalled gives its peer time to be heard first."""
+        for actor in list(self.rooms.values()):
+            if actor.core.held_at is not None and actor.status in _LEASED:
+                with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+                    actor.inbox.send_nowait(LeaseRenewed(at))
 
     def _held_by(self, agent: str, rooms: list[int] | None, now: float) -> None:
         """Peer ``agent``'s heartbeat lists ``rooms`` as held live there: renew their leases here (a
@@ -107,7 +122,7 @@ class Liveness(EngineState):
             elif (
                 actor.core.held_at is not None
                 and actor.status in _LEASED
-                and leases.renews(agent, _room_peers(actor))
+                and leases.renews(agent, _room_peers(actor), unasked=_unasked(actor))
             ):
                 with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
                     actor.inbox.send_nowait(LeaseRenewed(now))
@@ -128,6 +143,11 @@ class Liveness(EngineState):
             await self._to_room(actor.room, PeerDead(peer.agent_name, detail))
         await self.poller.abandon(peer.agent_name, detail)
         self.poller.remove_peer(peer.agent_name)
+
+
+def _unasked(actor: RoomActor) -> bool:
+    """A prefill room no decode rank has asked for yet."""
+    return isinstance(actor, SenderRoomActor) and not actor.peers
 
 
 def _room_peers(actor: RoomActor) -> frozenset[str]:

@@ -74,6 +74,7 @@ class EngineState:
     _info: m.LayoutInfo
     _compat: int
     _stash: EarlyRequests
+    _announced: dict[int, str]
     _connecting: dict[str, anyio.Event]
     _slice_pieces_of: dict[str, float]
     _heartbeat_seq: int

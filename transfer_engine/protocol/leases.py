@@ -55,10 +55,12 @@ def held_rooms(holders: Iterable[tuple[int, Iterable[str]]], limit: int) -> dict
     return listed
 
 
-def renews(listed_by: str, room_peers: Collection[str]) -> bool:
-    """Whether a heartbeat of ``listed_by`` listing a room renews that room's lease here: only one
-    from a peer of the room (a decode rank that asked for it; a prefill rank it asked)."""
-    return listed_by in room_peers
+def renews(listed_by: str, room_peers: Collection[str], *, unasked: bool = False) -> bool:
+    """Whether a heartbeat of ``listed_by`` listing a room renews that room's lease here: one from a
+    peer of the room (a decode rank that asked for it; a prefill rank it asked), or, for a prefill
+    room no decode rank asked for yet (``unasked``), one from any peer: a decode whose request for
+    it is queued there announces it (``TransferEngine.announce``)."""
+    return unasked or listed_by in room_peers
 
 
 def room_lease(configured: float, interval: float) -> float:

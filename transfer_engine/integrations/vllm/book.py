@@ -42,6 +42,10 @@ class TransferMetadata(KVConnectorMetadata):
     requests that ended before their room opened, whose prefill must hear it (``cancel``)."""
 
     start: list[Transfer] = field(default_factory=list)
+    announce: list[Transfer] = field(default_factory=list)
+    """Decode: requests just queued here that will ask a prefill for their KV; each rank announces
+    the room to that prefill (``TransferEngine.announce``), whose lease on it the announcement renews
+    while the request waits in vLLM's queue (no blocks, no room here yet)."""
     layerwise: list[Transfer] = field(default_factory=list)
     """Prefill: requests whose last prompt tokens this step computes; their layers go out as the
     forward writes them (``save_kv_layer``)."""
@@ -127,6 +131,18 @@ class TransferBook:
             if prefilling.transfer_id == transfer_id:
                 return req_id
         return None
+
+    def added(self, request: RequestView) -> None:
+        """vLLM's ``on_new_request``. Decode: a request that will ask a prefill for its KV is
+        announced to that prefill now, before it waits in vLLM's queue: the prefill may have finished
+        already and holds the KV for it (the sequential protocol), its lease renewed while the
+        announcement lasts. It lasts until the request's room opens or is cancelled (:meth:`allocated`,
+        :meth:`matched` or :meth:`finished` start or cancel every planned request)."""
+        if self.is_prefill:
+            return
+        plan = self._plan(request)
+        if plan is not None:
+            self.pending.announce.append(Transfer(request.request_id, plan.transfer_id, (), plan.bootstrap))
 
     def matched(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         """Decode: the prompt past the locally cached ``num_computed_tokens`` comes from the

@@ -99,7 +99,7 @@ from transfer_engine.errors import ConfigError
 from .book import Transfer, TransferBook, TransferMetadata
 from .core import ConnectorCore, digest_of
 from .params import Plan, plan_of, room_of
-from .settings import CONNECTOR_DEFAULTS, engine_config, engine_cpus
+from .settings import CONNECTOR_DEFAULTS, default_max_rooms, engine_config, engine_cpus
 from .stats import TransferPromMetrics, TransferStats
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         self._extra = extra
         self._dp_rank = parallel.data_parallel_rank
-        self._max_rooms = 2 * vllm_config.scheduler_config.max_num_seqs
+        self._max_rooms = default_max_rooms(vllm_config.scheduler_config.max_num_seqs)
         config = engine_config(
             extra, os.environ, is_prefill=self.is_prefill, tp_size=parallel.tensor_parallel_size, tp_rank=0,
             dp_rank=self._dp_rank, max_rooms=self._max_rooms,
@@ -190,6 +190,10 @@ class TransferEngineConnector(KVConnectorBase_V1):
             self._vllm_config = vllm_config
 
     # ==== scheduler side ============================================================================
+
+    def on_new_request(self, request: Request) -> None:
+        """Decode: announce the request's room to its prefill while it waits in vLLM's queue."""
+        self._book.added(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return self._book.matched(request, num_computed_tokens)
@@ -283,6 +287,8 @@ class TransferEngineConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, TransferMetadata)
         self._idle_step = meta.idle
+        for t in meta.announce:
+            self._core.announce(t.req_id, t.transfer_id, t.bootstrap)
         for t in meta.abort:
             self._core.abort(t.req_id, t.transfer_id)
         for t in meta.cancel:

@@ -288,6 +288,13 @@ class ConnectorCore:
         request = self._request(req_id, transfer_id, block_ids)
         self._hand(self._receive, request, bootstrap, prefix_len)
 
+    def announce(self, req_id: str, transfer_id: str, bootstrap: str) -> None:
+        """Decode: the request is queued here and will :meth:`receive` (or :meth:`cancel`) later;
+        until then this rank's heartbeats to the prefill behind ``bootstrap`` hold its room live there
+        (``TransferEngine.announce``). A prefill that cannot be reached is logged; the request's
+        receive fails later. Never blocks."""
+        self._loop.spawn(self._announce, req_id, room_id(transfer_id), bootstrap)
+
     def abort(self, req_id: str, transfer_id: str) -> None:
         """End the request's room; it is reported once no WRITE of it can land. A prefill request
         that has no room here fails its room, so a decode waiting on it learns at once."""
@@ -434,6 +441,7 @@ class ConnectorCore:
     async def _receive(self, request: RequestRecord, bootstrap: str, prefix_len: int) -> None:
         engine = self._engine
         assert engine is not None
+        engine.withdraw(request.room)  # the room opens now (or never): its own requests hold it
         slot = self._claim(request)
         if slot is None:
             request.failure = "refused"
@@ -465,6 +473,14 @@ class ConnectorCore:
             self._release(request, slot)
             self._report(request, ok, prefill=False)
 
+    async def _announce(self, req_id: str, room: int, bootstrap: str) -> None:
+        engine = self._engine
+        assert engine is not None
+        try:
+            await engine.announce(room, bootstrap)
+        except TransferError as exc:
+            log.warning("request %s (room %d): announcing it to its prefill: %s", req_id, room, exc)
+
     async def _abort(self, req_id: str, room: int) -> None:
         engine = self._engine
         assert engine is not None
@@ -483,6 +499,7 @@ class ConnectorCore:
     async def _cancel(self, req_id: str, room: int, bootstrap: str) -> None:
         engine = self._engine
         assert engine is not None
+        engine.withdraw(room)
         if room in self._live:
             return  # the room is live here under another request: not this one's to end
         try:

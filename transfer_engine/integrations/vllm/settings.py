@@ -11,7 +11,15 @@ from typing import Any
 from transfer_engine import EngineConfig
 from transfer_engine.errors import ConfigError
 
-__all__ = ["CONNECTOR_DEFAULTS", "CONNECTOR_ONLY", "SET_BY_VLLM", "engine_config", "engine_cpus"]
+__all__ = [
+    "CONNECTOR_DEFAULTS",
+    "CONNECTOR_ONLY",
+    "MIN_ROOMS",
+    "SET_BY_VLLM",
+    "default_max_rooms",
+    "engine_config",
+    "engine_cpus",
+]
 
 CONNECTOR_DEFAULTS: dict[str, Any] = {
     "heartbeat_interval": 5.0,
@@ -23,6 +31,17 @@ CONNECTOR_DEFAULTS: dict[str, Any] = {
 say otherwise: a peer is dead after two silent heartbeat intervals, and the first handshake may
 take long, as vLLM's worker can hold the GIL for seconds on a loaded CPU box; a room may wait
 ``bootstrap_timeout`` for its peer (the prefill's queue, or the decode's request)."""
+
+MIN_ROOMS = 256
+"""The fewest rooms (``max_rooms``) the connector gives an engine unless told otherwise."""
+
+
+def default_max_rooms(max_num_seqs: int) -> int:
+    """``max_rooms`` unless set: twice ``--max-num-seqs``, and at least :data:`MIN_ROOMS`, since
+    vLLM's requests waiting for their KV do not count against ``--max-num-seqs`` (with
+    ``--max-num-seqs 1`` a decode had three requests waiting on a busy prefill, each with a room)."""
+    return max(2 * max_num_seqs, MIN_ROOMS)
+
 
 CONNECTOR_ONLY = frozenset({"engine_cpus"})
 SET_BY_VLLM = frozenset({"role", "tp_size", "tp_rank"})

@@ -1,0 +1,326 @@
+"""Request leases under real vLLM servers: queues far longer than every fixed window, a killed
+prefill, abandoned requests (docs/vllm.md, "Timeouts and leases").
+
+One module-wide set-up: a prefill and a decode (TP=1 each, ``--max-num-seqs 1``, so a second
+request queues behind the first; each server's compute threads on a core of its own) over the tests' tiny random Llama, with the liveness settings
+shrunk far below what a request waits here (heartbeat 5 s, the connector's default, ``room_lease`` 10 s,
+``bootstrap_timeout`` 3 s); our concurrent router and vLLM's standard sequential protocol over them.
+A "blocker" is a long generation sent straight to one server: the requests behind it wait for
+seconds in vLLM's queue, on the prefill (the concurrent protocol: the decode's room waits) or on
+the decode (the standard protocol: the prefill holds the KV). Each such request must still give the
+tokens of vLLM alone, with the decode computing none of its prompt. The last test kills the
+prefill with SIGKILL while a decode request waits on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm.test_disaggregated import (
+    API_KEY,
+    CONNECTOR,
+    EXTERNAL,
+    LOCAL,
+    SERVERS,
+    Proc,
+    complete,
+    counter_delta,
+    free_port,
+    held_report,
+    live_rooms,
+    make_model,
+    metrics,
+    post,
+    prompts,
+    router,
+    serve,
+    standard_router,
+    stop,
+    wait_healthy,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+HEARTBEAT = 5.0
+"""The connector's default (``CONNECTOR_DEFAULTS``). Not shorter on this 2-core box: with both servers
+computing (and the box's other jobs: load average 8-15), an engine's loop was seen stalled for up
+to 6.5 s, and a peer silent for two heartbeat intervals is dead; heartbeats of 0.5, 1, 2 and 3 s
+declared live peers dead here."""
+LEASE = 10.0
+"""``room_lease`` shrunk to its least (two heartbeat intervals; the engine's default is 30 s)."""
+BOOTSTRAP = 3.0
+LIVENESS = {"heartbeat_interval": HEARTBEAT, "room_lease": LEASE, "bootstrap_timeout": BOOTSTRAP}
+HOLD_S = BOOTSTRAP + LEASE + 2.0
+"""How long a server is kept busy while requests queue: past every window they could time out by."""
+BLOCKERS = 6
+KILL_MARGIN_S = 5.0
+"""What a killed prefill's peer may take beyond two heartbeat intervals to free a waiting request's
+blocks on this loaded 2-core box: the liveness check runs every quarter interval, then vLLM's
+next step takes the failed load and frees the blocks, and ``/metrics`` and the dump are read in
+turn (each read alone can take seconds here)."""
+
+
+@dataclass
+class Leased:
+    prefill: Proc
+    decode: Proc
+    ours: Proc
+    std: Proc
+    bootstrap: int
+    introspect: dict[str, int]
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def leased(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Leased]:
+    tmp = tmp_path_factory.mktemp("vllm-leases")
+    model = tmp / "model"
+    make_model(model)
+    bootstrap, i_p, i_d = free_port(), free_port(), free_port()
+
+    def kv(role: str, **extra: object) -> str:
+        return json.dumps({**CONNECTOR, "kv_role": role, "kv_connector_extra_config": {**LIVENESS, **extra}})
+
+    prefill = serve(
+        "prefill", tmp, model, free_port(), "--max-num-seqs", "1",
+        "--kv-transfer-config", kv("kv_producer", bootstrap_port=bootstrap, introspect_port=i_p),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+    )  # fmt: skip
+    decode = serve(
+        "decode", tmp, model, free_port(), "--max-num-seqs", "1",
+        "--kv-transfer-config", kv("kv_consumer", introspect_port=i_d),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+    )  # fmt: skip
+    ours = router("ours", tmp, free_port(), prefill.port, bootstrap, decode.port)
+    std = standard_router("std", tmp, free_port(), [prefill.port], decode.port)
+    procs = [prefill, decode, ours, std]
+    SERVERS[:] = procs
+    try:
+        wait_healthy([prefill, decode])
+        wait_healthy([ours, std], "/healthz")
+        for p in (prefill, decode):  # the first forward of an instance is slow
+            complete(p.port, [1, 2, 3], 1)
+        yield Leased(prefill, decode, ours, std, bootstrap, {"prefill": i_p, "decode": i_d}, tmp)
+    finally:
+        stop(procs)
+
+
+def assert_nothing_held(
+    s: Leased, sides: tuple[str, ...] = ("prefill", "decode"), within: float = 60
+) -> None:
+    """No blocks held by vLLM and no live room in the engine on each of ``sides``."""
+    deadline = time.monotonic() + within
+    while True:
+        usage = {side: metrics(getattr(s, side).port)["vllm:kv_cache_usage_perc"] for side in sides}
+        rooms = {s.introspect[side]: live_rooms(s.introspect[side]) for side in sides}
+        if not any(usage.values()) and not any(rooms.values()):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"still held after {within} s: KV cache usage {usage}\n{held_report(rooms)}")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def busy(server: Proc) -> Iterator[None]:
+    """Keep ``server``'s one sequence slot busy while the block runs: :data:`BLOCKERS` generations
+    of 2,000 tokens sent straight to it (queued one behind the other), abandoned when the block
+    ends (their connections closed: vLLM aborts them, running or queued)."""
+    body = json.dumps({"model": "m", "prompt": [1], "max_tokens": 2000, "ignore_eos": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with contextlib.ExitStack() as stack:
+        for _ in range(BLOCKERS):
+            sock = stack.enter_context(socket.create_connection(("127.0.0.1", server.port), timeout=60))
+            sock.sendall(head + body)
+        deadline = time.monotonic() + 60
+        while metrics(server.port)["vllm:num_requests_running"] < 1:
+            assert time.monotonic() < deadline, f"{server.name}: the blockers did not start"
+            time.sleep(0.1)
+        yield
+
+
+def wait_for_room(port: int, within: float = 60) -> None:
+    """Until the engine serving introspection on ``port`` has a live room."""
+    deadline = time.monotonic() + within
+    while not live_rooms(port):
+        assert time.monotonic() < deadline, f"no room opened on :{port} within {within} s"
+        time.sleep(0.2)
+
+
+class OldestRoom:
+    """Samples the live rooms of an engine in the background: the oldest age seen."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.age = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                self.age = max([self.age, *(r.age_s for r in live_rooms(self.port))])
+            self._stop.wait(1.0)
+
+    def __enter__(self) -> OldestRoom:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def timed(fn: Callable[..., list[int]], *args: Any, **fields: Any) -> tuple[list[int], float]:
+    started = time.monotonic()
+    tokens = fn(*args, **fields)
+    return tokens, time.monotonic() - started
+
+
+def test_our_router_a_prefill_queue_longer_than_every_window_completes(leased: Leased) -> None:
+    """The prefill is busy for ~15 s: the decode's room waits on it far past ``bootstrap_timeout``
+    and ``room_lease``, renewed by the prefill's heartbeats (its stashed request) while it waits;
+    the next requests queue on the decode too, announced to the prefill, which holds their KV."""
+    batch = prompts(61, (40, 333, 700))
+    reference = [complete(leased.prefill.port, p, 8) for p in batch]
+    before = metrics(leased.decode.port)
+    with ThreadPoolExecutor(4) as pool, OldestRoom(leased.introspect["decode"]) as oldest:
+        with busy(leased.prefill):
+            routed = [pool.submit(timed, complete, leased.ours.port, p, 8) for p in batch]
+            time.sleep(HOLD_S)
+        results = [f.result() for f in routed]
+    assert [tokens for tokens, _ in results] == reference
+    waited = min(seconds for _, seconds in results)
+    assert waited > BOOTSTRAP + LEASE, f"the requests waited only {waited:.1f} s: no queue to prove anything"
+    assert oldest.age > BOOTSTRAP + LEASE, f"the decode's oldest room was {oldest.age:.1f} s old"
+    assert counter_delta(leased.decode.port, before, LOCAL) == 0
+    assert counter_delta(leased.decode.port, before, EXTERNAL) == sum(map(len, batch))
+    assert counter_delta(leased.decode.port, before, "vllm:te_kv_transfers_total", len(batch)) == len(batch)
+    assert_nothing_held(leased)
+
+
+def test_standard_protocol_the_prefill_holds_the_kv_while_the_decode_request_queues(leased: Leased) -> None:
+    """vLLM's sequential protocol with the decode busy for ~15 s: each prefill finished at once and
+    holds the KV (its room opened) while the decode's request waits in vLLM's queue, far past
+    ``room_lease``: the decode announces the queued request's room, its heartbeats renew the lease."""
+    batch = prompts(62, (50, 400, 900))
+    reference = [complete(leased.prefill.port, p, 8) for p in batch]
+    before = metrics(leased.decode.port)
+    with ThreadPoolExecutor(4) as pool, OldestRoom(leased.introspect["prefill"]) as oldest:
+        with busy(leased.decode):
+            routed = [pool.submit(timed, complete, leased.std.port, p, 8) for p in batch]
+            time.sleep(HOLD_S)
+        results = [f.result() for f in routed]
+    assert [tokens for tokens, _ in results] == reference
+    waited = min(seconds for _, seconds in results)
+    assert waited > BOOTSTRAP + LEASE, f"the requests waited only {waited:.1f} s: no queue to prove anything"
+    assert oldest.age > BOOTSTRAP + LEASE, f"the prefill's oldest room was {oldest.age:.1f} s old"
+    assert counter_delta(leased.decode.port, before, LOCAL) <= BLOCKERS  # their one-token prompts
+    assert counter_delta(leased.decode.port, before, EXTERNAL) == sum(map(len, batch))
+    assert counter_delta(leased.decode.port, before, "vllm:te_kv_transfers_total", len(batch)) == len(batch)
+    assert_nothing_held(leased)
+
+
+def test_standard_protocol_kv_nobody_asks_for_is_freed_when_its_lease_ends(leased: Leased) -> None:
+    """The router went away between the two legs: the prefill answered and holds the KV, no decode
+    ever asks or announces it; the blocks are freed once ``room_lease`` passed."""
+    prompt = prompts(63, (300,))[0]
+    before = metrics(leased.prefill.port)
+    answer = post(
+        leased.prefill.port,
+        {"model": "m", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
+    answered = time.monotonic()
+    assert answer["kv_transfer_params"]["do_remote_prefill"] is True
+    held = live_rooms(leased.introspect["prefill"])
+    assert len(held) == 1, held  # holding the KV for a decode that may come
+    assert_nothing_held(leased, within=LEASE + 2 * HEARTBEAT + KILL_MARGIN_S)
+    freed = time.monotonic() - answered
+    assert freed >= LEASE - 0.5, f"freed after {freed:.1f} s, before its lease ended"
+    timeouts = counter_delta(leased.prefill.port, before, "vllm:te_kv_failures_total[timeout]", 1)
+    assert timeouts == 1
+    assert complete(leased.std.port, prompt, 6) == complete(leased.prefill.port, prompt, 6)
+    assert_nothing_held(leased)
+
+
+def test_our_router_killed_mid_request_frees_both_sides(leased: Leased) -> None:
+    """A router killed (SIGKILL) while its request waits on a busy prefill: both servers see their
+    connections close and abort the request; nothing stays held."""
+    doomed = router(
+        "doomed", leased.tmp, free_port(), leased.prefill.port, leased.bootstrap, leased.decode.port
+    )
+    try:
+        wait_healthy([doomed], "/healthz")
+        prompt = prompts(64, (500,))[0]
+        with ThreadPoolExecutor(1) as pool, busy(leased.prefill):
+            body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            pool.submit(send_raw, doomed.port, body)
+            wait_for_room(leased.introspect["decode"])  # the decode's room waits on the prefill
+            os.killpg(doomed.popen.pid, signal.SIGKILL)
+            doomed.popen.wait(10)
+            assert_nothing_held(leased, ("decode",), within=30)  # while the prefill is still busy
+    finally:
+        stop([doomed])
+    assert_nothing_held(leased)
+
+
+def send_raw(port: int, body: dict[str, Any]) -> int:
+    """POST ``body``; the HTTP status, or 0 when the connection broke (a server killed)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    headers = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), headers)
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except (OSError, http.client.HTTPException):
+        return 0
+    finally:
+        conn.close()
+
+
+def test_a_killed_prefill_frees_the_waiting_decode_s_blocks_within_two_heartbeats(leased: Leased) -> None:
+    """Last (it kills the prefill). A decode request waits on the busy prefill (both legs sent as
+    our router sends them); SIGKILL to the prefill: the decode declares it dead after two silent
+    heartbeat intervals, the waiting room fails, vLLM frees its blocks, and the decode serves the
+    next request."""
+    prompt, after = prompts(65, (600, 120))
+    expected = complete(leased.prefill.port, after, 8)
+    params = {"transfer_id": "waits-on-a-killed-prefill"}
+    decode_leg = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                  "kv_transfer_params": {**params, "do_remote_prefill": True,
+                                         "bootstrap": f"tcp://127.0.0.1:{leased.bootstrap}"}}  # fmt: skip
+    prefill_leg = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                   "kv_transfer_params": {**params, "do_remote_decode": True}}  # fmt: skip
+    with ThreadPoolExecutor(2) as pool, busy(leased.prefill):
+        decoded = pool.submit(send_raw, leased.decode.port, decode_leg)
+        pool.submit(send_raw, leased.prefill.port, prefill_leg)
+        wait_for_room(leased.introspect["decode"])
+        time.sleep(HOLD_S)  # waiting past every window, the prefill alive
+        assert live_rooms(leased.introspect["decode"]), "the decode's room ended while its prefill lived"
+        os.killpg(leased.prefill.popen.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert_nothing_held(leased, ("decode",), within=30)
+        freed = time.monotonic() - killed
+        assert decoded.result() == 500  # kv_load_failure_policy=fail, vLLM's default
+    leased.prefill.popen.wait(30)
+    print(f"the decode freed the killed prefill's request in {freed:.2f} s")
+    assert freed <= 2 * HEARTBEAT + KILL_MARGIN_S, f"freed {freed:.2f} s after the kill"
+    assert complete(leased.decode.port, after, 8) == expected  # computed on the decode alone
+    assert_nothing_held(leased, ("decode",))
