@@ -14,6 +14,11 @@ vectors. ``out`` may be device memory or pinned host memory (the kernel then wri
 host directly, through its mapped address). On CPU, the same entry point runs the torch
 reference below, or the Triton kernel under Triton's interpreter (``TRITON_INTERPRET=1`` or
 ``impl="triton"``).
+
+With ``checksum`` (integrity, docs/INTEGRITY.md) the same kernel also sums what it writes, as
+``kernels.checksum`` defines the sum over the gather layout: each program adds its words' weighted
+sum into one partial, and one ``sum`` of the partials lands in ``checksum``. The bytes are read
+once, for both.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ HOST_CONFIG = LaunchConfig(block_bytes=32768, num_warps=4)
 """Launch shape for pinned-host ``out``; see docs/PERF.md."""
 
 
+@triton.jit
+def _add(a, b):  # the checksum's combine (a plain jit function: it also runs under the interpreter)
+    return a + b
+
+
 @triton.jit(do_not_specialize=["tokens", "head_start"])  # one compiled kernel for every room size
 def _gather_kernel(
     kv_base,  # *UNIT: kv[0]; tensor t starts at kv_base + table[t, 0]
@@ -73,6 +83,9 @@ def _gather_kernel(
     HEADS_CONTIG: tl.constexpr,  # every head stride equals DU: a row is contiguous in kv too
     FLAT: tl.constexpr,  # every block stride is PAGE token strides: slot s is s * token stride
     PAGE: tl.constexpr,  # tokens per block (unused when FLAT)
+    partials=None,  # *i64 [T, programs]: each program's checksum of what it wrote (SUM)
+    SUM: tl.constexpr = False,  # also sum the 32-bit words written (kernels/checksum.py)
+    WORDS: tl.constexpr = 1,  # 32-bit words per unit when SUM: 1 (4-byte units) or 2 (8-byte)
 ):
     # A program copies BLOCK consecutive pieces of tensor t's output, i.e. the (token, piece)
     # pairs r = BLOCK * pid + [0, BLOCK): contiguous in `out`, one contiguous run of kv each.
@@ -102,7 +115,20 @@ def _gather_kernel(
         mask = tok_ok[:, None]
     else:
         mask = tok_ok[:, None] & (cols < ROW)
-    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+    values = tl.load(src, mask=mask)
+    tl.store(dst, values, mask=mask)
+    if SUM:
+        # unit u of the gather layout holds words [u * WORDS, (u + 1) * WORDS): word i weighs i + 1
+        unit = dst_row[:, None] + cols
+        wide = values.to(tl.int64)
+        if WORDS == 2:
+            part = (wide & 0xFFFFFFFF) * (2 * unit + 1) + ((wide >> 32) & 0xFFFFFFFF) * (2 * unit + 2)
+        else:
+            part = (wide & 0xFFFFFFFF) * (unit + 1)
+        part = tl.where(mask, part, 0)
+        tl.store(
+            partials + t * tl.num_programs(0) + tl.program_id(0), tl.reduce(tl.reduce(part, 1, _add), 0, _add)
+        )
 
 
 def gather_heads_reference(
@@ -140,6 +166,7 @@ def gather_heads(
     stream: torch.cuda.Stream | None = None,
     impl: Impl = "auto",
     config: LaunchConfig | None = None,
+    checksum: torch.Tensor | None = None,
 ) -> None:
     """Gather heads ``[head_start, head_start + num_heads)`` of ``slots`` from every KV tensor into ``out``.
 
@@ -159,6 +186,12 @@ def gather_heads(
     Stream: everything (slot upload, launch) is enqueued on ``stream`` (default: the current
     stream of kv's device); nothing synchronizes. ``out`` is complete when that stream reaches
     this point; ``slots`` host memory may be reused as soon as this returns.
+
+    ``checksum``: int64 ``[1]`` on kv's device or in pinned host memory (CPU kv: on CPU), which
+    receives the checksum of what was written (``kernels.checksum``, the gather layout from word
+    0) on ``stream`` too: read it once the stream passed this point. The layout must then be a
+    whole number of 4-byte words. With 4- or 8-byte copy units the kernel sums as it copies; with
+    narrower units (rows of an odd number of 16-bit heads' bytes), a second read sums the output.
 
     Every argument is checked before anything is enqueued; a bad one raises
     :class:`KernelInputError` naming it. Zero tokens: nothing is launched.
@@ -183,15 +216,29 @@ def gather_heads(
         )
     which = resolve_impl(impl, layout.device)
     cfg = config or (HOST_CONFIG if host else DEFAULT_CONFIG)
+    if checksum is not None:
+        _check_checksum(checksum, layout.device, numel * layout.itemsize)
     index = prepare_slots(slots, layout.num_slots, layout.device, stream=stream)
     if tokens == 0:
+        if checksum is not None:
+            with launcher(layout.device, stream):
+                checksum.reshape(-1)[:1].zero_()
         return
     target = flat[:numel]
     with launcher(layout.device, stream):
-        if which == "torch":
-            gather_heads_reference(layout.tensors, index.use(), head_start, num_heads, target.view(shape))
-            return
         unit, vec = copy_unit(math.gcd(layout.byte_gcd, target.data_ptr()))
+        if which == "torch" or (checksum is not None and unit < 4):
+            if which == "torch":
+                gather_heads_reference(layout.tensors, index.use(), head_start, num_heads, target.view(shape))
+            else:
+                gather_heads(
+                    layout, index, head_start, num_heads, out, stream=stream, impl=impl, config=config
+                )
+            if checksum is not None:  # a second read of what was written
+                from .checksum import checksum_bytes  # (it imports this module's reference)
+
+                checksum_bytes(target.view(torch.uint8), stream=stream, impl=impl, out=checksum)
+            return
         du = layout.head_dim * layout.itemsize // unit
         row = num_heads * du
         piece, even = column_block(row)
@@ -200,6 +247,9 @@ def gather_heads(
         unit_dtype = INT_VIEW[unit]
         kernel = _gather_kernel if which == "jit" else triton_int(_gather_kernel)
         grid = (triton.cdiv(tokens * npiece, block), len(layout))
+        partials = (
+            None if checksum is None else torch.empty(grid[::-1], dtype=torch.int64, device=layout.device)
+        )
         kernel[grid](  # type: ignore[index]
             layout.tensors[0].view(torch.uint8).view(unit_dtype),
             layout.table(unit),
@@ -217,5 +267,20 @@ def gather_heads(
             HEADS_CONTIG=layout.heads_contiguous,
             FLAT=layout.flat,
             PAGE=1 if layout.flat else layout.block_size,
+            partials=partials,
+            SUM=partials is not None,
+            WORDS=max(1, unit // 4),
             num_warps=cfg.num_warps,
         )
+        if checksum is not None and partials is not None:
+            checksum.reshape(-1)[:1].copy_(partials.sum().reshape(1), non_blocking=True)
+
+
+def _check_checksum(checksum: torch.Tensor, device: torch.device, nbytes: int) -> None:
+    """A gather's ``checksum`` output: int64 ``[1]`` where the sum may land; whole words to sum."""
+    if not isinstance(checksum, torch.Tensor) or checksum.dtype != torch.int64 or checksum.numel() < 1:
+        raise KernelInputError(f"checksum must be an int64 tensor of 1 item, got {checksum!r:.60}")
+    if checksum.device != device and not (device.type == "cuda" and checksum.device.type == "cpu"):
+        raise KernelInputError(f"checksum is on {checksum.device}, the KV on {device}")
+    if nbytes % 4:
+        raise KernelInputError(f"the gather's {nbytes} bytes are not whole 4-byte words: no checksum")

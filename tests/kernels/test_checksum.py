@@ -20,7 +20,7 @@ import pytest
 import torch
 from kvgen import PAGED_KINDS, Backend, expected_gather, make_paged, make_pool, page_slots, shuffled_pages
 
-from transfer_engine.kernels import KernelInputError
+from transfer_engine.kernels import KernelInputError, gather_heads
 from transfer_engine.kernels.checksum import (
     MASK64,
     checksum_bytes,
@@ -193,6 +193,51 @@ def test_heads_bit_exact(backend: Backend, case: Heads) -> None:
     assert checksum_value(got) == expected
 
 
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_the_gather_sums_what_it_writes(backend: Backend, case: Heads) -> None:
+    """``gather_heads(checksum=...)``: the gather (into staging memory, device or pinned host) also
+    sums what it wrote, bit-exact with the definition over the bytes it wrote, and with the sum
+    :func:`checksum_heads` takes over the pages. 4- and 8-byte copy units sum inside the kernel;
+    narrower ones (int8 rows of 8 bytes at odd head offsets) by a second read."""
+    gen = torch.Generator().manual_seed(15)
+    kv, slots = case.build(backend.device, gen)
+    nbytes = case.tensors * case.tokens * case.width * case.head_dim * kv[0].element_size()
+    out = backend.staging(nbytes + 64, gen)
+    summed = torch.zeros(1, dtype=torch.int64, pin_memory=backend.device == "cuda")
+    stream = backend.stream()
+    gather_heads(kv, slots, case.start, case.width, out, stream=stream, impl=backend.impl, checksum=summed)  # type: ignore[arg-type]
+    backend.finish(stream)
+    written = out[:nbytes].cpu().numpy()
+    assert checksum_value(summed) == checksum_numpy(written)
+    assert checksum_value(summed) == checksum_numpy(
+        expected_gather(kv, slots, case.start, case.width).numpy()
+    )
+
+
+def test_a_gather_of_narrow_units_sums_by_a_second_read(backend: Backend) -> None:
+    """int8 heads of 6 bytes: the gather copies 2-byte units, and the sum of its 12-byte rows is
+    taken by a second read of what it wrote (still bit-exact)."""
+    gen = torch.Generator().manual_seed(16)
+    kv = [
+        torch.randint(-128, 128, (5, 4, 3, 6), generator=gen, dtype=torch.int8).to(backend.device)
+        for _ in range(4)
+    ]
+    slots = torch.tensor([7, 2, 19, 3, 11])
+    out = backend.staging(4 * 5 * 2 * 6, gen)
+    summed = torch.zeros(1, dtype=torch.int64, pin_memory=backend.device == "cuda")
+    stream = backend.stream()
+    gather_heads(kv, slots, 1, 2, out, stream=stream, impl=backend.impl, checksum=summed)  # type: ignore[arg-type]
+    backend.finish(stream)
+    assert checksum_value(summed) == checksum_numpy(out.cpu().numpy())
+
+
+def test_a_gather_without_whole_words_refuses_a_checksum() -> None:
+    kv = [torch.zeros(4, 2, 3, dtype=torch.int8)]
+    out = torch.zeros(6, dtype=torch.int8).view(1, 1, 2, 3)
+    with pytest.raises(KernelInputError, match="6 bytes are not whole 4-byte words"):
+        gather_heads(kv, torch.tensor([1]), 0, 2, out, checksum=torch.zeros(1, dtype=torch.int64))
+
+
 def test_heads_of_a_layer_group_is_its_tensors(backend: Backend) -> None:
     """A layer group's checksum is that of its own tensors' gather layout (``[K_a..K_b, V_a..V_b]``)."""
     gen = torch.Generator().manual_seed(6)
@@ -288,6 +333,7 @@ def written(pool: KVPool, value: int) -> None:
 @pytest.mark.parametrize("layers", [None, (1, 3)], ids=["all", "group"])
 def test_a_started_sum_is_the_one_taken_at_once(device: str, layers: tuple[int, int] | None) -> None:
     checksums, slots = pool_checksums(device, 5)
+    assert checksums.warmed == (2 * 3 if device == "cuda" else 0)  # compiled at start: widths 1, 2, 4
     try:
         started = checksums.enqueue(slots, 1, 2, layers)
         assert started.value() == checksums.chunk(slots, 1, 2, layers) != 0

@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from transfer_engine.errors import ConfigError
-from transfer_engine.kernels import KVTable, as_kv_table
+from transfer_engine.kernels import KVTable, as_kv_table, gather_heads
 from transfer_engine.kernels.checksum import WORD, checksum_heads, checksum_value
 from transfer_engine.memory.layout import KVPool
+from transfer_engine.memory.staging import head_counts
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_tensors
 
@@ -109,6 +110,29 @@ class PoolChecksums:
         self._closed = threading.Event()
         self.pending = 0
         """Sums :meth:`submit` started whose callback has not run yet (the loop's count)."""
+        self.warmed = self._warm()
+        """Kernel launches made to compile the integrity kernels at start (0 on CPU)."""
+
+    def _warm(self) -> int:
+        """Compile the kernels integrity launches on a CUDA pool now, before any peer is connected:
+        Triton compiles on a kernel's first launch, on the calling thread, which would be the
+        engine's loop (``memory.staging.warm_staging_kernels`` says why that matters). The gather
+        that sums as it copies (staged prefill) and the sum over the pages (direct prefill, every
+        decode), for each head-slice width; one token of slot 0, nothing is written to the pool."""
+        if self.stream is None:
+            return 0
+        kv, slot = self._all, torch.zeros(1, dtype=torch.int64)
+        summed = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        launches = 0
+        for n in head_counts(kv.heads):
+            out = torch.empty(
+                len(kv) * n * kv.head_dim * kv.itemsize, dtype=torch.uint8, device=self.pool.device
+            )
+            gather_heads(kv, slot, 0, n, out, checksum=summed)
+            checksum_heads(kv, slot, 0, n, stream=self.stream, out=summed)
+            launches += 2
+        torch.cuda.synchronize(self.pool.device)
+        return launches
 
     def _table(self, layers: tuple[int, int] | None) -> KVTable:
         if layers is None:
@@ -273,9 +297,10 @@ class Seal:
         self.sum = self._start(after=after, stream=stream)
         return self.sum
 
-    def take_now(self) -> None:
-        """Take the sum on this thread (one that has the time: a CPU gather's)."""
-        self.sum = Sum.known(self._take())
+    def taken(self, taken: Sum) -> None:
+        """The sum was taken elsewhere (by the staged gather, as it copied the bytes); once only."""
+        assert self.sum is None, "a seal's sum is started once"
+        self.sum = taken
 
     @property
     def ready(self) -> bool:

@@ -18,7 +18,6 @@ import functools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,8 @@ import torch
 
 from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import KVTable, as_kv_table, gather_heads
+from transfer_engine.kernels.checksum import checksum_value
+from transfer_engine.memory.integrity import Sum
 from transfer_engine.memory.staging import StagingMemory, allocate_staging, run_cpu_copy
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_tensors
@@ -48,16 +49,6 @@ from .held import Held, Start, is_ready
 from .plan import chunk_notification, staged_slots
 
 log = logging.getLogger(__name__)
-
-
-def _then(first: Callable[[], object], second: Callable[[], object]) -> Callable[[], None]:
-    """One call that makes ``first()`` then ``second()`` (a CPU gather, then its seal's checksum)."""
-
-    def both() -> None:
-        first()
-        second()
-
-    return both
 
 
 @dataclass(eq=False)
@@ -346,24 +337,30 @@ class StagedPath(DirectPath):
         leases = self._buffers[staged.host][1]
         spec = self.sealed(job, self._staged_spec(staged, memory, offset))
         seal = seal_of(spec)
+        # Integrity: the gather kernel sums what it writes, in the same pass (docs/INTEGRITY.md);
+        # the sum is known when the gather is, so the WRITE's start waits for nothing more.
+        summed = None
+        if seal is not None:
+            summed = torch.zeros(1, dtype=torch.int64, pin_memory=self.stream is not None)
+            gather = functools.partial(gather, checksum=summed)
         made: int | TransferError | None = None
         gathered = None
         try:
             # The WRITE is made (checked, lists prepared) while the gather runs: only its start
             # waits for the gathered bytes (docs/DECISIONS.md, "A staged WRITE is made while its gather runs").
-            # Integrity: the seal's checksum is taken right behind the gather, by whoever runs it (the
-            # gather's stream, or the gather's thread), so the WRITE's start waits for nothing more.
             if self.stream is None:
                 made = self._make(spec)
-                await run_cpu_copy(gather if seal is None else _then(gather, seal.take_now), staged.nbytes)
+                await run_cpu_copy(gather, staged.nbytes)
+                if seal is not None and summed is not None:
+                    seal.taken(Sum.known(checksum_value(summed)))
             else:
                 if job.ready is not None:
                     self.stream.wait_event(job.ready)  # the gather reads KV the caller's stream wrote
                 gather()
-                if seal is not None:
-                    seal.start(stream=self.stream)
                 made = self._make(spec)
                 gathered = recorded(self.stream)
+                if seal is not None and summed is not None:
+                    seal.taken(Sum(gathered, functools.partial(checksum_value, summed)))
         except Exception as exc:  # a kernel error fails the room, never the worker
             log.exception("worker %d: gather for room %d failed", self.index, job.room)
             if isinstance(made, int):
