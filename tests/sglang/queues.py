@@ -6,7 +6,8 @@ Each rank process does what SGLang's scheduler process does before its event loo
 its side (the group SGLang all-reduces polls over), and builds SGLang's real CPU pools:
 ``ReqToTokenPool``, ``MHATokenToKVPool`` / ``MLATokenToKVPool`` on device ``cpu``, the paged
 allocator and a ``RadixCache`` with the radix cache disabled, as SGLang builds them by default on
-a disaggregated instance. Then it runs SGLang's queues over real ``Req`` objects:
+a disaggregated instance (a decode's is on where the plan's prompts share prefixes). Then it runs
+SGLang's queues over real ``Req`` objects:
 
 - prefill: ``PrefillBootstrapQueue`` (``add``, ``pop_bootstrapped``), then the scheduler mixin's
   ``send_kv_chunk`` and ``process_disagg_prefill_inflight_queue``;
@@ -122,12 +123,28 @@ class Plan:
     non-overlap scheduler sends it (a middle chunk by ``process_prefill_chunk``, the last after its
     forward); 0: the whole prompt in one forward and one send. A room in :attr:`abort_rooms` is
     aborted after its first chunk, mid-room, as SGLang aborts a request it is still chunking."""
+    prefix_of: dict[int, int] = field(default_factory=dict)
+    """Room -> an earlier room whose whole prompt this room's prompt starts with. Non-empty on a
+    decode: SGLang's decode radix cache is on (``--disaggregation-decode-enable-radix-cache``), a
+    received room's KV stays in it, and a later room's cached prefix goes to the prefill as
+    ``decode_prefix_len`` (only the rest is sent)."""
 
 
-def token_bytes(room: int, num_tokens: int, buffers: int, heads: int, head_bytes: int) -> torch.Tensor:
-    """The bytes the forward writes for ``room``: [buffer, token, head, byte], every head of the model."""
-    gen = torch.Generator().manual_seed(room * 7919 + 17)
-    return torch.randint(0, 256, (buffers, num_tokens, heads, head_bytes), generator=gen, dtype=torch.uint8)
+def prompt(plan: Plan, room: int) -> list[int]:
+    """The token ids of ``room``'s prompt (its length from the plan's waves)."""
+    tokens = {r: t for wave in plan.waves for r, t in wave}
+    base = prompt(plan, plan.prefix_of[room]) if room in plan.prefix_of else []
+    return (base + [(room + i) % 250 + 1 for i in range(len(base), tokens[room])])[: tokens[room]]
+
+
+def token_bytes(ids: list[int], buffers: int, heads: int, head_bytes: int) -> torch.Tensor:
+    """The bytes the forward writes for a prompt: [buffer, token, head, byte], every head of the model.
+    A token's bytes follow from its position and id, so prompts that share a prefix share its KV."""
+    out = []
+    for position, token in enumerate(ids):
+        gen = torch.Generator().manual_seed(position * 7919 + token * 17 + 1)
+        out.append(torch.randint(0, 256, (buffers, 1, heads, head_bytes), generator=gen, dtype=torch.uint8))
+    return torch.cat(out, dim=1)
 
 
 class _Group:
@@ -139,14 +156,20 @@ class _Group:
         self.rank_in_group = rank
 
 
+def _radix(plan: Plan) -> bool:
+    """Whether this side runs SGLang's radix cache: a decode whose rooms share prefixes."""
+    return plan.role == "decode" and bool(plan.prefix_of)
+
+
 def _server_args(plan: Plan) -> Any:
     from sglang.srt.server_args import prepare_server_args
 
+    radix = ["--disaggregation-decode-enable-radix-cache"] if _radix(plan) else []
     return prepare_server_args(
         ["--model-path", plan.model, "--skip-tokenizer-init", "--device", "cpu", "--tp-size", str(plan.tp_size),
          "--page-size", str(plan.page_size), "--disaggregation-mode", plan.role,
          "--disaggregation-transfer-backend", "transfer_engine",
-         "--disaggregation-bootstrap-port", str(plan.bootstrap_port)]
+         "--disaggregation-bootstrap-port", str(plan.bootstrap_port), *radix]
     )  # fmt: skip
 
 
@@ -201,7 +224,7 @@ def _pools(plan: Plan) -> tuple[Any, Any, Any, Any]:
     allocator = PagedTokenToKVPoolAllocator(
         tokens, plan.page_size, torch.bfloat16, "cpu", kv, need_sort=False
     )
-    cache = RadixCache(CacheInitParams(disable=True, req_to_token_pool=req_to_token,
+    cache = RadixCache(CacheInitParams(disable=not _radix(plan), req_to_token_pool=req_to_token,
                                        token_to_kv_pool_allocator=allocator, page_size=plan.page_size))  # fmt: skip
     return req_to_token, kv, allocator, cache
 
@@ -218,6 +241,12 @@ def run(plan: Plan, results: Any) -> None:
 def first_token(room: int) -> int:
     """The token the prefill's forward samples for ``room``; the decode reads it from the aux buffers."""
     return 1 + room % 200
+
+
+def prefill_cached(room: int) -> int:
+    """The prefix-cache hit the prefill reports for ``room`` (SGLang's second metadata buffer; its
+    last, the bootstrap room, SGLang's decode checks itself)."""
+    return 3 + room % 5
 
 
 class Scheduler(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregationDecodeMixin):
@@ -284,16 +313,14 @@ class Scheduler(SchedulerDisaggregationPrefillMixin, SchedulerDisaggregationDeco
         self.disaggregation_mode = plan.role
 
 
-def _new_req(room: int, tokens: int, bootstrap_port: int) -> Any:
+def _new_req(plan: Plan, room: int) -> Any:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    ids = array(
-        "q", [(room + i) % 250 + 1 for i in range(tokens)]
-    )  # as SGLang's tokenizer manager hands them
+    ids = array("q", prompt(plan, room))  # as SGLang's tokenizer manager hands them
     return Req(
         f"req-{room}", "", ids, SamplingParams(max_new_tokens=4), bootstrap_host="127.0.0.1",
-        bootstrap_port=bootstrap_port, bootstrap_room=room,
+        bootstrap_port=plan.bootstrap_port, bootstrap_room=room,
     )  # fmt: skip
 
 
@@ -304,9 +331,9 @@ def _kv_tensors(kv: Any, mla: bool) -> list[torch.Tensor]:
     return [t.view(torch.uint8).view(t.shape[0], t.shape[1], -1) for t in (*kv.k_buffer, *kv.v_buffer)]
 
 
-def _expected(plan: Plan, room: int, tokens: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+def _expected(plan: Plan, req: Any, tensors: list[torch.Tensor]) -> torch.Tensor:
     heads_total = 1 if plan.mla else HEADS
-    full = token_bytes(room, tokens, len(tensors), heads_total, tensors[0].shape[2])
+    full = token_bytes(list(req.origin_input_ids), len(tensors), heads_total, tensors[0].shape[2])
     if plan.mla:
         return full
     per = HEADS // plan.tp_size
@@ -326,10 +353,11 @@ def _forward(sched: Scheduler, req: Any) -> None:
     req.extend_end = n
     req.prefix_len = 0
     tensors = _kv_tensors(sched.kv, sched.plan.mla)
-    expected = _expected(sched.plan, req.bootstrap_room, n, tensors)
+    expected = _expected(sched.plan, req, tensors)
     for t, e in zip(tensors, expected, strict=True):
         t[locs[:n]] = e
     req.output_ids.append(first_token(req.bootstrap_room))
+    req.cached_tokens = prefill_cached(req.bootstrap_room)
 
 
 def _pages_of(sched: Scheduler, req: Any) -> list[int]:
@@ -359,6 +387,8 @@ class _Waves:
         self.done: dict[int, str] = {}
         self.pages: dict[int, list[int]] = {}
         self.bytes_checked = 0
+        self.prefix: dict[int, int] = {}
+        """Prefill: the ``decode_prefix_len`` each room's decode sent (tokens the prefill skips)."""
         self.sent: dict[int, list[int]] = {}
         """Prefill, chunked: where each send of a room ended (``req.start_send_idx`` after it)."""
         self.deferred = 0
@@ -371,8 +401,8 @@ class _Waves:
                 return False
             wave = self.remaining.pop(0)
             self.current = [room for room, _ in wave]
-            for room, tokens in wave:
-                add(_new_req(room, tokens, self.plan.bootstrap_port))
+            for room, _ in wave:
+                add(_new_req(self.plan, room))
         return True
 
     def report(self, sched: Scheduler) -> dict[str, Any]:
@@ -381,8 +411,11 @@ class _Waves:
             "pages": self.pages,
             "bytes_checked": self.bytes_checked,
             "sent": self.sent,
+            "prefix": self.prefix,
             "deferred": self.deferred,
-            "free_tokens": sched.token_to_kv_pool_allocator.available_size(),
+            # pages free, or kept by the radix cache with no request holding them (evictable)
+            "free_tokens": sched.token_to_kv_pool_allocator.available_size()
+            + sched.tree_cache.evictable_size(),
             "pool_tokens": _pool_tokens(self.plan),
             "free_rows": sched.req_to_token_pool.available_size(),
             "free_metadata": sched.req_to_metadata_buffer_idx_allocator.available_size(),
@@ -415,6 +448,7 @@ def _run_prefill(plan: Plan, server_args: Any, group: Any, single: Any) -> dict[
                 os.kill(os.getpid(), signal.SIGKILL)
             _forward(sched, req)
             waves.pages[req.bootstrap_room] = _pages_of(sched, req)
+            waves.prefix[req.bootstrap_room] = req.disagg_decode_prefix_len
             if plan.chunk_tokens:
                 req.extend_end = 0  # its chunks go out one per step, below
                 chunking.append(req)
@@ -479,7 +513,7 @@ def _check_received(sched: Scheduler, req: Any) -> int:
     n = len(req.origin_input_ids)
     locs = sched.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].long()
     tensors = _kv_tensors(sched.kv, sched.plan.mla)
-    expected = _expected(sched.plan, req.bootstrap_room, n, tensors)
+    expected = _expected(sched.plan, req, tensors)
     for i, (t, e) in enumerate(zip(tensors, expected, strict=True)):
         bad = int((t[locs] != e).sum())
         if bad:
@@ -487,6 +521,10 @@ def _check_received(sched: Scheduler, req: Any) -> int:
     if list(req.output_ids[:1]) != [first_token(req.bootstrap_room)]:
         raise AssertionError(
             f"room {req.bootstrap_room}: first token {req.output_ids[:1]} from the aux buffers"
+        )
+    if req.cached_tokens != prefill_cached(req.bootstrap_room):
+        raise AssertionError(
+            f"room {req.bootstrap_room}: cached_tokens {req.cached_tokens} from the aux buffers"
         )
     return sum(e.numel() for e in expected)
 
@@ -531,7 +569,7 @@ def _run_decode(plan: Plan, server_args: Any, group: Any, single: Any) -> dict[s
         for req in sched.waiting_queue:
             waves.bytes_checked += _check_received(sched, req)
             waves.done[req.bootstrap_room] = "received"
-            release_kv_cache(req, sched.tree_cache, checkpoint=False)
+            release_kv_cache(req, sched.tree_cache, checkpoint=_radix(plan))  # the tree keeps its KV
         sched.waiting_queue.clear()
         for req in sched.streamed:
             waves.done.setdefault(req.bootstrap_room, type(req.finished_reason).__name__)

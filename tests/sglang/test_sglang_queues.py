@@ -52,6 +52,7 @@ def _run_sides(
     prefill_aborts: tuple[int, ...] = (),
     chunk_tokens: int = 0,
     decode_page: int = PAGE,
+    prefix_of: dict[int, int] | None = None,
 ) -> list[Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local config.json; nothing to fetch
     model = write_model(str(tmp_path / "model"), mla)
@@ -68,6 +69,7 @@ def _run_sides(
             group_port = free_port()
             for rank in range(tp):
                 plan = Plan(role, tp, rank, group_port, port, mla, model, waves, aborts, timeout_s=90)
+                plan.prefix_of = prefix_of or {}
                 if role == "prefill":
                     plan.die_in_room, plan.chunk_tokens = prefill_dies_in, chunk_tokens
                 else:
@@ -188,3 +190,27 @@ def test_chunked_prefill_moves_every_byte(
         ):  # a middle send ends on a whole page; the last at the prompt's end
             assert r["sent"][11] == [4, 10] and r["sent"][14] == [4, 8], r["sent"]
             assert r["sent"][13] == ([4] if 13 in prefill_aborted else [4, 12, 17]), r["sent"]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 1)], ids=["P1-D1", "P2-D1"])
+def test_a_prefix_in_sglangs_decode_radix_cache_is_not_sent(
+    tmp_path: Any, prefill_tp: int, decode_tp: int
+) -> None:
+    """The decode runs SGLang's radix cache: room 31's KV stays in it once received, room 32 (its
+    prompt extends 31's) and room 33 (a prefix of 32's) find their cached pages there, SGLang sends
+    the cached length as ``decode_prefix_len``, the prefill skips those tokens and sends the rest,
+    and the decode holds every byte of the whole prompt (the prefix from its cache)."""
+    waves = [[(31, 10)], [(32, 17)], [(33, 14)]]
+    reports = _run_sides(tmp_path, prefill_tp, decode_tp, False, [], waves=waves, prefix_of={32: 31, 33: 32})
+    decodes = [r for r in reports if r["pool_tokens"] == DECODE_POOL_TOKENS]
+    prefills = [r for r in reports if r["pool_tokens"] == POOL_TOKENS]
+    for r in decodes:
+        assert r["done"] == {31: "received", 32: "received", 33: "received"}, r["done"]
+        assert r["bytes_checked"] > 0
+        assert set(r["pages"][31]) & set(r["pages"][32]), r["pages"]  # the prefix's pages, shared
+        assert r["free_tokens"] == r["pool_tokens"] and r["free_rows"] == 32, r
+        assert r["free_metadata"] == 8 and not r["leaks"], r
+    for r in prefills:
+        assert r["done"] == {31: "FINISH_LENGTH", 32: "FINISH_LENGTH", 33: "FINISH_LENGTH"}, r["done"]
+        assert r["prefix"] == {31: 0, 32: 8, 33: 12}, r["prefix"]
+        assert r["free_tokens"] == r["pool_tokens"] and not r["leaks"], r
