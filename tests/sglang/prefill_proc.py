@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 import tests.sglang.conftest  # noqa: F401  # SGLang's modules and plugins, as under pytest
-from tests.sglang.scheduler import SMALL, Memory, manager
+from tests.sglang.rank_memory import SMALL, Memory, manager
 from transfer_engine import RoomStatus
 from transfer_engine.integrations.sglang import KVBootstrapServer, KVSender
 from transfer_engine.testing import patterns

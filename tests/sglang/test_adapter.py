@@ -21,7 +21,7 @@ from sglang.srt.disaggregation.base.conn import (
 )
 from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
 
-from tests.sglang.scheduler import SMALL, Memory, manager
+from tests.sglang.rank_memory import SMALL, Memory, manager
 from transfer_engine import ConfigError, LayoutError, LocalProtocolError, RoomStatus, TransferFailed
 from transfer_engine.integrations.sglang import (
     BACKEND,

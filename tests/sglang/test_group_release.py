@@ -30,7 +30,7 @@ import pytest
 import torch
 from sglang.srt.disaggregation.base.conn import KVPoll
 
-from tests.sglang.scheduler import Memory, manager
+from tests.sglang.rank_memory import Memory, manager
 from transfer_engine import KVLayout, RoomStatus, TransferFailed
 from transfer_engine.integrations.sglang import KVBootstrapServer, KVManager, KVReceiver, KVSender
 from transfer_engine.testing import patterns

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.sglang.scheduler import SMALL, Memory, manager
+from tests.sglang.rank_memory import SMALL, Memory, manager
 from transfer_engine import FailureReason, RoomStatus
 from transfer_engine.errors import TransferFailed
 from transfer_engine.integrations.sglang import KVBootstrapServer, KVReceiver, KVSender
