@@ -11,9 +11,9 @@ is the sum of each part's checksum taken with its word offset (``start``).
 
 What a chunk's checksum covers is its **gather layout**: the bytes ``gather_heads`` would write
 for it, ``[T, tokens, num_heads, head_dim]`` over the tensors the WRITE carries (every layer's K
-and V, or one layer group's). The prefill takes it over a staging lease (:func:`checksum_bytes`,
-the lease holds exactly that layout) or straight over its KV pages (:func:`checksum_heads`, no
-copy); the decode over its destination pages after they landed (:func:`checksum_heads` with the
+and V, or one layer group's). The prefill takes it as its gather copies the pages into a staging
+lease (``gather_heads(checksum=...)``: the same weighted words, in the gather kernel) or straight
+over its KV pages (:func:`checksum_heads`, no copy); the decode over its destination pages after they landed (:func:`checksum_heads` with the
 decode's slots and head slice). Equal bytes in equal order give equal sums on both sides, whatever
 the page sizes, strides or paths.
 

@@ -8,13 +8,14 @@ page layouts, paths or TP sizes (``protocol/integrity.py``).
 
 No thread waits for a sum that is not done. :meth:`PoolChecksums.enqueue` starts one and returns
 a :class:`Sum`: on CUDA its kernel is enqueued on a stream (this object's own, or the caller's:
-a staged chunk's is summed on its gather stream, behind the gather) after the events the bytes
-wait for, into pinned host memory, and ``Sum.done`` is the stream's event after it; on CPU it runs
-on this object's one checksum thread (numpy), which first waits for the ``threading.Event`` s the
-bytes wait for, and ``Sum.done`` is set when it is known. Whoever needs the value waits for
-``done`` through a :class:`~transfer_engine.runtime.completion.CompletionWaiter` (the prefill's
-worker holds the WRITE until then; the decode's room hears :meth:`PoolChecksums.submit`'s
-callback) and then reads it without a synchronisation.
+the decode's scatter sums its pages behind the copy on the scatter stream) after the events the
+bytes wait for, into pinned host memory, and ``Sum.done`` is the stream's event after it; on CPU
+it runs on this object's one checksum thread (numpy), which first waits for the
+``threading.Event`` s the bytes wait for, and ``Sum.done`` is set when it is known. Whoever needs
+the value waits for ``done`` through the completion machinery (the prefill's worker holds the
+WRITE until then; the decode's room hears :meth:`PoolChecksums.submit`'s callback, from this
+object's thread) and then reads it without a synchronisation. A staged chunk's seal is not
+started here: the gather kernel sums what it copies (``gather_heads(checksum=...)``).
 """
 
 from __future__ import annotations
