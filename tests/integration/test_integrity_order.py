@@ -10,24 +10,35 @@ comes never starts, and its room fails at its deadline, not hangs. Nothing leaks
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import anyio
 import pytest
 
-from transfer_engine.errors import FailureReason, TransferFailed
+from transfer_engine.config import EngineConfig
+from transfer_engine.engine import TransferEngine
+from transfer_engine.errors import FailureReason, LocalProtocolError, TransferFailed
 from transfer_engine.memory.integrity import PoolChecksums, Sum
+from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.testing import patterns
+from transfer_engine.testing.cluster import Cluster, open_cluster
+from transfer_engine.transport.faults import Fault, FaultyTransport, Rule, matching
+from transfer_engine.transport.nixl import NixlTransport
 
-from .harness import cluster, shuffled_pages, small_layout
+from .harness import cluster, make_pool, shuffled_pages, small_layout
 from .test_inspection import wait_for
 
 pytestmark = pytest.mark.timeout(60)
+
+_names = itertools.count()
 
 
 @contextmanager
@@ -149,4 +160,75 @@ async def test_a_seal_that_never_comes_fails_the_room_at_its_deadline(layerwise:
         with anyio.fail_after(10):
             await receiver.wait()
             await sender.wait()
+        c.assert_no_leaks()
+
+
+@contextlib.asynccontextmanager
+async def flipping(rule: Rule, path: str) -> AsyncIterator[Cluster]:
+    """P=1 -> D=1 on ``DEVICE`` (CUDA under ``TE_TEST_DEVICE=cuda``), integrity on, layer groups of
+    one layer; the prefill's transport is the fault-injecting wrapper around its real NIXL one."""
+
+    def make(role: str, rank: int, port: int) -> TransferEngine:
+        name = f"order-{role}-{rank}-{os.getpid()}-{next(_names)}"
+        fields = {"num_workers": 2} if role == "prefill" else {}
+        cfg = EngineConfig(
+            role=role, tp_size=1, tp_rank=rank, bootstrap_port=port, agent_name=name, path=path,
+            layers_per_write=1, integrity=True, **fields,  # type: ignore[arg-type]
+        )  # fmt: skip
+        transport = FaultyTransport(NixlTransport(name), writes=[rule]) if role == "prefill" else None
+        return TransferEngine(cfg, make_pool("contiguous", small_layout(), 1, rank, 64), transport=transport)
+
+    async with open_cluster(make, 1, 1) as c:
+        yield c
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["direct", "staged"])
+async def test_a_flip_in_the_last_group_fails_the_room_beside_a_clean_one(path: str) -> None:
+    """Two layer-wise rooms at once; only the first room's very last group is flipped in flight.
+    Its every other group matched as it landed, so the mismatch is the one found at its last check:
+    it fails INTEGRITY and its pages are not reported loaded; the other room succeeds byte-exact;
+    nothing leaks. (The chaos suite runs the FLIP rule on every path on CPU; this one also runs on
+    CUDA pools, where the sums are the GPU kernels: the summing gather, the page sum on the
+    checksum stream, the scatter's sum on the scatter stream.)"""
+    layers = small_layout().num_layers
+
+    def last_group(payload: bytes) -> bool:
+        if not matching(m.ChunkLanded, room=91)(payload):
+            return False
+        landed = m.decode(payload)
+        assert isinstance(landed, m.ChunkLanded) and landed.layers is not None
+        return landed.last and landed.layers[1] == layers
+
+    rule = Rule(Fault.FLIP, match=last_group)
+    rng = random.Random(91)
+    async with flipping(rule, path) as c:
+        prefill, decode = c.prefill[0], c.decode[0]
+        pages = {91: shuffled_pages(rng, 32, 4), 92: shuffled_pages(rng, 32, 4) + 32}
+        dst = {91: shuffled_pages(rng, 32, 4), 92: shuffled_pages(rng, 32, 4) + 32}
+        receivers, senders = {}, {}
+        for room in (91, 92):
+            patterns.fill(prefill.pool, room, pages[room])
+            receivers[room] = await decode.receiver(room, c.bootstrap, dst[room])
+            senders[room] = prefill.sender(room)
+        for room in (91, 92):
+            for first, last in ((0, False), (2, True)):
+                await senders[room].begin_chunk(pages[room][first : first + 2], last=last)
+                for layer in range(layers):
+                    with contextlib.suppress(LocalProtocolError):  # the flipped room failed meanwhile
+                        await senders[room].layers_ready(layer, layer + 1)
+        with anyio.fail_after(15), pytest.raises(TransferFailed) as failed:
+            await receivers[91].wait()
+        assert failed.value.reason is FailureReason.INTEGRITY
+        assert f"layers [{layers - 1}, {layers})" in failed.value.detail
+        with anyio.fail_after(15):
+            await receivers[92].wait()
+        tokens = patterns.received_tokens(4, prefill.pool.layout.page_size, 4, decode.pool.layout.page_size)
+        assert patterns.mismatches(decode.pool, 92, dst[92], tokens) == 0
+        assert rule.fired == 1
+        assert decode.counters["integrity_mismatch"] == 1
+        assert decode.counters["integrity_match"] == 2 * 2 * layers - 1
+        for room in (91, 92):
+            with anyio.fail_after(15), contextlib.suppress(TransferFailed):
+                await senders[room].wait()
         c.assert_no_leaks()
