@@ -1,15 +1,18 @@
 """Request leases under real vLLM servers: queues far longer than every fixed window, a killed
-prefill, abandoned requests (docs/vllm.md, "Timeouts and leases").
+prefill, abandoned requests (docs/vllm.md, "Timeouts and leases"); and P=1 -> D=2.
 
-One module-wide set-up: a prefill and a decode (TP=1 each, ``--max-num-seqs 1``, so a second
-request queues behind the first; each server's compute threads on a core of its own) over the tests' tiny random Llama, with the liveness settings
-shrunk far below what a request waits here (heartbeat 5 s, the connector's default, ``room_lease`` 10 s,
-``bootstrap_timeout`` 3 s); our concurrent router and vLLM's standard sequential protocol over them.
-A "blocker" is a long generation sent straight to one server: the requests behind it wait for
-seconds in vLLM's queue, on the prefill (the concurrent protocol: the decode's room waits) or on
-the decode (the standard protocol: the prefill holds the KV). Each such request must still give the
-tokens of vLLM alone, with the decode computing none of its prompt. The last test kills the
-prefill with SIGKILL while a decode request waits on it.
+The lease tests share one module-wide set-up: a prefill and a decode (TP=1 each, each server's
+compute threads on a core of its own), both with ``--max-num-seqs 1`` (a second request queues
+behind the first), over the tests' tiny random Llama, with the liveness settings shrunk below what
+a request waits here (heartbeat 5 s, the connector's default; ``room_lease`` 10 s;
+``bootstrap_timeout`` 3 s), and our concurrent router and vLLM's standard sequential protocol over
+them. :func:`busy` keeps one server's only sequence slot taken: the requests behind it wait in
+vLLM's queue, on the prefill (the concurrent protocol: the decode's room waits) or on the decode
+(the standard protocol: the prefill holds the KV). Each such request must still give the tokens of
+vLLM alone, with the decode computing none of its prompt. The last test kills the prefill with
+SIGKILL while a decode request waits on it.
+
+``TestP1D2`` runs first, on servers of its own: a decode of TP=2 fed by a prefill of TP=1.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from tests.vllm.test_disaggregated import (
     stop,
     wait_healthy,
 )
+from tests.vllm.test_disaggregated import LIVENESS as SLOW_LIVENESS
+from transfer_engine.observe.cli import fetch_snapshot
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -64,8 +69,12 @@ LEASE = 10.0
 """``room_lease`` shrunk to its least (two heartbeat intervals; the engine's default is 30 s)."""
 BOOTSTRAP = 3.0
 LIVENESS = {"heartbeat_interval": HEARTBEAT, "room_lease": LEASE, "bootstrap_timeout": BOOTSTRAP}
-HOLD_S = BOOTSTRAP + LEASE + 2.0
+HOLD_S = LEASE + 2 * HEARTBEAT
 """How long a server is kept busy while requests queue: past every window they could time out by."""
+WAITED_S = LEASE + HEARTBEAT
+"""What a queued request and its room must have waited, at least, to prove anything: past
+``bootstrap_timeout`` and ``room_lease`` by a heartbeat (a room opens a moment after its request
+was sent)."""
 BLOCKERS = 6
 KILL_MARGIN_S = 5.0
 """What a killed prefill's peer may take beyond two heartbeat intervals to free a waiting request's
@@ -81,7 +90,8 @@ class Leased:
     ours: Proc
     std: Proc
     bootstrap: int
-    introspect: dict[str, int]
+    introspect: dict[str, list[int]]
+    """Each side's engines (TP ranks) by introspection port."""
     tmp: Path
 
 
@@ -114,7 +124,7 @@ def leased(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Leased]:
         wait_healthy([ours, std], "/healthz")
         for p in (prefill, decode):  # the first forward of an instance is slow
             complete(p.port, [1, 2, 3], 1)
-        yield Leased(prefill, decode, ours, std, bootstrap, {"prefill": i_p, "decode": i_d}, tmp)
+        yield Leased(prefill, decode, ours, std, bootstrap, {"prefill": [i_p], "decode": [i_d]}, tmp)
     finally:
         stop(procs)
 
@@ -126,7 +136,7 @@ def assert_nothing_held(
     deadline = time.monotonic() + within
     while True:
         usage = {side: metrics(getattr(s, side).port)["vllm:kv_cache_usage_perc"] for side in sides}
-        rooms = {s.introspect[side]: live_rooms(s.introspect[side]) for side in sides}
+        rooms = {port: live_rooms(port) for side in sides for port in s.introspect[side]}
         if not any(usage.values()) and not any(rooms.values()):
             return
         if time.monotonic() > deadline:
@@ -153,6 +163,12 @@ def busy(server: Proc) -> Iterator[None]:
             assert time.monotonic() < deadline, f"{server.name}: the blockers did not start"
             time.sleep(0.1)
         yield
+
+
+def successes(ports: list[int]) -> list[int]:
+    """Rooms that succeeded so far in each engine serving introspection on ``ports``."""
+    counted = [fetch_snapshot(f"tcp://127.0.0.1:{port}", timeout=60).counters for port in ports]
+    return [c.rooms_by_outcome.get("SUCCESS", 0) for c in counted]
 
 
 def wait_for_room(port: int, within: float = 60) -> None:
@@ -193,47 +209,106 @@ def timed(fn: Callable[..., list[int]], *args: Any, **fields: Any) -> tuple[list
     return tokens, time.monotonic() - started
 
 
+@pytest.fixture(scope="class")
+def d2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Leased]:
+    tmp = tmp_path_factory.mktemp("vllm-d2")
+    model = tmp / "model"
+    make_model(model)
+    bootstrap, i_p, i_d = free_port(), free_port(), free_port()
+
+    def kv(role: str, **extra: object) -> str:
+        config = {**SLOW_LIVENESS, **extra}
+        return json.dumps({**CONNECTOR, "kv_role": role, "kv_connector_extra_config": config})
+
+    prefill = serve(  # prompts over 512 tokens are computed in chunks
+        "prefill", tmp, model, free_port(), "--max-num-batched-tokens", "512",
+        "--kv-transfer-config", kv("kv_producer", bootstrap_port=bootstrap, introspect_port=i_p),
+    )  # fmt: skip
+    decode = serve(  # its TP rank 1's engine serves introspection on i_d + 1
+        "decode", tmp, model, free_port(), "--tensor-parallel-size", "2",
+        "--kv-transfer-config", kv("kv_consumer", introspect_port=i_d),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )  # fmt: skip
+    ours = router("ours", tmp, free_port(), prefill.port, bootstrap, decode.port)
+    std = standard_router("std", tmp, free_port(), [prefill.port], decode.port)
+    procs = [prefill, decode, ours, std]
+    SERVERS[:] = procs
+    try:
+        wait_healthy([prefill, decode])
+        wait_healthy([ours, std], "/healthz")
+        for p in (prefill, decode):  # the first forward of an instance is slow
+            complete(p.port, [1, 2, 3], 1)
+        yield Leased(prefill, decode, ours, std, bootstrap, {"prefill": [i_p], "decode": [i_d, i_d + 1]}, tmp)
+    finally:
+        stop(procs)
+
+
+class TestP1D2:
+    """P=1 -> D=2: a prefill of TP=1 and a decode of TP=2 (two KV-head halves, one per rank), with
+    servers of their own, stopped before the lease tests start theirs (the 2-core box runs no more
+    vLLM workers at once in time). Liveness is not what these tests are about: heartbeats and
+    windows as long as ``test_disaggregated``'s (an engine's loop was seen stalled for 23 s here
+    with three vLLM workers computing)."""
+
+    @pytest.mark.parametrize("which", ["std", "ours"])
+    def test_tokens_match_vllm_alone_and_the_decode_computes_no_prompt(self, d2: Leased, which: str) -> None:
+        """A decode of TP=2 (two KV-head halves, one per rank) fed by a prefill of TP=1, through vLLM's
+        standard protocol and our router: prompts of 37 to 1,100 tokens give the tokens of vLLM alone,
+        and vLLM's counters show the decode took every prompt token from the transfer."""
+        batch = prompts(60 + len(which), (37, 333, 1100))
+        reference = [complete(d2.prefill.port, p, 12) for p in batch]
+        before = metrics(d2.decode.port)
+        succeeded = successes(d2.introspect["decode"])
+        assert [complete(getattr(d2, which).port, p, 12) for p in batch] == reference
+        assert counter_delta(d2.decode.port, before, LOCAL) == 0
+        assert counter_delta(d2.decode.port, before, EXTERNAL) == sum(map(len, batch))
+        expected = [n + len(batch) for n in succeeded]  # every request's room, on both ranks
+        deadline = time.monotonic() + 20  # a room is counted once it closed, just after it succeeded
+        while successes(d2.introspect["decode"]) != expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert successes(d2.introspect["decode"]) == expected
+        assert_nothing_held(d2)
+
+
 def test_our_router_a_prefill_queue_longer_than_every_window_completes(leased: Leased) -> None:
-    """The prefill is busy for ~15 s: the decode's room waits on it far past ``bootstrap_timeout``
+    """The prefill is busy for ~20 s: the decode's room waits on it far past ``bootstrap_timeout``
     and ``room_lease``, renewed by the prefill's heartbeats (its stashed request) while it waits;
     the next requests queue on the decode too, announced to the prefill, which holds their KV."""
     batch = prompts(61, (40, 333, 700))
     reference = [complete(leased.prefill.port, p, 8) for p in batch]
     before = metrics(leased.decode.port)
-    with ThreadPoolExecutor(4) as pool, OldestRoom(leased.introspect["decode"]) as oldest:
+    with ThreadPoolExecutor(4) as pool, OldestRoom(leased.introspect["decode"][0]) as oldest:
         with busy(leased.prefill):
             routed = [pool.submit(timed, complete, leased.ours.port, p, 8) for p in batch]
             time.sleep(HOLD_S)
         results = [f.result() for f in routed]
     assert [tokens for tokens, _ in results] == reference
     waited = min(seconds for _, seconds in results)
-    assert waited > BOOTSTRAP + LEASE, f"the requests waited only {waited:.1f} s: no queue to prove anything"
-    assert oldest.age > BOOTSTRAP + LEASE, f"the decode's oldest room was {oldest.age:.1f} s old"
+    assert waited > WAITED_S, f"the requests waited only {waited:.1f} s: no queue to prove anything"
+    assert oldest.age > WAITED_S, f"the decode's oldest room was {oldest.age:.1f} s old"
     assert counter_delta(leased.decode.port, before, LOCAL) == 0
     assert counter_delta(leased.decode.port, before, EXTERNAL) == sum(map(len, batch))
-    assert counter_delta(leased.decode.port, before, "vllm:te_kv_transfers_total", len(batch)) == len(batch)
     assert_nothing_held(leased)
 
 
 def test_standard_protocol_the_prefill_holds_the_kv_while_the_decode_request_queues(leased: Leased) -> None:
-    """vLLM's sequential protocol with the decode busy for ~15 s: each prefill finished at once and
+    """vLLM's sequential protocol with the decode busy for ~20 s: each prefill finished at once and
     holds the KV (its room opened) while the decode's request waits in vLLM's queue, far past
     ``room_lease``: the decode announces the queued request's room, its heartbeats renew the lease."""
     batch = prompts(62, (50, 400, 900))
     reference = [complete(leased.prefill.port, p, 8) for p in batch]
     before = metrics(leased.decode.port)
-    with ThreadPoolExecutor(4) as pool, OldestRoom(leased.introspect["prefill"]) as oldest:
+    with ThreadPoolExecutor(4) as pool, OldestRoom(leased.introspect["prefill"][0]) as oldest:
         with busy(leased.decode):
             routed = [pool.submit(timed, complete, leased.std.port, p, 8) for p in batch]
             time.sleep(HOLD_S)
         results = [f.result() for f in routed]
     assert [tokens for tokens, _ in results] == reference
     waited = min(seconds for _, seconds in results)
-    assert waited > BOOTSTRAP + LEASE, f"the requests waited only {waited:.1f} s: no queue to prove anything"
-    assert oldest.age > BOOTSTRAP + LEASE, f"the prefill's oldest room was {oldest.age:.1f} s old"
+    assert waited > WAITED_S, f"the requests waited only {waited:.1f} s: no queue to prove anything"
+    assert oldest.age > WAITED_S, f"the prefill's oldest room was {oldest.age:.1f} s old"
     assert counter_delta(leased.decode.port, before, LOCAL) <= BLOCKERS  # their one-token prompts
     assert counter_delta(leased.decode.port, before, EXTERNAL) == sum(map(len, batch))
-    assert counter_delta(leased.decode.port, before, "vllm:te_kv_transfers_total", len(batch)) == len(batch)
     assert_nothing_held(leased)
 
 
@@ -248,7 +323,7 @@ def test_standard_protocol_kv_nobody_asks_for_is_freed_when_its_lease_ends(lease
     )
     answered = time.monotonic()
     assert answer["kv_transfer_params"]["do_remote_prefill"] is True
-    held = live_rooms(leased.introspect["prefill"])
+    held = live_rooms(leased.introspect["prefill"][0])
     assert len(held) == 1, held  # holding the KV for a decode that may come
     assert_nothing_held(leased, within=LEASE + 2 * HEARTBEAT + KILL_MARGIN_S)
     freed = time.monotonic() - answered
@@ -271,7 +346,7 @@ def test_our_router_killed_mid_request_frees_both_sides(leased: Leased) -> None:
         with ThreadPoolExecutor(1) as pool, busy(leased.prefill):
             body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0}
             pool.submit(send_raw, doomed.port, body)
-            wait_for_room(leased.introspect["decode"])  # the decode's room waits on the prefill
+            wait_for_room(leased.introspect["decode"][0])  # the decode's room waits on the prefill
             os.killpg(doomed.popen.pid, signal.SIGKILL)
             doomed.popen.wait(10)
             assert_nothing_held(leased, ("decode",), within=30)  # while the prefill is still busy
@@ -311,9 +386,9 @@ def test_a_killed_prefill_frees_the_waiting_decode_s_blocks_within_two_heartbeat
     with ThreadPoolExecutor(2) as pool, busy(leased.prefill):
         decoded = pool.submit(send_raw, leased.decode.port, decode_leg)
         pool.submit(send_raw, leased.prefill.port, prefill_leg)
-        wait_for_room(leased.introspect["decode"])
-        time.sleep(HOLD_S)  # waiting past every window, the prefill alive
-        assert live_rooms(leased.introspect["decode"]), "the decode's room ended while its prefill lived"
+        wait_for_room(leased.introspect["decode"][0])
+        time.sleep(HEARTBEAT)  # a heartbeat of the prefill renewed the room before the kill
+        assert live_rooms(leased.introspect["decode"][0]), "the decode's room ended while its prefill lived"
         os.killpg(leased.prefill.popen.pid, signal.SIGKILL)
         killed = time.monotonic()
         assert_nothing_held(leased, ("decode",), within=30)
