@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
+import numpy as np
 import pytest
 
+from tests.integration.harness import cluster, small_layout
 from tests.vllm.test_disaggregated import (
     API_KEY,
     CONNECTOR,
@@ -56,7 +59,12 @@ from tests.vllm.test_disaggregated import (
     wait_healthy,
 )
 from tests.vllm.test_disaggregated import LIVENESS as SLOW_LIVENESS
+from tests.vllm.test_transfer_book import BOOTSTRAP as BOOK_BOOTSTRAP
+from tests.vllm.test_transfer_book import Req, decode_req, prefill_req
+from transfer_engine.errors import FailureReason, TransferFailed
+from transfer_engine.integrations.vllm.book import Transfer, TransferBook
 from transfer_engine.observe.cli import fetch_snapshot
+from transfer_engine.testing import patterns
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -93,6 +101,53 @@ class Leased:
     introspect: dict[str, list[int]]
     """Each side's engines (TP ranks) by introspection port."""
     tmp: Path
+
+
+ENGINE_SHORT: dict[str, Any] = {"bootstrap_timeout": 1.0, "heartbeat_interval": 0.2, "room_lease": 0.6}
+"""Engines alone (no vLLM): every window shrunk, as tests/integration/test_leases.py does."""
+
+
+def test_the_book_announces_each_queued_decode_request_with_valid_params_only() -> None:
+    """``on_new_request``: the decode announces a request it will ask a prefill for; a prefill, or
+    a request without (or with foreign) params, announces nothing."""
+    decode = TransferBook(is_prefill=False, block_size=32)
+    decode.added(decode_req("r1"))
+    decode.added(Req("r2", list(range(40))))
+    decode.added(Req("r3", list(range(40)), {"do_remote_prefill": True, "remote_engine_id": "x"}))
+    assert decode.take_meta().announce == [Transfer("r1", "t-r1", (), BOOK_BOOTSTRAP)]
+    prefill = TransferBook(is_prefill=True, block_size=32)
+    prefill.added(prefill_req("r1"))
+    assert prefill.take_meta().announce == []
+
+
+@pytest.mark.anyio
+async def test_a_prefill_room_nobody_asked_for_lives_while_a_decode_announces_it() -> None:
+    """Real engines: the prefill opened a room and sent its KV before any decode asked (the
+    sequential protocol); a decode announces the room (its request queued) for five leases, then
+    asks: every byte arrives. A room announced and then withdrawn ends at its lease."""
+    async with cluster(small_layout(), 1, 1, **ENGINE_SHORT) as c:
+        src, dst = np.arange(6), np.arange(10, 16)
+        patterns.fill(c.prefill[0].pool, 41, src)
+        sender = c.prefill[0].sender(41)
+        await sender.send(src, last=True)
+        await c.decode[0].announce(41, c.bootstrap)
+        await anyio.sleep(5 * ENGINE_SHORT["room_lease"])
+        assert not sender.status.final, sender.status
+        receiver = await c.decode[0].receiver(41, c.bootstrap, dst)
+        with anyio.fail_after(10):
+            await receiver.wait()
+            await sender.wait()
+        tokens = patterns.received_tokens(len(src), c.prefill[0].pool.layout.page_size, len(dst), 4)
+        assert patterns.mismatches(c.decode[0].pool, 41, dst, tokens) == 0
+        patterns.fill(c.prefill[0].pool, 42, src)
+        withdrawn = c.prefill[0].sender(42)
+        await withdrawn.send(src, last=True)
+        await c.decode[0].announce(42, c.bootstrap)
+        c.decode[0].withdraw(42)
+        with anyio.fail_after(10), pytest.raises(TransferFailed) as info:
+            await withdrawn.wait()
+        assert info.value.reason is FailureReason.BOOTSTRAP_TIMEOUT, info.value
+        c.assert_no_leaks()  # "announced" among them
 
 
 @pytest.fixture(scope="module")

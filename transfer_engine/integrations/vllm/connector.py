@@ -27,7 +27,7 @@ router protocols work, with ``kv_transfer_params`` in the request bodies:
   ``max_tokens=1``; the ``kv_transfer_params`` of its response (``request_finished``'s return:
   ``do_remote_prefill``, ``transfer_id``, ``bootstrap``, ``tp_size``, ``block_size``) go with the
   original request to the decode. A prefill request without ``transfer_id`` gets one minted from
-  its request id, and holds its blocks until the decode asked for them (or ``bootstrap_timeout``).
+  its request id, and holds its blocks until the decode asked for them (or their lease ended).
 - concurrent (``transfer_engine.integrations.vllm.proxy``): both at once, the prefill with
   ``{"do_remote_decode": true, "transfer_id": ID}``, the decode with ``{"do_remote_prefill": true,
   "transfer_id": ID, "bootstrap": "tcp://HOST:PORT"}``.
@@ -52,14 +52,16 @@ the prefill's room at once, which frees the prefill's blocks.
 
 Blocks: the prefill holds a finished request's blocks (``request_finished`` returns True) until its
 room ended on every TP rank, i.e. until no WRITE from them can still be in flight (success, failure
-or the room's ``bootstrap_timeout``); the decode's blocks are reported loaded only once the room
+or the end of the room's lease); the decode's blocks are reported loaded only once the room
 succeeded, and a decode request aborted while waiting holds its blocks until its room was aborted
 (no WRITE can land any more). A prefill request aborted before it finished aborts its room, which
 fails the decode's room at once. A decode request that ends before its blocks were allocated
 (aborted in the queue) opens its room without pages and aborts it, so the prefill learns it will
 never ask: a prefill room whose decode aborted first (even before the prefill opened it) fails at
-once and frees the blocks. A decode's room opens when vLLM allocates its blocks, so its time in
-vLLM's queue before that is not counted against it. The scheduler side's decisions are
+once and frees the blocks. A decode's room opens when vLLM allocates its blocks; from the moment
+vLLM queues the request (``on_new_request``) each decode rank announces the room to the prefill
+(``TransferEngine.announce``), whose heartbeats-renewed lease then holds a prefill's finished KV
+for it however long it queues (docs/vllm.md, "Timeouts and leases"). The scheduler side's decisions are
 :class:`TransferBook`, plain Python; the worker side translates vLLM's calls for the vLLM-free
 :class:`~transfer_engine.integrations.vllm.core.ConnectorCore` (one per TP rank).
 

@@ -29,8 +29,9 @@ CONNECTOR_DEFAULTS: dict[str, Any] = {
 }
 """Engine settings the connector picks unless ``TE_*`` variables or ``kv_connector_extra_config``
 say otherwise: a peer is dead after two silent heartbeat intervals, and the first handshake may
-take long, as vLLM's worker can hold the GIL for seconds on a loaded CPU box; a room may wait
-``bootstrap_timeout`` for its peer (the prefill's queue, or the decode's request)."""
+take long, as vLLM's worker can hold the GIL for seconds on a loaded CPU box; a decode may take
+``bootstrap_timeout`` to reach its prefill at all. A room waiting on a live peer is bounded by the
+engine's ``room_lease`` (30 s), which the peer's heartbeats renew (docs/vllm.md)."""
 
 MIN_ROOMS = 256
 """The fewest rooms (``max_rooms``) the connector gives an engine unless told otherwise."""
