@@ -232,3 +232,41 @@ async def test_a_flip_in_the_last_group_fails_the_room_beside_a_clean_one(path: 
             with anyio.fail_after(15), contextlib.suppress(TransferFailed):
                 await senders[room].wait()
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_a_room_cancelled_before_its_kv_was_written_does_not_hold_later_seals() -> None:
+    """CPU pools take the prefill's sums on one checksum thread, each after the KV it reads is
+    written. A layer-wise room aborted with layers never written must not keep that thread waiting:
+    the next room's seals are taken and it succeeds at once, not at its deadline."""
+    rng = random.Random(84)
+    async with cluster(
+        small_layout(), 1, 1, path="direct", layers_per_write=1, integrity=True, transfer_timeout=30.0
+    ) as c:
+        prefill = c.prefill[0]
+        pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
+        patterns.fill(prefill.pool, 84, pages)
+        receiver = await c.decode[0].receiver(84, c.bootstrap, dst)
+        sender = prefill.sender(84)
+        await sender.begin_chunk(pages, last=True)
+        await sender.layers_ready(0, 1)
+        never = threading.Event()  # the thread writing the later layers never sets it
+        await sender.layers_ready(1, prefill.pool.layout.num_layers, ready=never)
+        await wait_for(lambda: prefill.poller.counters["writes_posted"] >= 1, "the first group's WRITE")
+        await anyio.sleep(0.2)  # the later groups' seals are started and wait for their KV
+        await sender.abort()
+        with anyio.fail_after(10), pytest.raises(TransferFailed):
+            await receiver.wait()
+        pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
+        patterns.fill(prefill.pool, 85, pages)
+        receiver = await c.decode[0].receiver(85, c.bootstrap, dst)
+        sender = prefill.sender(85)
+        await sender.send(pages, last=True)
+        with anyio.fail_after(10):
+            await receiver.wait()
+            await sender.wait()
+        tokens = patterns.received_tokens(
+            4, prefill.pool.layout.page_size, 4, c.decode[0].pool.layout.page_size
+        )
+        assert patterns.mismatches(c.decode[0].pool, 85, dst, tokens) == 0
+        c.assert_no_leaks()

@@ -129,6 +129,50 @@ async def test_a_cancelled_wait_is_dropped_quietly() -> None:
         waiter.close()
 
 
+async def test_an_event_nobody_sets_does_not_hold_the_younger_waits() -> None:
+    """The oldest wait's event is never set (its room was cancelled before its KV was written): a
+    younger event that is set still calls back, and so does a waiting task."""
+    waiter = CompletionWaiter("t")
+    waiter.start()
+    try:
+        never, later, other = threading.Event(), threading.Event(), threading.Event()
+        called = anyio.Event()
+        waiter.notify(never, lambda: pytest.fail("never set"))
+        waiter.notify(later, called.set)
+        threading.Timer(0.01, later.set).start()
+        threading.Timer(0.02, other.set).start()
+        with anyio.fail_after(5):
+            await called.wait()
+            await waiter.wait(other)
+        assert waiter.counters["woken"] + waiter.counters["reached"] == 2
+    finally:
+        waiter.close()
+
+
+async def test_forgotten_waits_never_call_back() -> None:
+    waiter = CompletionWaiter("t")
+    waiter.start()
+    try:
+        job, kept = object(), object()
+        done, also = threading.Event(), threading.Event()
+        called = anyio.Event()
+        waiter.notify(done, lambda: pytest.fail("forgotten"), owner=job)
+        waiter.notify(done, lambda: pytest.fail("forgotten"), owner=job)
+        waiter.forget(job)
+        with anyio.fail_after(5):
+            while waiter.counters["forgotten"] < 2:  # noqa: ASYNC110 (the thread takes it on its turn)
+                await anyio.sleep(0.01)
+        waiter.notify(also, called.set, owner=kept)
+        done.set()
+        also.set()
+        with anyio.fail_after(5):
+            await called.wait()
+        await anyio.sleep(2 * STOP_CHECK_S)  # a forgotten callback would have been handed by now
+        assert waiter.counters["woken"] == 1
+    finally:
+        waiter.close()
+
+
 async def test_close_stops_a_thread_blocked_on_an_event_nobody_sets() -> None:
     waiter = CompletionWaiter("t")
     waiter.start()

@@ -56,11 +56,20 @@ class Sum:
     """A checksum that was started and may not be known yet: read :meth:`value` once ``done`` has
     completed (it waits for it otherwise)."""
 
-    __slots__ = ("done", "_read")
+    __slots__ = ("done", "_read", "cancelled")
 
     def __init__(self, done: Completion, read: Callable[[], int]) -> None:
         self.done = done
         self._read = read
+        self.cancelled = threading.Event()
+        """Set by :meth:`cancel`: a CPU sum still waiting for its bytes gives up (its reader gets
+        the error)."""
+
+    def cancel(self) -> None:
+        """Nobody will read this sum (its WRITE was dropped): a CPU sum that still waits for its KV
+        stops waiting, so the checksum thread moves on to the next one. A sum being taken or known
+        is unaffected; a CUDA sum always completes on its stream."""
+        self.cancelled.set()
 
     @classmethod
     def known(cls, value: int) -> Sum:
@@ -212,6 +221,7 @@ class PoolChecksums:
             return Sum(done, lambda: checksum_value(out))
         finished = threading.Event()
         box: list[int | _Failed] = []
+        cancelled = threading.Event()
 
         def take() -> None:
             try:
@@ -220,6 +230,8 @@ class PoolChecksums:
                     while not wait.wait(WAIT_CHECK_S):
                         if self._closed.is_set():
                             raise RuntimeError("the pool's checksums were closed before the KV was written")
+                        if cancelled.is_set():
+                            raise RuntimeError("the sum was cancelled before its KV was written")
                 box.append(self.chunk(slots, head_start, num_heads, layers))
             except BaseException as exc:
                 box.append(_Failed(exc))
@@ -232,8 +244,10 @@ class PoolChecksums:
                 raise result.exc
             return result
 
+        started = Sum(finished, read)
+        started.cancelled = cancelled
         self._executor().submit(take)
-        return Sum(finished, read)
+        return started
 
     def submit(
         self,
@@ -302,6 +316,11 @@ class Seal:
         """The sum was taken elsewhere (by the staged gather, as it copied the bytes); once only."""
         assert self.sum is None, "a seal's sum is started once"
         self.sum = taken
+
+    def cancel(self) -> None:
+        """The WRITE was dropped (its room was cancelled): its sum, if started, need not be taken."""
+        if self.sum is not None:
+            self.sum.cancel()
 
     @property
     def ready(self) -> bool:

@@ -12,7 +12,11 @@ One waiter per actor that owns a CUDA stream (each prefill worker, the scatter a
 room or per event: the completions of one stream are reached in the order they were recorded, so
 blocking on the oldest delays no younger one. Completions of other origins (a layer's ready event on
 the application's stream) may sit behind an older one of another stream; after each wake-up the
-thread also wakes every younger completion that is already reached.
+thread also wakes every younger completion that is already reached. A ``threading.Event`` may never
+be set (the layers of a room cancelled before its KV was written): the thread blocks on one for at
+most STOP_CHECK_S before it looks at the younger ones again, so such an event delays them by that
+much at worst, never for good, and :meth:`CompletionWaiter.forget` drops the waits of a cancelled
+owner.
 
 :meth:`wait` is for a task that has nothing else to do meanwhile (a gather, a scatter);
 :meth:`notify` calls back on the loop, for an actor that keeps serving its mail meanwhile (a worker
@@ -78,6 +82,13 @@ class _Wait:
     callback: Callable[[], object]
     first: Callable[[], object] | None = None
     """Run on the waiter's thread once ``done`` is reached, before ``callback`` is handed to the loop."""
+    owner: object = None
+    """Whose wait it is (:meth:`CompletionWaiter.forget`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Forget:
+    owner: object
 
 
 def _run_first(first: Callable[[], object] | None, name: str) -> None:
@@ -102,12 +113,12 @@ class CompletionWaiter:
     def __init__(self, name: str) -> None:
         self.name = name
         self._started = False
-        self._queue: queue.SimpleQueue[_Wait | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Wait | _Forget | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.counters: Counter[str] = Counter()
         """``reached`` at once (no thread hop), ``handed`` to the thread, ``woken`` by it, ``polled``
-        on the loop (no asyncio loop)."""
+        on the loop (no asyncio loop), ``forgotten`` (:meth:`forget`)."""
 
     @property
     def running(self) -> bool:
@@ -158,7 +169,12 @@ class CompletionWaiter:
         await future
 
     def notify(
-        self, done: Completion, callback: Callable[[], object], first: Callable[[], object] | None = None
+        self,
+        done: Completion,
+        callback: Callable[[], object],
+        first: Callable[[], object] | None = None,
+        *,
+        owner: object = None,
     ) -> None:
         """Call ``callback()`` on the running loop's thread once ``done`` has completed (at once,
         from here, when it already has). Needs the thread running and an asyncio loop.
@@ -166,7 +182,8 @@ class CompletionWaiter:
         ``first()``, if given, runs just before, on whichever thread saw ``done`` complete: the
         waiter's own, so that what cannot wait for the loop's turn (starting a made WRITE) is done
         the moment the GPU is (docs/DECISIONS.md, "A held WRITE is started by the completion
-        waiter's thread"). It must be safe on any thread; what it raises is logged and dropped."""
+        waiter's thread"). It must be safe on any thread; what it raises is logged and dropped.
+        ``owner``: whose wait it is, for :meth:`forget`."""
         if reached(done):
             self.counters["reached"] += 1
             _run_first(first, self.name)
@@ -174,21 +191,34 @@ class CompletionWaiter:
             return
         if not self.running:
             raise RuntimeError(f"completion waiter {self.name} is not running")
-        self._hand(_Wait(done, asyncio.get_running_loop(), callback, first))
+        self._hand(_Wait(done, asyncio.get_running_loop(), callback, first, owner))
+
+    def forget(self, owner: object) -> None:
+        """Drop the waits :meth:`notify` was given for ``owner`` and that have not called back: their
+        owner no longer needs them (a cancelled job, whose KV may never be written). From the loop;
+        a callback already on its way to the loop still runs."""
+        if owner is not None and self.running:
+            self._queue.put(_Forget(owner))
 
     def _hand(self, wait: _Wait) -> None:
         self.counters["handed"] += 1
         self._queue.put(wait)
 
     def _block(self, done: Completion) -> bool:
-        """Block until ``done`` completed (True) or the waiter is closing (False)."""
+        """Block until ``done`` completed, or for STOP_CHECK_S at most on a ``threading.Event`` (which
+        may never be set); True when it completed."""
         if isinstance(done, threading.Event):
-            while not done.wait(STOP_CHECK_S):
-                if self._stopping.is_set():
-                    return False
-            return True
+            return done.wait(STOP_CHECK_S)
         done.synchronize()
-        return not self._stopping.is_set()
+        return True
+
+    def _take(self, pending: list[_Wait], item: _Wait | _Forget) -> None:
+        if isinstance(item, _Wait):
+            pending.append(item)
+            return
+        kept = [wait for wait in pending if wait.owner is not item.owner]
+        self.counters["forgotten"] += len(pending) - len(kept)
+        pending[:] = kept
 
     def _run(self) -> None:
         pending: list[_Wait] = []
@@ -197,8 +227,11 @@ class CompletionWaiter:
                 item = self._queue.get()
                 if item is None:
                     return
-                pending.append(item)
-            if not self._block(pending[0].done):
+                self._take(pending, item)
+                continue
+            first = pending[0]
+            oldest = self._block(first.done)
+            if self._stopping.is_set():
                 return
             while True:  # take what came meanwhile: it may be reached too
                 try:
@@ -207,10 +240,10 @@ class CompletionWaiter:
                     break
                 if item is None:
                     return
-                pending.append(item)
+                self._take(pending, item)
             still: list[_Wait] = []
             for wait in pending:
-                if wait is pending[0] or reached(wait.done):
+                if (wait is first and oldest) or reached(wait.done):
                     self.counters["woken"] += 1
                     _run_first(wait.first, self.name)
                     try:

@@ -128,7 +128,7 @@ class HeldJobs(WorkerCore):
         # was made, or just now on the GPU): notify() then calls back at once. Looking again here and
         # skipping those would hold the job with nothing left to wake it (a room that never ended).
         for wait in pending:
-            self.completions.notify(wait, functools.partial(self.on_reached, job), first)
+            self.completions.notify(wait, functools.partial(self.on_reached, job), first, owner=job)
 
     def start_seal(self, made: Made, after: Sequence[Completion]) -> list[Completion]:
         """Start the checksum ``made``'s notification carries (integrity), once every completion of
@@ -283,8 +283,12 @@ class HeldJobs(WorkerCore):
         gone = {id(job) for job in cancelled}
         self._unready = [job for job in self._unready if id(job) not in gone]
         for job in cancelled:
+            self.completions.forget(job)  # its KV may never be written: the waiter need not look
             held = self._prepared.pop(id(job), None)
             if held is not None:
+                seal = seal_of(held.made[1])
+                if seal is not None:  # its sum, waiting for KV never written, frees the checksum thread
+                    seal.cancel()
                 self.poller.discard(held.made[0])
             await self.done(job, False, "cancelled while its KV was not written", FailureReason.ABORTED)
 

@@ -288,7 +288,7 @@ class StagedPath(DirectPath):
                 waiting.append(staged)
                 if id(staged) not in self._awaiting_kv:
                     self._awaiting_kv.add(id(staged))
-                    self.completions.notify(ready, functools.partial(self._kv_written, staged))
+                    self.completions.notify(ready, functools.partial(self._kv_written, staged), owner=staged)
                 continue
             if not tracker.admits(staged.allocation):
                 self.counters["watermark_waits"] += 1
@@ -469,6 +469,9 @@ class StagedPath(DirectPath):
                 continue
             self._parked[agent] = [staged for staged in self._parked[agent] if staged.job.room != room]
             for staged in ended:
+                if id(staged) in self._awaiting_kv:  # its KV may never be written
+                    self._awaiting_kv.discard(id(staged))
+                    self.completions.forget(staged)
                 await self.done(staged.job, False, "cancelled before posting", FailureReason.ABORTED)
             if not self._parked[agent]:
                 del self._parked[agent]
