@@ -140,6 +140,28 @@ async def test_a_prefill_room_no_decode_asks_for_ends_at_its_lease() -> None:
         c.assert_no_leaks()
 
 
+@pytest.mark.anyio
+async def test_a_decode_room_waiting_for_its_pages_holds_the_prefill_s_room() -> None:
+    """SGLang's order: the decode opens the room when the request arrives (the handshake) and gives
+    its pages only once memory frees up, while the prefill has finished and holds the KV. The decode
+    room, pages or not, lists the room in its heartbeats: the prefill's room outlives every window
+    (2.6 s against bootstrap 1 s and lease 0.6 s), then the pages come and every byte lands."""
+    async with cluster(small_layout(), 1, 1, **SHORT) as c:
+        src, dst = np.arange(4), np.arange(20, 24)
+        patterns.fill(c.prefill[0].pool, 26, src)
+        receiver = await c.decode[0].receiver(26, c.bootstrap)  # no pages yet
+        sender = c.prefill[0].sender(26)
+        await sender.send(src, last=True)
+        await anyio.sleep(2.6)
+        assert not sender.status.final and not receiver.status.final
+        receiver.request(dst)
+        with anyio.fail_after(10):
+            await receiver.wait()
+            await sender.wait()
+        _verify(c, 26, src, dst)
+        c.assert_no_leaks()
+
+
 @pytest.mark.slow
 def test_a_killed_prefill_fails_the_waiting_decode_rooms_within_two_heartbeats() -> None:
     """Decode rooms waiting on a prefill that holds their requests stashed (never opened): SIGKILL the

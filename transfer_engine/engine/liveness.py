@@ -152,9 +152,11 @@ def _unasked(actor: RoomActor) -> bool:
 
 def _room_peers(actor: RoomActor) -> frozenset[str]:
     """The peer agents a live room is held with: for a prefill room, the decode ranks that asked for
-    it; for a decode room whose requests went out, every prefill rank of its instance (none before)."""
+    it; for a decode room, every prefill rank of its instance, whether its pages were given yet or
+    not (SGLang opens the room when a request arrives and gives the pages once memory frees up,
+    while the prefill holds the KV: the listing renews that room, :func:`leases.renews`)."""
     if isinstance(actor, SenderRoomActor):
         return frozenset(peer.agent_name for peer in actor.peers.values())
-    if isinstance(actor, ReceiverRoomActor) and actor.requested:
+    if isinstance(actor, ReceiverRoomActor):
         return frozenset(peer.agent_name for peer in actor.everyone)
     return frozenset()
