@@ -206,7 +206,7 @@ def test_stash_expiry_tells_every_asker() -> None:
     assert stash.stale(now=4.0, lease=2.0) == [7]
     answers = stash.expire(7, agent="p0", rank=1, lease=2.0)
     assert [(agent, msg.reason) for agent, msg in answers] == [("d0", FailureReason.BOOTSTRAP_TIMEOUT)]
-    assert "room_lease=2.0" in answers[0][1].detail
+    assert "room_lease=2 s" in answers[0][1].detail
     assert stash.stale(now=4.0, lease=2.0) == []
 
 

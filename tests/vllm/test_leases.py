@@ -4,7 +4,7 @@ prefill, abandoned requests (docs/vllm.md, "Timeouts and leases"); and P=1 -> D=
 The lease tests share one module-wide set-up: a prefill and a decode (TP=1 each, each server's
 compute threads on a core of its own), both with ``--max-num-seqs 1`` (a second request queues
 behind the first), over the tests' tiny random Llama, with the liveness settings shrunk below what
-a request waits here (heartbeat 5 s, the connector's default; ``room_lease`` 10 s;
+a request waits here (heartbeat 10 s, twice the connector's default; ``room_lease`` 30 s;
 ``bootstrap_timeout`` 3 s), and our concurrent router and vLLM's standard sequential protocol over
 them. :func:`busy` keeps one server's only sequence slot taken: the requests behind it wait in
 vLLM's queue, on the prefill (the concurrent protocol: the decode's room waits) or on the decode
@@ -68,13 +68,15 @@ from transfer_engine.testing import patterns
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-HEARTBEAT = 5.0
-"""The connector's default (``CONNECTOR_DEFAULTS``). Not shorter on this 2-core box: with both servers
-computing (and the box's other jobs: load average 8-15), an engine's loop was seen stalled for up
-to 6.5 s, and a peer silent for two heartbeat intervals is dead; heartbeats of 0.5, 1, 2 and 3 s
-declared live peers dead here."""
-LEASE = 10.0
-"""``room_lease`` shrunk to its least (two heartbeat intervals; the engine's default is 30 s)."""
+HEARTBEAT = 10.0
+"""Twice the connector's default (``CONNECTOR_DEFAULTS``, 5 s). On this 2-core box, with one server
+computing flat out on its core, the engines' heartbeats went unseen for over 10 s: at 5 s a live
+decode was declared dead by its busy prefill (10.23 s of silence) in two runs of three, in CI
+too; heartbeats of 0.5, 1, 2 and 3 s declared live peers dead here sooner still."""
+LEASE = 3 * HEARTBEAT
+"""``room_lease`` at its least (three heartbeat intervals, ``protocol.leases.ROOM_LEASE_FLOOR``; the
+engine's default is 30 s). At two intervals, the least before, a room's lease raced its peer's death
+check: under CI a decode's rooms lapsed while their prefill, late by a stall, still lived."""
 BOOTSTRAP = 3.0
 LIVENESS = {"heartbeat_interval": HEARTBEAT, "room_lease": LEASE, "bootstrap_timeout": BOOTSTRAP}
 HOLD_S = LEASE + 2 * HEARTBEAT
@@ -83,7 +85,7 @@ WAITED_S = LEASE + HEARTBEAT
 """What a queued request and its room must have waited, at least, to prove anything: past
 ``bootstrap_timeout`` and ``room_lease`` by a heartbeat (a room opens a moment after its request
 was sent)."""
-BLOCKERS = 6
+BLOCKERS = 10
 KILL_MARGIN_S = 5.0
 """What a killed prefill's peer may take beyond two heartbeat intervals to free a waiting request's
 blocks on this loaded 2-core box: the liveness check runs every quarter interval, then vLLM's
@@ -326,7 +328,7 @@ class TestP1D2:
 
 
 def test_our_router_a_prefill_queue_longer_than_every_window_completes(leased: Leased) -> None:
-    """The prefill is busy for ~20 s: the decode's room waits on it far past ``bootstrap_timeout``
+    """The prefill is busy for ~50 s: the decode's room waits on it far past ``bootstrap_timeout``
     and ``room_lease``, renewed by the prefill's heartbeats (its stashed request) while it waits;
     the next requests queue on the decode too, announced to the prefill, which holds their KV."""
     batch = prompts(61, (40, 333, 700))
@@ -347,7 +349,7 @@ def test_our_router_a_prefill_queue_longer_than_every_window_completes(leased: L
 
 
 def test_standard_protocol_the_prefill_holds_the_kv_while_the_decode_request_queues(leased: Leased) -> None:
-    """vLLM's sequential protocol with the decode busy for ~20 s: each prefill finished at once and
+    """vLLM's sequential protocol with the decode busy for ~50 s: each prefill finished at once and
     holds the KV (its room opened) while the decode's request waits in vLLM's queue, far past
     ``room_lease``: the decode announces the queued request's room, its heartbeats renew the lease."""
     batch = prompts(62, (50, 400, 900))

@@ -63,7 +63,15 @@ def renews(listed_by: str, room_peers: Collection[str], *, unasked: bool = False
     return unasked or listed_by in room_peers
 
 
+ROOM_LEASE_FLOOR = LEASE_SILENCE + 1.0
+"""Heartbeat intervals a room lease lasts at least: one more than a peer may stay silent. Renewals
+ride on the peer's heartbeats, so a lease no longer than the silence allowed raced the peer's own
+death check: a peer late by a stall (seen up to 6.5 s on a loaded 2-core box under vLLM) was
+still alive when its rooms' leases had already lapsed. With the interval more, a room held by a
+live peer never lapses first; a room whose peer is silent ends with the peer (declared dead)."""
+
+
 def room_lease(configured: float, interval: float) -> float:
-    """The room lease in force: ``room_lease`` as configured, but never shorter than the silence a
-    live peer is allowed (``LEASE_SILENCE`` intervals), since renewals ride on its heartbeats."""
-    return max(configured, LEASE_SILENCE * interval)
+    """The room lease in force: ``room_lease`` as configured, but never shorter than
+    :data:`ROOM_LEASE_FLOOR` intervals, since renewals ride on the peer's heartbeats."""
+    return max(configured, ROOM_LEASE_FLOOR * interval)

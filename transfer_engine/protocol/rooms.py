@@ -175,7 +175,7 @@ class Deadlines:
         if limit is not None and not (state is _S.BOOTSTRAPPING and leased):
             bounds.append(Due(clocks.entered_at + limit, reason, f"spent more than {limit} s"))
         if lease is not None and held_at is not None:
-            bounds.append(Due(held_at + lease, reason, f"saw no sign of its peer for room_lease={lease} s"))
+            bounds.append(Due(held_at + lease, reason, f"saw no sign of its peer for room_lease={lease:g} s"))
         return min(bounds, default=None)
 
 

@@ -104,7 +104,7 @@ class EarlyRequests:
         answer every asker."""
         detail = (
             f"prefill rank {rank} did not open room {room}, and no decode renewed its request within "
-            f"room_lease={lease} s"
+            f"room_lease={lease:g} s"
         )
         reason = int(FailureReason.BOOTSTRAP_TIMEOUT)
         return [
