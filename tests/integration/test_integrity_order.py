@@ -71,6 +71,23 @@ def gated(checksums: PoolChecksums) -> Iterator[tuple[threading.Event, list[Sum]
         checksums.enqueue = real  # type: ignore[method-assign]
 
 
+async def next_room_is_exact(c: Cluster, rng: random.Random, room: int) -> None:
+    """A 4-page room from prefill rank 0 to decode rank 0 succeeds on both sides within 10 s,
+    byte-exact, and nothing leaks after it (sums flow again after what the test did)."""
+    prefill, decode = c.prefill[0], c.decode[0]
+    pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
+    patterns.fill(prefill.pool, room, pages)
+    receiver = await decode.receiver(room, c.bootstrap, dst)
+    sender = prefill.sender(room)
+    await sender.send(pages, last=True)
+    with anyio.fail_after(10):
+        await receiver.wait()
+        await sender.wait()
+    tokens = patterns.received_tokens(4, prefill.pool.layout.page_size, 4, decode.pool.layout.page_size)
+    assert patterns.mismatches(decode.pool, room, dst, tokens) == 0
+    c.assert_no_leaks()
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunks", "layers"])
 async def test_a_room_succeeds_only_after_its_last_check(layerwise: bool) -> None:
@@ -152,15 +169,7 @@ async def test_a_seal_that_never_comes_fails_the_room_at_its_deadline(layerwise:
             assert prefill.poller.counters["writes_posted"] == 0
             assert c.decode[0].poller.counters["notifs"] == 0
         c.assert_no_leaks()
-        pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
-        patterns.fill(prefill.pool, 83, pages)
-        receiver = await c.decode[0].receiver(83, c.bootstrap, dst)
-        sender = prefill.sender(83)
-        await sender.send(pages, last=True)
-        with anyio.fail_after(10):
-            await receiver.wait()
-            await sender.wait()
-        c.assert_no_leaks()
+        await next_room_is_exact(c, rng, 83)
 
 
 @contextlib.asynccontextmanager
@@ -257,16 +266,4 @@ async def test_a_room_cancelled_before_its_kv_was_written_does_not_hold_later_se
         await sender.abort()
         with anyio.fail_after(10), pytest.raises(TransferFailed):
             await receiver.wait()
-        pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
-        patterns.fill(prefill.pool, 85, pages)
-        receiver = await c.decode[0].receiver(85, c.bootstrap, dst)
-        sender = prefill.sender(85)
-        await sender.send(pages, last=True)
-        with anyio.fail_after(10):
-            await receiver.wait()
-            await sender.wait()
-        tokens = patterns.received_tokens(
-            4, prefill.pool.layout.page_size, 4, c.decode[0].pool.layout.page_size
-        )
-        assert patterns.mismatches(c.decode[0].pool, 85, dst, tokens) == 0
-        c.assert_no_leaks()
+        await next_room_is_exact(c, rng, 85)

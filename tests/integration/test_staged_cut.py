@@ -96,16 +96,30 @@ async def test_a_staging_buffer_smaller_than_a_chunk_serves_cut_chunks() -> None
     async with cluster(
         small_layout(), 1, 1, **(CUT | {"staged_pipeline_layers": 0}), staging_bytes=one_group
     ) as c:
-        patterns.fill(c.prefill[0].pool, 8, pages)
-        receiver = await c.decode[0].receiver(8, c.bootstrap, pages + 8)
-        sender = c.prefill[0].sender(8)
-        await sender.send(pages, last=True)
-        with anyio.fail_after(10):
-            for handle in (sender, receiver):
-                with pytest.raises(TransferFailed, match="staging_bytes") as info:
-                    await handle.wait()
-        assert info.value.reason in (FailureReason.STAGING, FailureReason.REMOTE)
+        reasons = await fails_naming(c, 8, pages, pages + 8, "staging_bytes")
+        assert reasons[0] is FailureReason.STAGING and reasons[1] in (
+            FailureReason.STAGING,
+            FailureReason.REMOTE,
+        )
         c.assert_no_leaks()
+
+
+async def fails_naming(
+    c: Cluster, room: int, src: np.ndarray, dst: np.ndarray, option: str
+) -> list[FailureReason]:
+    """Send ``room`` whole from prefill rank 0 to decode rank 0: it must fail on both sides with a
+    detail naming ``option``; the reasons, the prefill's first."""
+    patterns.fill(c.prefill[0].pool, room, src)
+    receiver = await c.decode[0].receiver(room, c.bootstrap, dst)
+    sender = c.prefill[0].sender(room)
+    await sender.send(src, last=True)
+    reasons = []
+    with anyio.fail_after(10):
+        for handle in (sender, receiver):
+            with pytest.raises(TransferFailed, match=option) as info:
+                await handle.wait()
+            reasons.append(info.value.reason)
+    return reasons
 
 
 @pytest.mark.anyio
@@ -140,15 +154,8 @@ async def test_a_ring_smaller_than_a_chunk_still_refuses_a_cut_chunk() -> None:
     ring = 2 * _tensor_bytes(2) * small_layout().num_kv_tensors  # two pages' worth
     async with cluster(small_layout(), 1, 1, **CUT, ring_bytes=ring) as c:
         pages = np.arange(5)
-        patterns.fill(c.prefill[0].pool, 1, pages)
-        receiver = await c.decode[0].receiver(1, c.bootstrap, pages)
-        sender = c.prefill[0].sender(1)
-        await sender.send(pages, last=True)
-        with anyio.fail_after(10):
-            for handle in (receiver, sender):
-                with pytest.raises(TransferFailed, match="ring_bytes") as info:
-                    await handle.wait()
-                assert info.value.reason is FailureReason.STAGING
+        reasons = await fails_naming(c, 1, pages, pages, "ring_bytes")
+        assert reasons == [FailureReason.STAGING, FailureReason.STAGING]
         await run_room(c, 2, np.arange(2), np.arange(2), [1, 1])  # chunks that fit still go
         c.assert_no_leaks()
 
