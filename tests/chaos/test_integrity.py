@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import AsyncIterator
 
 import anyio
 import numpy as np
@@ -36,6 +37,17 @@ PATHS = [
     pytest.param("staged", 1, 2, id="staged-D2"),
     pytest.param("host", 1, 1, id="host"),
 ]
+
+
+@contextlib.asynccontextmanager
+async def flipping(
+    P: int, D: int, path: str, rule: Rule, wrapped: list[FaultyTransport] | None = None
+) -> AsyncIterator[Cluster]:
+    """P -> D engines on ``path``, integrity on, layer groups of one layer, each prefill's real NIXL
+    transport wrapped in the fault transport with ``rule`` (the wrappers appended to ``wrapped``)."""
+    transport = faulty_factory([] if wrapped is None else wrapped, writes=[rule])
+    async with engines(P, D, path=path, layers_per_write=1, prefill_transport=transport, integrity=True) as c:
+        yield c
 
 
 async def send_first_chunk(
@@ -67,9 +79,8 @@ async def test_a_flipped_bit_fails_the_room_with_integrity_on_both_sides(
 ) -> None:
     wrapped: list[FaultyTransport] = []
     rule = Rule(Fault.FLIP, match=matching(m.ChunkLanded, room=61))  # the room's first chunk WRITE
-    transport = faulty_factory(wrapped, writes=[rule])
     rng = random.Random(61)
-    async with engines(P, D, path=path, layers_per_write=1, prefill_transport=transport, integrity=True) as c:
+    async with flipping(P, D, path, rule, wrapped) as c:
         pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
         senders, receivers = await send_first_chunk(c, 61, pages, dst, layerwise)
         failures = [await failure_of(receiver) for receiver in receivers]
@@ -103,14 +114,7 @@ async def test_every_flipped_room_is_caught_and_none_succeeds(
 
     rule = Rule(Fault.FLIP, match=of_flipped_rooms, times=None)
     rng = random.Random(70)
-    async with engines(
-        P,
-        D,
-        path=path,
-        layers_per_write=1,
-        prefill_transport=faulty_factory([], writes=[rule]),
-        integrity=True,
-    ) as c:
+    async with flipping(P, D, path, rule) as c:
         src = rng.sample(range(64), 4 * len(rooms))
         dst = rng.sample(range(64), 4 * len(rooms))
         receivers: dict[int, Receiver] = {}
@@ -178,14 +182,7 @@ async def test_a_flip_in_the_last_layer_group_fails_the_room_at_its_last_check(
 
     rule = Rule(Fault.FLIP, match=last_group)
     rng = random.Random(63)
-    async with engines(
-        P,
-        D,
-        path=path,
-        layers_per_write=1,
-        prefill_transport=faulty_factory([], writes=[rule]),
-        integrity=True,
-    ) as c:
+    async with flipping(P, D, path, rule) as c:
         assert c.prefill[0].pool.layout.num_layers == layers
         pages, dst = shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4)
         for engine in c.prefill:
