@@ -32,7 +32,7 @@ from transfer_engine.errors import (
 )
 from transfer_engine.memory.layout import KVLayout, KVPool, views_vllm_cpu
 from transfer_engine.memory.views import AuxBuffers, pool_from_pointers
-from transfer_engine.protocol.cost import DEFAULT_PRIOR_RATE, choose
+from transfer_engine.protocol.cost import DEFAULT_PRIOR_RATE, choose, estimate_seconds
 from transfer_engine.protocol.room_ids import room_id
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.transport.security import Curve
@@ -67,6 +67,7 @@ __all__ = [
     "TransferFailed",
     "TransferTimeout",
     "choose",
+    "estimate_seconds",
     "pool_from_pointers",
     "pool_from_vllm",
     "room_id",

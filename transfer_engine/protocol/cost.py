@@ -43,7 +43,7 @@ MIN_SAMPLE_S = 1e-3
 about a link)."""
 
 
-def estimate_seconds(backlog_bytes: int, nbytes: int, rate: float | None, prior_rate: float) -> float:
+def estimate_seconds(backlog_bytes: float, nbytes: float, rate: float | None, prior_rate: float) -> float:
     """Seconds to move ``nbytes`` behind ``backlog_bytes`` at ``rate`` bytes/s (``prior_rate`` when
     nothing was measured yet). A rate of zero makes it infinite."""
     if nbytes < 0 or backlog_bytes < 0:

@@ -53,7 +53,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from transfer_engine import DEFAULT_PRIOR_RATE, choose
+from transfer_engine import DEFAULT_PRIOR_RATE, choose, estimate_seconds
 from transfer_engine.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -168,8 +168,7 @@ def pair_estimate(
     worst = 0.0
     for readings in ranks:
         reading = readings.get(bootstrap, PeerReading(0.0, None))
-        rate = DEFAULT_PRIOR_RATE if reading.rate is None else reading.rate
-        worst = max(worst, reading.backlog_s + (share / rate if rate > 0 else math.inf))
+        worst = max(worst, reading.backlog_s + estimate_seconds(0, share, reading.rate, DEFAULT_PRIOR_RATE))
     return worst
 
 
