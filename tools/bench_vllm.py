@@ -95,7 +95,8 @@ def serve(
     ]  # fmt: skip
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONWARNINGS="ignore")
     with log.open("wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # a process group of its own, in our session (autogroup scheduling: tests.vllm.test_disaggregated.spawn)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0)
 
 
 def wait_healthy(port: int, popen: subprocess.Popen[bytes], log: Path, timeout: float = 600) -> None:
@@ -208,9 +209,7 @@ def bench_routers(args: argparse.Namespace) -> None:
         ]  # fmt: skip
         for cmd in routers:
             procs.append(
-                subprocess.Popen(
-                    cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
-                )
+                subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, process_group=0)
             )
         try:
             wait_healthy(d_port, procs[0], tmp / "decode.log")

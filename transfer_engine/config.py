@@ -157,6 +157,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     trace_steps: int = 0
     """Keep the last this many step marks of rooms (:mod:`transfer_engine.runtime.steptrace`), for
     benchmarks; 0 (the default) records nothing."""
+    stall_traceback: float = 0.0
+    """When > 0: a stall of the engine's event loop longer than this many seconds writes every
+    thread's Python stack to stderr, again every this many seconds while it lasts, so a held loop
+    shows what holds it (:mod:`transfer_engine.observe.stalls`; faulthandler's watchdog: one engine
+    per process). 0 (the default): off."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -178,6 +183,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.stall_traceback < 0:
+            raise ConfigError(f"stall_traceback={self.stall_traceback} must be >= 0 (0: off)")
         if self.trace_steps < 0:
             raise ConfigError(f"trace_steps={self.trace_steps} must be >= 0")
         if self.poll_spin < 0:
@@ -277,7 +284,7 @@ TUNER_FIELDS: tuple[str, ...] = (
     "num_workers", "staging_chunk_pages", "ring_bytes", "staging_bytes", "grant_with_request",
     "layers_per_write", "host_pipeline_layers", "staged_pipeline_layers", "pipeline_min_bytes",
     "poll_interval", "poll_spin", "poll_relaxed", "early_drive",
-    "gil_switch_interval", "nixl_params", "nixl_progress_thread", "trace_steps",
+    "gil_switch_interval", "nixl_params", "nixl_progress_thread", "trace_steps", "stall_traceback",
 )  # fmt: skip
 """The fields a tuner sets (sizes, poll cadences, threads), in the order of :class:`EngineConfig`;
 defaults measured in docs/PERF.md."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import time
 import urllib.request
@@ -41,6 +40,7 @@ from tests.vllm.test_disaggregated import (
     metrics,
     prompts,
     serve,
+    spawn,
     stop,
     wait_healthy,
 )
@@ -85,9 +85,7 @@ def cost_router(tmp: Path, port: int, prefill: Proc, bootstrap: str, decodes: li
     for decode, metrics_port in decodes:
         url = f"http://127.0.0.1:{decode.port}"
         cmd += ["--decode-metrics", url, f"http://127.0.0.1:{metrics_port}/metrics"]
-    with log.open("wb") as out:
-        popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return Proc("router", popen, log, port)
+    return spawn("router", cmd, log, port)
 
 
 @pytest.fixture(scope="module")

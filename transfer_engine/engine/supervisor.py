@@ -32,6 +32,7 @@ from transfer_engine.errors import ConfigError, PeerUnreachableError
 from transfer_engine.memory.integrity import PoolChecksums
 from transfer_engine.memory.staging import allocate_staging, chunk_region_bytes, warm_staging_kernels
 from transfer_engine.observe.build import build_snapshot
+from transfer_engine.observe.stalls import trace_stalls
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import ChunkCut
 from transfer_engine.runtime.mail import Shutdown
@@ -177,6 +178,10 @@ class Supervision(EngineState):
             costs=self.costs,
         )  # fmt: skip
         tg.start_soon(self._heartbeat_loop)
+        if cfg.stall_traceback > 0:
+            tg.start_soon(
+                trace_stalls, cfg.stall_traceback, f"{cfg.role} rank {cfg.tp_rank} {self.agent_name}"
+            )
         log.info(
             "%s rank %d/%d up: control %s agent %s",
             cfg.role,

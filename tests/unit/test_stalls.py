@@ -1,0 +1,49 @@
+"""``observe.stalls.trace_stalls``: a held loop writes every thread's stack, a running one nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import time, anyio
+    from transfer_engine.observe.stalls import trace_stalls
+
+    def hold_the_loop_for(seconds):
+        time.sleep(seconds)
+
+    async def main(hold):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trace_stalls, 0.4, "test")
+            await anyio.sleep(1.0)  # running: re-armed every 0.1 s, nothing written
+            print("---", flush=True)
+            hold_the_loop_for(hold)
+            await anyio.sleep(0.2)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main, {hold})
+    """
+)
+
+
+def run(hold: float) -> tuple[str, str]:
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(hold=hold)], capture_output=True, text=True, timeout=60, check=True
+    )
+    return out.stdout, out.stderr
+
+
+def test_a_loop_held_past_the_threshold_writes_the_stack_that_holds_it() -> None:
+    stdout, stderr = run(1.0)
+    assert stdout == "---\n"
+    assert "Thread 0x" in stderr, stderr
+    assert "in hold_the_loop_for" in stderr, stderr
+    assert stderr.count("in hold_the_loop_for") >= 2, "repeated while the stall lasts: " + stderr
+
+
+def test_a_loop_that_runs_writes_nothing() -> None:
+    stdout, stderr = run(0.0)
+    assert stdout == "---\n"
+    assert "Thread 0x" not in stderr, stderr
