@@ -30,7 +30,11 @@ SCRIPT = textwrap.dedent(
 
 def run(hold: float) -> tuple[str, str]:
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(hold=hold)], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", SCRIPT.format(hold=hold)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     return out.stdout, out.stderr
 

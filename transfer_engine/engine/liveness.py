@@ -41,7 +41,8 @@ class Liveness(EngineState):
             now = time.monotonic()
             stall = leases.stalled(last_tick, now, tick, interval)
             if stall is not None:
-                log.warning("heartbeat loop stalled %.2f s; extending peer and room leases", stall)
+                hint = "" if self.config.stall_traceback else " (stall_traceback=5 writes what holds it)"
+                log.warning("heartbeat loop stalled %.2f s; extending peer and room leases%s", stall, hint)
                 for peer in self.peers.values():
                     peer.last_seen = leases.extended(peer.last_seen, now, interval)
                 self._extend_room_leases(now - interval)
