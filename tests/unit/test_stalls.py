@@ -51,3 +51,28 @@ def test_a_loop_that_runs_writes_nothing() -> None:
     stdout, stderr = run(0.0)
     assert stdout == "---\n"
     assert "Thread 0x" not in stderr, stderr
+
+
+def test_without_a_stderr_file_nothing_is_traced_and_the_loop_goes_on() -> None:
+    """An embedding whose stderr has no file descriptor: a warning, no error into the engine's task
+    group, and the watchdog is free again for another loop."""
+    script = textwrap.dedent(
+        """
+        import io, sys, anyio, logging
+        from transfer_engine.observe import stalls
+        logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
+
+        async def main():
+            sys.stderr = io.StringIO()
+            with anyio.fail_after(5):
+                await stalls.trace_stalls(0.4, "embedded")  # returns: nothing to arm
+            assert stalls._owner is None
+            print("went on")
+
+        anyio.run(main)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "embedded: stalls not traced: stderr has no file descriptor" in out.stdout, out.stdout
+    assert out.stdout.endswith("went on\n"), out.stdout

@@ -189,11 +189,6 @@ def serving_pair(
         wait_healthy([ours, std], "/healthz")
         for server in (p, d):  # the first forward of an instance is slow
             complete(server.port, [1, 2, 3], 1)
-        # One transfer while both are idle: the decode's engine connects to the prefill's now. Its
-        # first connection, made while the prefill computed flat out, once held the decode's loop
-        # 35 s (the decode's heartbeats stopped, the prefill declared it dead): a finding of its
-        # own (docs/vllm.md), not what the lease tests are about.
-        complete(std.port, list(range(1, 41)), 2)
         introspect = {"prefill": [i_p], "decode": [i_d + r for r in range(decode_ranks)]}
         yield Leased(p, d, ours, std, bootstrap, introspect, tmp)
     finally:

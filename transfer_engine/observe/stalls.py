@@ -36,17 +36,22 @@ async def trace_stalls(threshold: float, name: str) -> None:
             log.info("%s: stalls not traced (faulthandler's one watchdog is held by %s)", name, _owner)
             return
         _owner = name
-    log.info(
-        "%s: a stall of its loop (thread %#x, tid %d) longer than %g s writes every thread's stack to stderr",
-        name,
-        threading.get_ident(),
-        threading.get_native_id(),
-        threshold,
-    )
     try:
-        while True:
+        try:  # stderr may be no file at all where the engine is embedded: then nothing is traced
             faulthandler.dump_traceback_later(threshold, repeat=True, file=sys.stderr)
+        except (AttributeError, OSError, ValueError) as exc:
+            log.warning("%s: stalls not traced: stderr has no file descriptor (%s)", name, exc)
+            return
+        log.info(
+            "%s: a stall of its loop (thread %#x, tid %d) longer than %g s writes every thread's stack to stderr",
+            name,
+            threading.get_ident(),
+            threading.get_native_id(),
+            threshold,
+        )
+        while True:
             await anyio.sleep(threshold / 4)
+            faulthandler.dump_traceback_later(threshold, repeat=True, file=sys.stderr)
     finally:
         faulthandler.cancel_dump_traceback_later()
         with _lock:
