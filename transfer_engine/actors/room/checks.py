@@ -130,7 +130,6 @@ class ReceiverChecks:
         writer_ps = writer.layout.page_size
         page_size = self.ports.pool.layout.page_size
         start = page_start * writer_ps
-        (spec,) = [s for s in self.slices if s.prefill_rank == sender]
         try:
             tokens = descriptors.chunk_tokens(start, num_pages, writer_ps, len(self.pages) * page_size)
             slots = descriptors.slots_of(self.pages, page_size, start, tokens)
@@ -140,8 +139,7 @@ class ReceiverChecks:
         self.checking[key] = Check(carried, landed)
         checksums.submit(
             slots,
-            spec.dst_head_start,
-            spec.num_heads,
+            *self._heads(sender),
             layers,
             lambda value, why: self._post_checked(Checked(key, value, why)),
         )

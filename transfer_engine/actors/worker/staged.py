@@ -339,10 +339,9 @@ class StagedPath(DirectPath):
         seal = seal_of(spec)
         # Integrity: the gather kernel sums what it writes, in the same pass (docs/INTEGRITY.md);
         # the sum is known when the gather is, so the WRITE's start waits for nothing more.
-        summed = (
-            None if seal is None else torch.zeros(1, dtype=torch.int64, pin_memory=self.stream is not None)
-        )
-        if summed is not None:
+        summed = None
+        if seal is not None:
+            summed = torch.zeros(1, dtype=torch.int64, pin_memory=self.stream is not None)
             gather = functools.partial(gather, checksum=summed)
         made: int | TransferError | None = None
         gathered = None
