@@ -23,6 +23,8 @@ only if the caller has not already waited for the stream). On CUDA tensors they 
 kernels (one launch, then one ``sum`` of the per-program partials); on CPU a vectorized torch
 reference, or the Triton kernels under Triton's interpreter (``TRITON_INTERPRET=1`` or
 ``impl="triton"``). :func:`checksum_numpy` is the definition written out, for tests and tools.
+The contiguous sum (:func:`checksum_bytes`) lives in ``kernels/_bytesum.py``, which the gather's
+sum shares, and is re-exported here.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bytesum import (
+    MASK64,
+    WORD,
+    as_int64,
+    check_out,
+    checksum_bytes,
+    checksum_bytes_reference,
+    combine,
+    finish,
+    host_sum,
+)
 from ._common import (
     INT_VIEW,
     Impl,
@@ -49,9 +62,9 @@ from ._common import (
     prepare_slots,
     resolve_impl,
     slot_count,
+    slot_rows,
     triton_int,
 )
-from .gather import gather_heads_reference
 
 __all__ = [
     "MASK64",
@@ -64,34 +77,8 @@ __all__ = [
     "checksum_value",
 ]
 
-WORD = 4
-"""Bytes per checksummed word: every checksummed region is a whole number of them."""
-MASK64 = (1 << 64) - 1
-
-_BYTES_BLOCK = 4096
-"""Words one program of the contiguous kernel sums (16 KiB)."""
 _HEADS_BLOCK_BYTES = 16384
 """Bytes one program of the paged kernel sums."""
-
-
-@triton.jit
-def _add(a, b):  # the reductions' combine (a plain jit function: it also runs under the interpreter)
-    return a + b
-
-
-@triton.jit(do_not_specialize=["n", "start"])
-def _bytes_kernel(
-    words,  # *i32 [n]: the region, contiguous
-    partials,  # *i64 [cdiv(n, BLOCK)]: one sum per program
-    n,
-    start,  # word offset of words[0] in the checksummed whole
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    w = tl.load(words + offs, mask=ok, other=0).to(tl.int64) & 0xFFFFFFFF
-    tl.store(partials + pid, tl.reduce(w * (offs + start + 1), 0, _add))
 
 
 @triton.jit(do_not_specialize=["tokens", "head_start"])
@@ -140,7 +127,8 @@ def _heads_kernel(
     w = tl.load(kv_base + (src_row[:, None] + src_cols), mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
     pos = (t.to(tl.int64) * tokens + tok)[:, None] * ROW + cols + 1
     tl.store(
-        partials + t * tl.num_programs(0) + tl.program_id(0), tl.reduce(tl.reduce(w * pos, 1, _add), 0, _add)
+        partials + t * tl.num_programs(0) + tl.program_id(0),
+        tl.reduce(tl.reduce(w * pos, 1, combine), 0, combine),
     )
 
 
@@ -162,112 +150,6 @@ def checksum_value(result: torch.Tensor) -> int:
     return int(result.reshape(-1)[0].item()) & MASK64
 
 
-def _words(buf: torch.Tensor, name: str) -> torch.Tensor:
-    """``buf`` (contiguous, any dtype) as a 1-D int32 view; its size and address must be word-aligned."""
-    if not isinstance(buf, torch.Tensor):
-        raise KernelInputError(f"{name} must be a tensor, got {type(buf).__name__}")
-    if not buf.is_contiguous():
-        raise KernelInputError(f"{name} must be contiguous; its strides are {buf.stride()}")
-    nbytes = buf.numel() * buf.element_size()
-    if nbytes % WORD or buf.data_ptr() % WORD:
-        raise KernelInputError(
-            f"{name} ({nbytes} bytes at {buf.data_ptr():#x}) is not a whole number of aligned {WORD}-byte words"
-        )
-    return buf.reshape(-1).view(torch.uint8).view(torch.int32)
-
-
-def _check_out(device: torch.device, out: torch.Tensor | None) -> None:
-    if out is None:
-        return
-    if out.dtype != torch.int64 or out.numel() < 1:
-        raise KernelInputError(f"out is {out.dtype} of {out.numel()} items; expected int64 [1]")
-    if out.device != device and not (device.type == "cuda" and out.device.type == "cpu"):
-        raise KernelInputError(f"out is on {out.device}, the data on {device}")
-
-
-def _finish(total: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """Put the int64 sum ``total`` into ``out`` (on the current stream), or return it."""
-    if out is None:
-        return total.reshape(1)
-    out.reshape(-1)[:1].copy_(total.reshape(1), non_blocking=True)
-    return out
-
-
-_REF_BLOCK = 1 << 14
-"""Words the CPU reference sums at a time: its uint64 temporaries stay in cache."""
-_LOCAL = np.arange(1, _REF_BLOCK + 1, dtype=np.uint64)
-
-
-def _as_int64(value: int) -> int:
-    """``value`` mod 2**64 as the signed int64 holding the same bits."""
-    value &= MASK64
-    return value - (1 << 64) if value >> 63 else value
-
-
-def _host_sum(words: np.ndarray, start: int) -> int:
-    """The checksum of uint32 ``words`` (host memory) from word offset ``start``: block by block, a
-    block at offset ``o`` adds ``(start + o) * sum(w) + sum((j + 1) * w_j)``, with one weight vector
-    for every block; Python ints carry the offsets (numpy's wrap-around stays inside its arrays)."""
-    total = 0
-    for offset in range(0, words.size, _REF_BLOCK):
-        block = words[offset : offset + _REF_BLOCK].astype(np.uint64)
-        weighted = int(np.dot(block, _LOCAL[: block.size]))
-        total += (start + offset) * int(block.sum(dtype=np.uint64)) + weighted
-    return total & MASK64
-
-
-def checksum_bytes_reference(buf: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """The checksum of the contiguous ``buf`` without Triton (the CPU implementation); int64 ``[1]``
-    on its device. Host memory is summed with numpy a cache-sized block at a time; device memory
-    with torch in one pass."""
-    words = _words(buf, "buf")
-    if words.device.type == "cpu":
-        value = _host_sum(words.numpy().view(np.uint32), start)
-        return torch.tensor([_as_int64(value)], dtype=torch.int64)
-    wide = words.to(torch.int64) & 0xFFFFFFFF
-    pos = torch.arange(start + 1, start + 1 + words.numel(), dtype=torch.int64, device=words.device)
-    return (wide * pos).sum().reshape(1)
-
-
-def checksum_bytes(
-    buf: torch.Tensor,
-    *,
-    start: int = 0,
-    stream: torch.cuda.Stream | None = None,
-    impl: Impl = "auto",
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Checksum of a contiguous region ``buf`` (a staging lease or a landed ring block).
-
-    ``buf``: contiguous, any dtype, a whole number of 4-byte words at a 4-byte-aligned address; on
-    CUDA, or pinned host memory read by a CUDA kernel when ``stream`` is given, or on CPU.
-    ``start``: the word offset of ``buf``'s first word in a larger checksummed whole.
-    ``out``: optional int64 ``[1]`` receiving the sum (pinned host memory lets the caller read it
-    without a synchronisation once the stream passed this point). Enqueued on ``stream`` (default:
-    the current stream of ``buf``'s device); returns ``out`` or a new int64 ``[1]`` tensor.
-    """
-    if not isinstance(start, int) or start < 0:
-        raise KernelInputError(f"start={start!r} must be an int >= 0")
-    words = _words(buf, "buf")
-    device = words.device if stream is None else stream.device
-    if stream is not None and words.device != device:
-        # an empty tensor owns no allocation, so it never reads as pinned: nothing is read from it
-        if not (words.device.type == "cpu" and (words.is_pinned() or words.numel() == 0)):
-            raise KernelInputError(f"buf is on {words.device}; the stream on {device}")
-    check_stream(stream, device)
-    _check_out(device, out)
-    which = resolve_impl(impl, device)
-    with launcher(device, stream):
-        if which == "torch" or words.numel() == 0:
-            return _finish(checksum_bytes_reference(words, start), out)
-        kernel = _bytes_kernel if which == "jit" else triton_int(_bytes_kernel)
-        programs = triton.cdiv(words.numel(), _BYTES_BLOCK)
-        partials = torch.empty(programs, dtype=torch.int64, device=device)
-        kernel[(programs,)](words, partials, words.numel(), start, BLOCK=_BYTES_BLOCK)  # type: ignore[index]
-        total = partials.sum()
-    return _finish(total, out)
-
-
 def _host_heads_sum(layout: KVTable, slots: np.ndarray, head_start: int, num_heads: int) -> int:
     """The checksum of the gather layout of ``slots`` over host KV, with numpy: one tensor at a time,
     its head slice's rows taken by fancy indexing (a copy of just those bytes) and summed at their
@@ -280,7 +162,7 @@ def _host_heads_sum(layout: KVTable, slots: np.ndarray, head_start: int, num_hea
     for t, tensor in enumerate(layout.tensors):
         heads = tensor.view(int_dtype).numpy()[..., head_start : head_start + num_heads, :]
         rows = np.ascontiguousarray(heads[where])
-        total += _host_sum(rows.reshape(-1).view(np.uint32), t * tokens * row_words)
+        total += host_sum(rows.reshape(-1).view(np.uint32), t * tokens * row_words)
     return total & MASK64
 
 
@@ -289,15 +171,19 @@ def checksum_heads_reference(
 ) -> torch.Tensor:
     """The checksum of the gather layout of ``slots`` without Triton (the CPU implementation); int64
     ``[1]`` on kv's device. Host KV: numpy, one tensor at a time (:func:`_host_heads_sum`); device
-    KV: a torch gather into a scratch buffer, then :func:`checksum_bytes_reference`."""
+    KV: the head slice's rows of each tensor taken by indexing (``slot_rows``), then
+    :func:`checksum_bytes_reference` over them in the gather layout."""
     layout = as_kv_table(kv)
     if layout.device.type == "cpu":
         value = _host_heads_sum(layout, slots.numpy().astype(np.int64, copy=False), head_start, num_heads)
-        return torch.tensor([_as_int64(value)], dtype=torch.int64)
-    shape = (len(layout), slots.numel(), num_heads, layout.head_dim)
-    scratch = torch.empty(shape, dtype=layout.dtype, device=layout.device)
-    gather_heads_reference(layout.tensors, slots.to(layout.device), head_start, num_heads, scratch)
-    return checksum_bytes_reference(scratch)
+        return torch.tensor([as_int64(value)], dtype=torch.int64)
+    index = slots.to(layout.device)
+    int_dtype = INT_VIEW[layout.itemsize]
+    rows = []
+    for tensor in layout.tensors:
+        src, where = slot_rows(tensor.view(int_dtype), index)
+        rows.append(src[..., head_start : head_start + num_heads, :][where])
+    return checksum_bytes_reference(torch.stack(rows))
 
 
 def checksum_heads(
@@ -325,7 +211,7 @@ def checksum_heads(
     check_stream(stream, layout.device)
     check_heads(head_start, num_heads, layout.heads, "head_start")
     tokens = slot_count(slots)
-    _check_out(layout.device, out)
+    check_out(layout.device, out)
     which = resolve_impl(impl, layout.device)
     if layout.byte_gcd % WORD:
         raise KernelInputError(
@@ -334,9 +220,9 @@ def checksum_heads(
     index = prepare_slots(slots, layout.num_slots, layout.device, stream=stream)
     with launcher(layout.device, stream):
         if tokens == 0:
-            return _finish(torch.zeros(1, dtype=torch.int64, device=layout.device), out)
+            return finish(torch.zeros(1, dtype=torch.int64, device=layout.device), out)
         if which == "torch":
-            return _finish(checksum_heads_reference(layout, index.use(), head_start, num_heads), out)
+            return finish(checksum_heads_reference(layout, index.use(), head_start, num_heads), out)
         du = layout.head_dim * layout.itemsize // WORD
         row = num_heads * du
         piece, even = column_block(row)
@@ -362,5 +248,4 @@ def checksum_heads(
             FLAT=layout.flat,
             PAGE=1 if layout.flat else layout.block_size,
         )
-        total = partials.sum()
-    return _finish(total, out)
+        return finish(partials.sum(), out)

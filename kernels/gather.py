@@ -16,7 +16,8 @@ reference below, or the Triton kernel under Triton's interpreter (``TRITON_INTER
 ``impl="triton"``).
 
 With ``checksum`` (integrity, docs/INTEGRITY.md) the same kernel also sums what it writes, as
-``kernels.checksum`` defines the sum over the gather layout: each program adds its words' weighted
+``kernels.checksum`` defines the sum over the gather layout (its combine and the contiguous sum
+of a second read come from ``kernels/_bytesum.py``): each program adds its words' weighted
 sum into one partial, and one ``sum`` of the partials lands in ``checksum``. The bytes are read
 once, for both.
 """
@@ -30,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bytesum import checksum_bytes, combine
 from ._common import (
     INT_VIEW,
     Impl,
@@ -58,11 +60,6 @@ DEFAULT_CONFIG = LaunchConfig(block_bytes=32768, num_warps=4)
 """Launch shape for device-memory ``out`` (93-96% of a device copy on an H200); see docs/PERF.md."""
 HOST_CONFIG = LaunchConfig(block_bytes=32768, num_warps=4)
 """Launch shape for pinned-host ``out``; see docs/PERF.md."""
-
-
-@triton.jit
-def _add(a, b):  # the checksum's combine (a plain jit function: it also runs under the interpreter)
-    return a + b
 
 
 @triton.jit(do_not_specialize=["tokens", "head_start"])  # one compiled kernel for every room size
@@ -127,7 +124,8 @@ def _gather_kernel(
             part = (wide & 0xFFFFFFFF) * (unit + 1)
         part = tl.where(mask, part, 0)
         tl.store(
-            partials + t * tl.num_programs(0) + tl.program_id(0), tl.reduce(tl.reduce(part, 1, _add), 0, _add)
+            partials + t * tl.num_programs(0) + tl.program_id(0),
+            tl.reduce(tl.reduce(part, 1, combine), 0, combine),
         )
 
 
@@ -235,8 +233,6 @@ def gather_heads(
                     layout, index, head_start, num_heads, out, stream=stream, impl=impl, config=config
                 )
             if checksum is not None:  # a second read of what was written
-                from .checksum import checksum_bytes  # (it imports this module's reference)
-
                 checksum_bytes(target.view(torch.uint8), stream=stream, impl=impl, out=checksum)
             return
         du = layout.head_dim * layout.itemsize // unit

@@ -119,6 +119,37 @@ def test_out_receives_the_sum(backend: Backend) -> None:
     assert checksum_value(out) == checksum_numpy(buf.cpu().numpy())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["bytes", "heads"])
+def test_a_sum_lands_in_out_on_its_stream_not_the_current_one(entry: str) -> None:
+    """``stream=`` covers the whole sum, its copy into ``out`` included: with the caller's current
+    stream held by a long kernel (a serving system's forward), ``out`` holds the sum as soon as an
+    event recorded on ``stream`` after the call completed, the moment the integrity code reads it.
+    (The copy once ran on the current stream: it read the sum before the kernel wrote it and landed
+    after the event, so a decode read 0 for bytes that were right.)"""
+    gen = torch.Generator().manual_seed(21)
+    kv, slots = Heads("flash_nhd").build("cuda", gen)
+    data = torch.randint(0, 1 << 30, (4 * 1024,), generator=gen, dtype=torch.int32).cuda()
+    if entry == "bytes":
+        expected = checksum_numpy(data.cpu().numpy())
+    else:
+        expected = checksum_numpy(expected_gather(kv, slots, 1, 2).cpu().numpy())
+    torch.cuda.synchronize()
+    out = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    side = torch.cuda.Stream()
+    torch.cuda._sleep(400_000_000)  # about 0.2 s on the current stream, long after the sum is done
+    if entry == "bytes":
+        checksum_bytes(data, stream=side, out=out)
+    else:
+        checksum_heads(kv, slots, 1, 2, stream=side, out=out)
+    done = torch.cuda.Event()
+    done.record(side)
+    done.synchronize()
+    value = checksum_value(out)
+    torch.cuda.synchronize()
+    assert value == expected
+
+
 def test_every_single_bit_flip_and_word_swap_changes_the_sum() -> None:
     rng = random.Random(11)
     data = bytearray(rng.randbytes(4 * 2048))
@@ -191,6 +222,16 @@ def test_heads_bit_exact(backend: Backend, case: Heads) -> None:
     got = checksum_heads(kv, slots, case.start, case.width, stream=stream, impl=backend.impl)  # type: ignore[arg-type]
     backend.finish(stream)
     assert checksum_value(got) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_the_torch_reference_on_cuda_is_bit_exact(case: Heads) -> None:
+    """``impl="torch"`` over device KV (the rows taken by indexing, summed by torch)."""
+    gen = torch.Generator().manual_seed(5)
+    kv, slots = case.build("cuda", gen)
+    expected = checksum_numpy(expected_gather(kv, slots, case.start, case.width).numpy())
+    assert checksum_value(checksum_heads(kv, slots, case.start, case.width, impl="torch")) == expected
 
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
