@@ -326,7 +326,7 @@ async def _serve() -> None:
     import anyio
     import numpy as np
 
-    from transfer_engine.observe.build import build_snapshot
+    from transfer_engine.engine.snapshot import build_snapshot
     from transfer_engine.transport.nixl import RemotePeer
 
     sys.path.insert(0, str(ROOT))

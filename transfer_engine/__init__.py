@@ -9,7 +9,9 @@ the errors, KV layouts and pools (with the builders of pools over a serving syst
 the control plane's CURVE keys. Threaded callers use :mod:`transfer_engine.facade` (BlockingEngine,
 the LoopThread bridge, BootstrapServer). Other submodules are implementation detail unless a
 docstring says otherwise (``transfer_engine.observe.Snapshot`` is the published dump format). The
-integrations import nothing else (an import-linter contract in pyproject.toml).
+integrations import nothing else (an import-linter contract in pyproject.toml), and nothing here
+imports an integration (another contract): vLLM's caches become a pool through
+``transfer_engine.integrations.vllm.pool_from_vllm``.
 """
 
 __version__ = "0.1.0"
@@ -31,16 +33,11 @@ from transfer_engine.errors import (
     TransferTimeout,
 )
 from transfer_engine.memory.layout import KVLayout, KVPool, views_vllm_cpu
-from transfer_engine.memory.views import AuxBuffers, pool_from_pointers
+from transfer_engine.memory.views import AuxBuffers, pool_from_caches, pool_from_pointers
 from transfer_engine.protocol.cost import DEFAULT_PRIOR_RATE, choose, estimate_seconds
 from transfer_engine.protocol.room_ids import room_id
 from transfer_engine.protocol.rooms import RoomStatus
 from transfer_engine.transport.security import Curve
-
-# isort: split
-# vLLM's KV caches as a pool, whatever the attention backend's layout (vLLM itself is not imported);
-# imported last, as the module builds on the names above.
-from transfer_engine.integrations.vllm.layouts import pool_from_vllm
 
 __all__ = [
     "__version__",
@@ -68,8 +65,8 @@ __all__ = [
     "TransferTimeout",
     "choose",
     "estimate_seconds",
+    "pool_from_caches",
     "pool_from_pointers",
-    "pool_from_vllm",
     "room_id",
     "views_vllm_cpu",
 ]

@@ -11,7 +11,7 @@ import anyio
 import numpy as np
 import pytest
 
-from transfer_engine.observe.build import build_snapshot
+from transfer_engine.engine.snapshot import build_snapshot
 from transfer_engine.observe.render import render_table
 from transfer_engine.protocol.descriptors import page_runs
 from transfer_engine.testing.pagetables import pool_pages, room_tables, side_seed

@@ -1,5 +1,6 @@
-"""KV pools from memory that serving systems own: raw pointers (SGLang). vLLM's per-layer caches
-become a pool in ``integrations/vllm/layouts.py`` (``pool_from_vllm``, exported by the root).
+"""KV pools from memory that serving systems own: raw pointers (SGLang), per-layer caches with K and V
+side by side (vLLM's, through ``integrations/vllm/layouts.py``: ``pool_from_vllm``, exported by
+``transfer_engine.integrations.vllm``).
 
 Nothing here copies or allocates KV: each function builds zero-copy tensor views of the caller's
 memory and hands them to :class:`~transfer_engine.memory.layout.KVPool`, whose constructor validates them
@@ -9,6 +10,10 @@ Bad input raises :class:`LayoutError` naming the bad value; nothing is registere
 - :func:`pool_from_pointers`: SGLang's ``KVArgs`` shape. ``kv_data_ptrs`` are the K buffers of
   every layer, then the V buffers (one latent buffer per layer for MLA); ``kv_data_lens`` their
   byte lengths; ``kv_item_lens`` the bytes of one page of one buffer.
+- :func:`pool_from_caches`: one cache tensor per layer, ``[blocks, H, N, C]`` in a given memory
+  order of its axes, ``C`` holding a head's K then V (or an MLA latent), all views into backing
+  buffers that are registered whole. Bytes are bytes: one-byte floats and dtypes the engine does not
+  know travel as uint8 (:func:`byte_dtype`).
 - :class:`AuxBuffers`: several aux buffers of different item sizes (SGLang's metadata buffers:
   first output token, logprobs...). The engine moves one aux item per room, so their items are
   packed into one row of a pool aux tensor before the last chunk is sent, and unpacked from it on
@@ -26,7 +31,10 @@ import torch
 from transfer_engine.errors import LayoutError
 from transfer_engine.memory.layout import KVLayout, KVPool
 
-__all__ = ["AuxBuffers", "check_disjoint", "pool_from_pointers", "view_of"]
+__all__ = ["AuxBuffers", "byte_dtype", "check_disjoint", "pool_from_caches", "pool_from_pointers", "view_of"]
+
+_ENGINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8)
+"""Dtypes that travel as themselves; every other one travels as bytes (:func:`byte_dtype`)."""
 
 
 class _CudaArray:
@@ -121,6 +129,107 @@ def pool_from_pointers(
         for p, n in zip(ptrs, lens, strict=True)
     ]
     return KVPool(layout, tp_size, tp_rank, tensors, aux)
+
+
+def byte_dtype(dtype: torch.dtype) -> bool:
+    """Whether KV of ``dtype`` travels as uint8 bytes: one-byte floats (fp8) and unknown dtypes."""
+    return dtype not in _ENGINE_DTYPES
+
+
+def _check_order(name: str, t: torch.Tensor, order: Sequence[int], order_name: str) -> None:
+    """LayoutError unless ``t``'s strides put its axes in ``order`` (size-1 axes may sit anywhere)."""
+    placed = [axis for axis in order if t.shape[axis] > 1]
+    strides = [t.stride(axis) for axis in placed]
+    if any(a < b for a, b in zip(strides, strides[1:], strict=False)) or (strides and strides[-1] != 1):
+        raise LayoutError(
+            f"layer {name!r} has shape {tuple(t.shape)} and strides {t.stride()}, which are not "
+            f"{order_name} (axes [B, H, N, C] in memory order {tuple(order)})"
+        )
+
+
+def _backing(t: torch.Tensor) -> torch.Tensor:
+    """The whole buffer ``t`` views, as a contiguous uint8 tensor (no copy)."""
+    storage = t.untyped_storage()
+    raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return raw.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def pool_from_caches(
+    caches: Sequence[tuple[str, torch.Tensor]],
+    *,
+    order: Sequence[int],
+    order_name: str,
+    head_size: int | None,
+    tp_size: int,
+    tp_rank: int,
+    num_kv_heads: int | None = None,
+    aux: torch.Tensor | None = None,
+) -> KVPool:
+    """A pool over per-layer KV caches, without copies; see the module docstring.
+
+    ``caches``: ``(layer name, tensor)`` in engine order, each of logical shape ``[blocks, H, N, C]``
+    (``N`` tokens per block), all of one shape, dtype and device, each a view into a backing buffer
+    that is registered whole (several layers may share one). ``order``: the memory order of the
+    axes ``[B, H, N, C]`` (0..3, outermost first), checked against every tensor's strides;
+    ``order_name`` names it in errors ("vLLM's LBNHC layout"). ``head_size``: the K (and V) head size, ``C`` being ``2 *
+    head_size`` (K then V); None for MLA, ``H == 1`` and ``C`` one latent. ``num_kv_heads``: the
+    model's KV heads over all ranks (default ``H * tp_size``). ``aux``: the pool's aux buffer. The
+    pool's pages are the caches' blocks of ``N`` tokens. Raises LayoutError naming the first layer or
+    value that does not fit.
+    """
+    if not caches:
+        raise LayoutError("no KV cache layers were registered")
+    name0, first = caches[0]
+    for name, t in caches:
+        if not isinstance(t, torch.Tensor):
+            raise LayoutError(f"layer {name!r} is a {type(t).__name__}, expected a torch.Tensor")
+        if t.dim() != 4:
+            raise LayoutError(
+                f"layer {name!r} has shape {tuple(t.shape)}; the caches are [num_blocks, H, N, C]"
+            )
+        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+            raise LayoutError(
+                f"layer {name!r} is {t.dtype} {tuple(t.shape)} on {t.device}, layer {name0!r} is "
+                f"{first.dtype} {tuple(first.shape)} on {first.device}: one cache group of equal layers is needed"
+            )
+        _check_order(name, t, order, order_name)
+    _, heads_local, tokens, content = first.shape
+    if tokens < 1:
+        raise LayoutError(f"layer {name0!r} holds no tokens per block: shape {tuple(first.shape)}")
+    mla = head_size is None
+    if head_size is None:
+        if heads_local != 1:
+            raise LayoutError(
+                f"layer {name0!r} has {heads_local} heads; an MLA cache has one latent per token"
+            )
+        elements = content
+    elif content != 2 * head_size:
+        raise LayoutError(
+            f"layer {name0!r} holds {content} elements per head, expected K and V of head_size={head_size}"
+        )
+    else:
+        elements = head_size
+    as_bytes = byte_dtype(first.dtype)
+    tensors = [t.view(torch.uint8) if as_bytes else t for _, t in caches]
+    head_dim = elements * (first.element_size() if as_bytes else 1)
+    layout = KVLayout(
+        num_layers=len(caches),
+        num_heads=1 if mla else (num_kv_heads or heads_local * tp_size),
+        head_dim=head_dim,
+        dtype=torch.uint8 if as_bytes else first.dtype,
+        page_size=tokens,
+        mla=mla,
+    )
+    per_token = [t.transpose(1, 2) for t in tensors]  # [blocks, N, H, C]
+    if mla:
+        views = per_token
+    else:
+        views = [t[..., :head_dim] for t in per_token] + [t[..., head_dim:] for t in per_token]
+    memory: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        raw = _backing(t)
+        memory.setdefault(raw.data_ptr(), raw)
+    return KVPool.from_views(layout, tp_size, tp_rank, views, list(memory.values()), aux)
 
 
 class AuxBuffers:

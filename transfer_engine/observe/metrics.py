@@ -8,7 +8,7 @@ ConfigError). Each engine has its own registry, served by the MetricsServer acto
 Two kinds of series:
 
 - histograms observed once per room as it ends (:meth:`Metrics.room_ended`, fed by
-  :func:`transfer_engine.observe.build.record_ended`): latency and size;
+  :func:`transfer_engine.engine.snapshot.record_ended`): latency and size;
 - everything else read at scrape time from the same :class:`~transfer_engine.observe.Snapshot`
   ``transfer-engine dump`` shows, so the two never disagree: counters by outcome and failure
   reason, bytes and WRITEs, dropped messages, live rooms, queues and ring occupancy.

@@ -17,13 +17,17 @@ What vLLM 0.32 registers (``register_kv_caches``: layer name -> tensor), read fr
 - a manager block may be split into kernel blocks (``group_kernel_blocks``): the view then has
   ``ratio`` times more blocks of ``block_size / ratio`` tokens.
 
-:func:`pool_from_vllm` takes that dict and the layout's name and builds a :class:`KVPool` over the
-same memory: each layer's K and V (or latent) as a ``[blocks, tokens, heads, head_dim]`` view, and
-the backing buffer(s) as the registered memory. The pool's pages are the view's (kernel) blocks;
-:attr:`VllmKV.pages_of` turns vLLM's block ids into them. Bytes are bytes: a dtype of one byte
-(vLLM's fp8 caches are uint8, ``fp8_inc`` is float8_e4m3fn) and any dtype the engine does not know
-travels as uint8, its head ``itemsize`` times wider; both sides must agree on it. Bad input raises
-:class:`LayoutError` naming the layer and the value; nothing is registered then.
+:func:`pool_from_vllm` (exported by ``transfer_engine.integrations.vllm``) takes that dict and the
+layout's name and builds a :class:`KVPool` over the same memory, through the package's generic
+builder of pools over per-layer caches (``transfer_engine.pool_from_caches``, in
+``memory/views.py``): each layer's K and V (or latent) as a ``[blocks, tokens, heads, head_dim]``
+view, and the backing buffer(s) as the registered memory. What is vLLM's stays here: the layout
+names and their axis orders, the manager blocks split into kernel blocks, the layer names. The
+pool's pages are the view's (kernel) blocks; :attr:`VllmKV.pages_of` turns vLLM's block ids into
+them. Bytes are bytes: a dtype of one byte (vLLM's fp8 caches are uint8, ``fp8_inc`` is
+float8_e4m3fn) and any dtype the engine does not know travels as uint8, its head ``itemsize`` times
+wider; both sides must agree on it. Bad input raises :class:`LayoutError` naming the layer and the
+value; nothing is registered then.
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from transfer_engine import KVLayout, KVPool
+from transfer_engine import KVPool, pool_from_caches
 from transfer_engine.errors import LayoutError
 
-__all__ = ["LAYOUTS", "VllmKV", "byte_dtype", "layer_stride_order", "pool_from_vllm"]
+__all__ = ["LAYOUTS", "VllmKV", "layer_stride_order", "pool_from_vllm"]
 
 LAYOUTS: dict[str, tuple[int, ...]] = {
     "LBHNC": (0, 1, 2, 3, 4),
@@ -52,9 +56,6 @@ memory. ``NHD`` and ``HND`` are accepted as vLLM's legacy names for ``LBNHC`` an
 
 _ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
 
-_ENGINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8)
-"""Dtypes that travel as themselves; every other one travels as bytes (:func:`byte_dtype`)."""
-
 
 def layer_stride_order(layout: str) -> tuple[int, ...]:
     """The memory order (outermost first) of one layer's ``[B, H, N, C]`` axes under ``layout``."""
@@ -62,11 +63,6 @@ def layer_stride_order(layout: str) -> tuple[int, ...]:
     if name not in LAYOUTS:
         raise LayoutError(f"KV cache layout {layout!r} is not one of vLLM's: {sorted(LAYOUTS)} (or NHD/HND)")
     return tuple(axis - 1 for axis in LAYOUTS[name] if axis != 0)
-
-
-def byte_dtype(dtype: torch.dtype) -> bool:
-    """Whether KV of ``dtype`` travels as uint8 bytes: one-byte floats (fp8) and unknown dtypes."""
-    return dtype not in _ENGINE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -104,24 +100,6 @@ class VllmKV:
         return (blocks[:, None] * self.block_ratio + np.arange(self.block_ratio)).reshape(-1)
 
 
-def _check_order(name: str, t: torch.Tensor, order: tuple[int, ...], layout: str) -> None:
-    """LayoutError unless ``t``'s strides put its axes in ``order`` (size-1 axes may sit anywhere)."""
-    placed = [axis for axis in order if t.shape[axis] > 1]
-    strides = [t.stride(axis) for axis in placed]
-    if any(a < b for a, b in zip(strides, strides[1:], strict=False)) or (strides and strides[-1] != 1):
-        raise LayoutError(
-            f"layer {name!r} has shape {tuple(t.shape)} and strides {t.stride()}, which are not vLLM's "
-            f"{layout} layout (axes [B, H, N, C] in memory order {order})"
-        )
-
-
-def _backing(t: torch.Tensor) -> torch.Tensor:
-    """The whole buffer ``t`` views, as a contiguous uint8 tensor (no copy)."""
-    storage = t.untyped_storage()
-    raw = torch.empty(0, dtype=torch.uint8, device=t.device)
-    return raw.set_(storage, 0, (storage.nbytes(),), (1,))
-
-
 def pool_from_vllm(
     kv_caches: Mapping[str, torch.Tensor],
     *,
@@ -143,60 +121,20 @@ def pool_from_vllm(
     ``aux``: the pool's aux buffer. Raises LayoutError naming the first layer or value that does not fit.
     """
     order = layer_stride_order(layout)
-    items = list(kv_caches.items())
-    if not items:
-        raise LayoutError("no KV cache layers were registered")
-    name0, first = items[0]
-    for name, t in items:
-        if not isinstance(t, torch.Tensor):
-            raise LayoutError(f"layer {name!r} is a {type(t).__name__}, expected a torch.Tensor")
-        if t.dim() != 4:
-            raise LayoutError(
-                f"layer {name!r} has shape {tuple(t.shape)}; vLLM's caches are [num_blocks, H, block_size, C]"
-            )
-        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
-            raise LayoutError(
-                f"layer {name!r} is {t.dtype} {tuple(t.shape)} on {t.device}, layer {name0!r} is "
-                f"{first.dtype} {tuple(first.shape)} on {first.device}: one cache group of equal layers is needed"
-            )
-        _check_order(name, t, order, layout)
-    _, heads_local, tokens, content = first.shape
-    if tokens < 1 or block_size % tokens:
-        raise LayoutError(
-            f"layer {name0!r} holds {tokens} tokens per block, which does not divide block_size={block_size}"
-        )
-    mla = head_size is None
-    if head_size is None:
-        if heads_local != 1:
-            raise LayoutError(
-                f"layer {name0!r} has {heads_local} heads; an MLA cache has one latent per token"
-            )
-        elements = content
-    elif content != 2 * head_size:
-        raise LayoutError(
-            f"layer {name0!r} holds {content} elements per head, expected K and V of head_size={head_size}"
-        )
-    else:
-        elements = head_size
-    as_bytes = byte_dtype(first.dtype)
-    caches = [t.view(torch.uint8) if as_bytes else t for _, t in items]
-    head_dim = elements * (first.element_size() if as_bytes else 1)
-    kv_layout = KVLayout(
-        num_layers=len(items),
-        num_heads=1 if mla else (num_kv_heads or heads_local * tp_size),
-        head_dim=head_dim,
-        dtype=torch.uint8 if as_bytes else first.dtype,
-        page_size=tokens,
-        mla=mla,
+    pool = pool_from_caches(
+        list(kv_caches.items()),
+        order=order,
+        order_name=f"vLLM's {layout} layout",
+        head_size=head_size,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        num_kv_heads=num_kv_heads,
+        aux=aux,
     )
-    per_token = [t.transpose(1, 2) for t in caches]  # [blocks, N, H, C]
-    if mla:
-        views = per_token
-    else:
-        views = [t[..., :head_dim] for t in per_token] + [t[..., head_dim:] for t in per_token]
-    memory: dict[int, torch.Tensor] = {}
-    for t in caches:
-        raw = _backing(t)
-        memory.setdefault(raw.data_ptr(), raw)
-    pool = KVPool.from_views(kv_layout, tp_size, tp_rank, views, list(memory.values()), aux)
-    return VllmKV(pool, tuple(name for name, _ in items), block_size // tokens)
+    tokens = pool.layout.page_size
+    if block_size % tokens:
+        raise LayoutError(
+            f"layer {next(iter(kv_caches))!r} holds {tokens} tokens per block, which does not divide "
+            f"block_size={block_size}"
+        )
+    return VllmKV(pool, tuple(kv_caches), block_size // tokens)

@@ -1,4 +1,6 @@
-"""Building a :class:`~.schema.Snapshot` from an engine's state, and recording rooms as they end.
+"""Building a :class:`~transfer_engine.observe.Snapshot` from an engine's state, and recording rooms
+as they end. It reads the engine and its actors, so it sits with the engine, over them; ``observe/``
+(the published format, the table, the metrics, the CLI) sits below the actors on one layer.
 
 - :func:`build_snapshot` reads the state (rooms, workers, ring, peers, poller, counters) on the
   event-loop thread and copies it into immutable Structs. It performs no I/O, awaits nothing and
@@ -26,13 +28,8 @@ from transfer_engine.actors.room import ReceiverRoomActor, RoomActor, SenderRoom
 from transfer_engine.actors.worker import TransferWorker
 from transfer_engine.config import EngineConfig
 from transfer_engine.memory.layout import KVPool
-from transfer_engine.protocol.cost import CostBook
-from transfer_engine.protocol.receiver_room import ReceiverRoom
-from transfer_engine.protocol.rooms import RoomStatus, SenderRoom
-from transfer_engine.runtime.peers import Peer
-
-from .render import chunks_text, ranks_text
-from .schema import (
+from transfer_engine.observe.render import chunks_text, ranks_text
+from transfer_engine.observe.schema import (
     AllocationSnapshot,
     Counters,
     HistoryEntry,
@@ -45,6 +42,10 @@ from .schema import (
     Snapshot,
     WorkerSnapshot,
 )
+from transfer_engine.protocol.cost import CostBook
+from transfer_engine.protocol.receiver_room import ReceiverRoom
+from transfer_engine.protocol.rooms import RoomStatus, SenderRoom
+from transfer_engine.runtime.peers import Peer
 
 log = logging.getLogger(__name__)
 
