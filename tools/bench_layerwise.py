@@ -572,7 +572,7 @@ def _stuck(engine: BlockingEngine) -> str:
     assert poller is not None
 
     def look() -> str:
-        workers = [(len(w._unready), len(w._prepared), len(w._failed_starts), w.depth) for w in inner.workers]
+        workers = [(*w.held.stuck(), w.depth) for w in inner.workers]
         posted = [(p.handle, poller.transport.state(p.handle).name) for p in poller._posted]
         waiters = [dict(w.completions.counters) for w in inner.workers]
         return (

@@ -7,16 +7,18 @@ it started, or a :class:`~transfer_engine.runtime.mail.WriteDone` from the worke
 cancelled, staged WRITE finished). ``CancelRoom`` ends a failed room's chunks that are not posted
 yet. The worker never waits on the network or on the GPU.
 
-One module per part, each adding to the one before it (:mod:`.core` says how they fit):
+The worker owns its parts, one module each, built in its ``__init__`` and each handed only the
+ports it uses; calls go down the list, never back up (:mod:`.core` says what they share):
 
-- :mod:`.plan`: what a job moves, as pure functions (descriptors, slots, notifications);
-- :mod:`.core`: identity, ports, counters, the completion waiter, the worker's own reply;
+- :mod:`.actor`: :class:`TransferWorker`, the mailbox: which part each mail goes to;
+- :mod:`.layerwise`: the layer groups of a staged chunk, and that chunk's one region;
+- :mod:`.direct`: direct and slice WRITEs, their layer groups, and the lists those groups share;
+- :mod:`.staged`: staged and host WRITEs, gathered into a staging lease, written into a ring region;
 - :mod:`.held`: jobs held until their KV is written, their WRITEs started by the completion waiter's
   thread (the one cross-thread state machine);
-- :mod:`.direct`: direct and slice WRITEs, and the lists a chunk's layer groups share;
-- :mod:`.staged`: staged and host WRITEs, gathered into a staging lease, written into a ring region;
-- :mod:`.layerwise`: layer groups, and a layer-wise staged chunk's one region;
-- :mod:`.actor`: :class:`TransferWorker`, the mailbox.
+- :mod:`.core`: the mail, a WRITE made ahead and its seal, the worker's own reply and inbox, and
+  :class:`~.core.Starter` (the held part starting what the direct part made);
+- :mod:`.plan`: what a job moves, as pure functions (descriptors, slots, notifications).
 """
 
 from .actor import TransferWorker

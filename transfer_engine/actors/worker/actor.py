@@ -1,25 +1,125 @@
-"""The TransferWorker actor: its mailbox, and what each mail asks of the parts below it."""
+"""The TransferWorker actor: its mailbox, the parts it owns, and which part each mail goes to."""
 
 from __future__ import annotations
+
+import functools
+from collections import defaultdict
 
 import anyio
 import anyio.abc
 
+from transfer_engine.memory.integrity import PoolChecksums
+from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
+from transfer_engine.runtime.completion import CompletionWaiter
 from transfer_engine.runtime.mail import CancelRoom, Reached, RepeatStaging, WriteEnded, WriteJob
+from transfer_engine.runtime.ports import Outbox, RankIdentity, RoomBoard, WritePort
 
-from .core import WorkerMail
-from .layerwise import LayerwisePath
+from ..base import Actor
+from .core import Made, OwnInbox, Sealer, WorkerMail, answer
+from .direct import DirectPath
+from .held import HeldJobs
+from .layerwise import StagedGroups
 from .plan import is_staged_job
-from .staged import Lease
+from .staged import Lease, StagedPath
 
 
-class TransferWorker(LayerwisePath):
-    """A prefill rank's worker actor (see the package docstring). ``inbox`` takes :data:`WorkerMail`.
+class TransferWorker(Actor[WorkerMail]):
+    """A prefill rank's worker actor (see the package docstring). ``inbox`` takes :data:`WorkerMail`;
+    started with ``tg.start(worker.run)``.
 
-    Made with ``(index, me, pool, poller, rooms, outbox, *, staging_bytes, capacity, reserve,
-    early_drive)`` (:class:`~.core.WorkerCore`); started with ``tg.start(worker.run)``.
+    It owns its parts, built here, each handed only the ports it uses: :attr:`held` (jobs held until
+    their KV is written), :attr:`direct` (direct and slice WRITEs, and their layer groups),
+    :attr:`staged` (staged and host WRITEs: regions, leases, gathers) and :attr:`staged_groups` (the
+    layer groups of staged chunks). It reads each mail and hands it to the part that carries it.
     """
+
+    def __init__(
+        self,
+        index: int,
+        me: RankIdentity,
+        pool: KVPool,
+        poller: WritePort,
+        rooms: RoomBoard,
+        outbox: Outbox,
+        *,
+        staging_bytes: int,
+        capacity: int = 4096,
+        reserve: int = 0,
+        early_drive: float = 0.0,
+        checksums: PoolChecksums | None = None,
+    ) -> None:
+        super().__init__(capacity, reserve)
+        self.index = index
+        self.me = me
+        self.counters: dict[str, int] = defaultdict(int)
+        """Every part's counters, by name (``watermark_waits``, ``early_starts``...)."""
+        self.completions = CompletionWaiter(f"worker-{index}")
+        """Wakes this worker when its gathers' stream or its jobs' ready events complete."""
+        self._own = OwnInbox(self.inbox)
+        self._sealer = Sealer(pool, checksums)
+        done = functools.partial(answer, rooms)
+        trace = me.trace
+        self.held = HeldJobs(
+            index, poller, rooms, self._own, self.completions, done,
+            trace=trace, counters=self.counters, early_drive=early_drive,
+        )  # fmt: skip
+        self.direct = DirectPath(
+            index, pool, poller, rooms, self.held, self._sealer.sealed, done, trace=trace
+        )
+        self.staged = StagedPath(
+            index, pool, poller, outbox, self.held, self._own, self.completions, self._sealer.sealed,
+            done, agent_name=me.agent_name, trace=trace, counters=self.counters,
+            staging_bytes=staging_bytes,
+        )  # fmt: skip
+        self.staged_groups = StagedGroups(
+            pool, outbox, self.staged, self.held, done,
+            agent_name=me.agent_name, trace=trace, counters=self.counters,
+        )  # fmt: skip
+
+    # --- what the engine and the snapshot read (observe, the leak check) ----------------------------
+
+    @property
+    def checksums(self) -> PoolChecksums | None:
+        """Integrity on: what a chunk's WRITE is sealed with (``EngineConfig.integrity``)."""
+        return self._sealer.checksums
+
+    @checksums.setter
+    def checksums(self, checksums: PoolChecksums | None) -> None:
+        self._sealer.checksums = checksums
+
+    @property
+    def depth(self) -> int:
+        """Mails queued in the inbox."""
+        return len(self.inbox)
+
+    @property
+    def held_jobs(self) -> int:
+        """Jobs held until their KV is written (0 when idle)."""
+        return self.held.held_jobs
+
+    @property
+    def layer_jobs(self) -> int:
+        """Jobs held until their KV is written (layer groups, direct chunks), and layer-wise regions held
+        (0 when idle)."""
+        return self.held.held_jobs + self.staged_groups.regions
+
+    @property
+    def parked(self) -> int:
+        """Staged chunks granted a region but waiting for the watermark or a staging lease."""
+        return self.staged.parked
+
+    @property
+    def awaiting_grant(self) -> int:
+        """Chunks (whole, or a layer-wise chunk's region) whose ring region was asked for and not
+        granted yet."""
+        return self.staged.awaiting_grant + self.staged_groups.awaiting_grant
+
+    def leases(self) -> int:
+        """Staging-buffer leases held (0 when idle: the leak check)."""
+        return self.staged.leases()
+
+    # --- the mailbox -----------------------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Handle mail until the inbox closes. Jobs whose KV is not written yet are held; the
@@ -30,44 +130,61 @@ class TransferWorker(LayerwisePath):
             await super().run(task_status=task_status)
         finally:
             self.completions.close()  # its thread is joined: no claim changes after this
-            self.let_go_held()
-            self.let_go_gathering()
-            self.close_all_lists()
+            self.held.let_go_all()
+            self.staged.let_go_gathering()
+            self.direct.close_all_lists()
 
     async def handle(self, mail: WorkerMail) -> None:
         self.me.trace.mark_mail("worker", mail)
         match mail:
+            case WriteJob(group=group) if group is not None and is_staged_job(mail):
+                await self.staged_groups.layer_group(mail)
             case WriteJob(group=group) if group is not None:
-                await self.layer_job(mail)
+                await self.direct.layer_group(mail)
             case WriteJob() if is_staged_job(mail):
-                await self.request_region(mail)
+                await self.staged.request_region(mail)
             case WriteJob():
-                await self.execute(mail)
-            case m.StagingGrant() if self.has_layer_region(mail.agent, mail.room, mail.chunk_id):
-                await self.on_layer_grant(mail)
+                await self.direct.execute(mail)
+            case m.StagingGrant() if self.staged_groups.has_layer_region(
+                mail.agent, mail.room, mail.chunk_id
+            ):
+                await self.staged_groups.on_grant(mail)
             case m.StagingGrant():
-                await self.on_grant(mail)
-            case m.StagingRefused() if self.has_layer_region(mail.agent, mail.room, mail.chunk_id):
-                await self.on_layer_refusal(mail)
+                await self.staged.on_grant(mail)
+            case m.StagingRefused() if self.staged_groups.has_layer_region(
+                mail.agent, mail.room, mail.chunk_id
+            ):
+                await self.staged_groups.on_refused(mail)
             case m.StagingRefused():
-                await self.on_refused(mail)
+                await self.staged.on_refused(mail)
             case m.Watermark():
-                await self.on_watermark(mail)
+                await self.staged.on_watermark(mail)
             case WriteEnded(token=Lease() as lease, ok=ok, detail=detail):
-                await self.on_lease_ended(lease, ok, detail)
+                await self.staged.on_lease_ended(lease, ok, detail)
             case CancelRoom(room=room):
                 await self.cancel(room)
             case Reached():
-                self.reached_taken()
-                await self.answer_failed_starts()
-                await self.start_ready()
-                await self.progress_all()  # parked chunks whose KV was written meanwhile
+                self._own.woken()
+                await self.held.answer_failed_starts()
+                for job, made in self.held.take_ready():
+                    await self._start_held(job, made)
+                await self.staged.progress_all()  # parked chunks whose KV was written meanwhile
             case RepeatStaging(before=before):
-                self.repeat_requests(before)
+                self.staged.repeat_requests(before)
+                self.staged_groups.repeat_requests(before)
+
+    async def _start_held(self, job: WriteJob, made: Made | None) -> None:
+        """Start a held job whose KV is written, through the part that carries it: a staged layer
+        group through its chunk's region, any other (a direct or slice group, a direct chunk) with
+        ``made``, the WRITE made for it while it was held."""
+        if is_staged_job(job):
+            await self.staged_groups.start(job)
+        else:
+            await self.direct.execute(job, made)
 
     async def cancel(self, room: int) -> None:
         """End every chunk of ``room`` not posted yet: waiting for its KV or a grant, or parked."""
-        await self.cancel_held(room)
-        self.close_lists(room)
-        await self.cancel_regions(room)
-        await self.cancel_staged(room)
+        await self.held.cancel(room)
+        self.direct.close_lists(room)
+        await self.staged_groups.cancel(room)
+        await self.staged.cancel(room)

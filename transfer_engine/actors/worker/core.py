@@ -1,41 +1,36 @@
-"""The state and the calls every part of a :class:`~transfer_engine.actors.worker.TransferWorker`
-shares: its identity and ports, its counters, its completion waiter, and the one reply a job gets
-from the worker itself (:meth:`WorkerCore.done`).
+"""What the parts of a :class:`~transfer_engine.actors.worker.TransferWorker` share: the mail it
+takes, a WRITE made ahead (:data:`Made`) and its integrity seal (:class:`Sealer`), the one reply a
+job gets from the worker itself (:func:`answer`), the worker's own inbox as its parts see it
+(:class:`OwnInbox`), and the one call that goes against the flow of the parts (:class:`Starter`:
+the held part starting what the direct part made).
 
-The worker is built in layers, one module each, every one adding to the one below: :mod:`.held`
-(jobs held until their KV is written, started by the completion waiter's thread: the worker's one
-cross-thread state machine), :mod:`.direct` (direct and slice WRITEs), :mod:`.staged` (staged and
-host WRITEs through a ring region), :mod:`.layerwise` (layer groups) and :mod:`.actor` (the
-mailbox). A layer calls what the layers below it define; the three calls that go the other way
-(:mod:`.held` starting what :mod:`.direct` made) are declared here, so that each module reads on
-its own.
+The worker owns its parts and hands each only what it uses; no part holds the worker or another
+part above it (docs/ARCHITECTURE.md, "Layout": the parts of the worker).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import defaultdict
-
-import torch
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from transfer_engine.errors import FailureReason
 from transfer_engine.memory.integrity import PoolChecksums, Seal
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
-from transfer_engine.runtime.completion import CompletionWaiter
 from transfer_engine.runtime.mail import (
     CancelRoom,
+    Mailbox,
     Reached,
     RepeatStaging,
     WriteDone,
     WriteEnded,
     WriteJob,
 )
-from transfer_engine.runtime.ports import Outbox, RankIdentity, RoomBoard, WritePort
+from transfer_engine.runtime.ports import RoomBoard
 from transfer_engine.transport.interface import WriteSpec
 
-from ..base import Actor
 from .plan import staged_slots
 
 Made = tuple[int, WriteSpec]
@@ -43,7 +38,7 @@ Made = tuple[int, WriteSpec]
 
 
 def seal_of(spec: WriteSpec) -> Seal | None:
-    """The integrity seal of ``spec`` (:meth:`WorkerCore.sealed`), if it has one."""
+    """The integrity seal of ``spec`` (:meth:`Sealer.sealed`), if it has one."""
     return spec.seal if isinstance(spec.seal, Seal) else None
 
 
@@ -64,51 +59,70 @@ WorkerMail = (
     | Reached
 )
 
+Done = Callable[[WriteJob, bool, str, FailureReason], Awaitable[None]]
+"""The worker's own reply to a job (:func:`answer` bound to the room board)."""
 
-class WorkerCore(Actor["WorkerMail"]):
-    """What every part of the worker uses; see the module docstring."""
 
-    def __init__(
-        self,
-        index: int,
-        me: RankIdentity,
-        pool: KVPool,
-        poller: WritePort,
-        rooms: RoomBoard,
-        outbox: Outbox,
-        *,
-        staging_bytes: int,
-        capacity: int = 4096,
-        reserve: int = 0,
-        early_drive: float = 0.0,
-        checksums: PoolChecksums | None = None,
-    ) -> None:
-        super().__init__(capacity, reserve)
-        self.checksums = checksums
-        """Integrity on: what a chunk's WRITE is sealed with (:meth:`sealed`)."""
-        self.index = index
-        self.me = me
-        self.pool = pool
-        self.poller = poller
-        self.rooms = rooms
-        self.outbox = outbox
-        self.staging_bytes = staging_bytes
-        """The size of each staging buffer (``EngineConfig.staging_bytes``, resolved)."""
-        self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
-        """The stream of this worker's gathers (None on CPU)."""
-        self.counters: dict[str, int] = defaultdict(int)
-        self.completions = CompletionWaiter(f"worker-{index}")
-        """Wakes this worker when its gathers' stream or its jobs' ready events complete."""
-        self.early_drive = early_drive
-        """``EngineConfig.early_drive``: how long the waiter's thread looks at the WRITE of a layer group
-        that closes its chunk, after starting it."""
+async def answer(rooms: RoomBoard, job: WriteJob, ok: bool, detail: str, reason: FailureReason) -> None:
+    """The one reply for ``job`` that does not come from the poller: a ``WriteDone`` to its room."""
+    await rooms.deliver(
+        job.room, WriteDone(job.chunk_id, job.decode_rank, ok, detail, reason, job.key.layers)
+    )
+
+
+class Starter(Protocol):
+    """Starts a WRITE made ahead for a held job: the direct part implements it, the held part is
+    handed it with each job it holds (:meth:`~.held.HeldJobs.hold`) and calls it from the completion
+    waiter's callback on the loop."""
+
+    def start_made(self, job: WriteJob, made: Made) -> None:
+        """Start ``job``'s WRITE ``made`` now (a room gone: dropped). Raises TransferError."""
+        ...
+
+    def is_relaxed(self, job: WriteJob) -> bool:
+        """Whether nobody waits for the end of ``job``'s WRITE yet."""
+        ...
+
+
+class OwnInbox:
+    """The worker's own mailbox as its parts see it: the reply address of the WRITEs the worker
+    tracks itself (staged WRITEs, and WRITEs nobody waits for at shutdown), and its wake-up: one
+    :class:`Reached` at most queued, posted by completion callbacks when the worker's task has to
+    look (held jobs ready, a start to answer, a parked chunk's KV written)."""
+
+    def __init__(self, mailbox: Mailbox[WorkerMail]) -> None:
+        self.mailbox = mailbox
         self._reached_posted = False
-        """A :class:`Reached` is in the inbox (one at most)."""
+        """A :class:`Reached` is in the mailbox (one at most)."""
 
     @property
-    def depth(self) -> int:
-        """Mails queued in the inbox."""
-        return len(self.inbox)
+    def closed(self) -> bool:
+        """The worker ended: nobody will read what is posted here."""
+        return self.mailbox.closed
+
+    def post(self, mail: WorkerMail) -> None:
+        """Post ``mail`` to the worker (never waits)."""
+        self.mailbox.post(mail)
+
+    def wake(self) -> None:
+        """Queue one :class:`Reached` (none if one is queued already)."""
+        if not self._reached_posted:
+            self._reached_posted = True
+            self.mailbox.post(Reached())
+
+    def woken(self) -> None:
+        """The queued :class:`Reached` was taken from the mailbox: the next wake-up posts another."""
+        self._reached_posted = False
+
+
+class Sealer:
+    """Seals a chunk's WRITE with the checksum of the KV it reads (docs/INTEGRITY.md), when
+    integrity is on (``checksums`` set: ``EngineConfig.integrity``)."""
+
+    def __init__(self, pool: KVPool, checksums: PoolChecksums | None) -> None:
+        self.pool = pool
+        self.checksums = checksums
+        """Integrity on: what a chunk's WRITE is sealed with (:meth:`sealed`)."""
 
     def sealed(self, job: WriteJob, spec: WriteSpec) -> WriteSpec:
         """``spec`` sealed with the checksum of the KV its chunk (or layer group) reads from this
@@ -129,34 +143,3 @@ class WorkerCore(Actor["WorkerMail"]):
             functools.partial(self.checksums.enqueue, *part),
         )
         return dataclasses.replace(spec, seal=seal)
-
-    async def done(self, job: WriteJob, ok: bool, detail: str, reason: FailureReason) -> None:
-        """The one reply for ``job`` that does not come from the poller."""
-        await self.rooms.deliver(
-            job.room, WriteDone(job.chunk_id, job.decode_rank, ok, detail, reason, job.key.layers)
-        )
-
-    def post_reached(self) -> None:
-        """Queue one :class:`Reached` (none if one is queued already)."""
-        if not self._reached_posted:
-            self._reached_posted = True
-            self.inbox.post(Reached())
-
-    def reached_taken(self) -> None:
-        """The queued :class:`Reached` was taken from the inbox: the next wake-up posts another."""
-        self._reached_posted = False
-
-    # --- made by DirectPath, called by HeldJobs (see the module docstring) --------------------------
-
-    async def prepare(self, job: WriteJob) -> Made | None:
-        """Plan and make a direct (or slice) job's WRITE without starting it; None when it cannot be
-        made (the job was answered). Made by :class:`~.direct.DirectPath`."""
-        raise NotImplementedError
-
-    def start_made(self, job: WriteJob, made: Made) -> None:
-        """Start ``job``'s WRITE made by :meth:`prepare`. Made by :class:`~.direct.DirectPath`."""
-        raise NotImplementedError
-
-    def is_relaxed(self, job: WriteJob) -> bool:
-        """Whether nobody waits for the end of ``job``'s WRITE yet. Made by :class:`~.direct.DirectPath`."""
-        raise NotImplementedError

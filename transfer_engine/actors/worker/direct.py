@@ -13,17 +13,21 @@ for their ends yet (docs/DECISIONS.md, "Relaxed looks at the layer groups before
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from transfer_engine.errors import FailureReason, TransferError
+from transfer_engine.memory.layout import KVPool
+from transfer_engine.runtime.completion import Completion
 from transfer_engine.runtime.mail import WriteJob
+from transfer_engine.runtime.ports import RoomBoard, WritePort
+from transfer_engine.runtime.steptrace import StepTrace
 from transfer_engine.transport.interface import WriteSpec
 
-from .core import Made, seal_of
-from .held import HeldJobs, is_ready
+from .core import Done, Made, seal_of
+from .held import HeldJobs, is_ready, pending_waits
 from .plan import chunk_descriptors, chunk_notification, group_index, group_rows, plan_write, shares_lists
 
 log = logging.getLogger(__name__)
@@ -42,12 +46,35 @@ class ChunkLists:
     """Descriptors of each tensor."""
 
 
-class DirectPath(HeldJobs):
-    """Makes and starts direct and slice WRITEs; see the module docstring."""
+class DirectPath:
+    """Makes and starts direct and slice WRITEs (the :class:`~.core.Starter` of the jobs it holds);
+    see the module docstring.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._bases = np.array([t.data_ptr() for t in self.pool.tensors], dtype=np.uint64)
+    Given the pool, the poller (:class:`~transfer_engine.runtime.ports.WritePort`: it makes and
+    starts the WRITEs), the room board (where a WRITE's end is reported), the held part (jobs whose
+    KV is not written yet), the seal of a chunk's WRITE, and the worker's reply to a job."""
+
+    def __init__(
+        self,
+        index: int,
+        pool: KVPool,
+        poller: WritePort,
+        rooms: RoomBoard,
+        held: HeldJobs,
+        sealed: Callable[[WriteJob, WriteSpec], WriteSpec],
+        done: Done,
+        *,
+        trace: StepTrace,
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.poller = poller
+        self.rooms = rooms
+        self.held = held
+        self.sealed = sealed
+        self.done = done
+        self.trace = trace
+        self._bases = np.array([t.data_ptr() for t in pool.tensors], dtype=np.uint64)
         """Base address of each KV tensor of the pool."""
         self._chunk_lists: dict[tuple[str, int, int], ChunkLists] = {}
         """(decode agent, room, chunk id) -> the lists its direct or slice layer groups are made from,
@@ -72,12 +99,12 @@ class DirectPath(HeldJobs):
             self.poller.discard(handle)
             return
         self.poller.start_write(handle, spec, room, job.key, relaxed=self.is_relaxed(job))
-        self.me.trace.mark(job.room, "posted")
+        self.trace.mark(job.room, "posted")
 
     def _spec(self, job: WriteJob) -> WriteSpec:
         """Plan ``job``'s WRITE (``plan_write``); TransferError when it has nothing to move."""
         src, dst, length, notif = plan_write(job, self.pool, self._bases)
-        self.me.trace.mark(job.room, "planned")
+        self.trace.mark(job.room, "planned")
         if len(src) == 0:
             raise TransferError(f"room {job.room}: empty WRITE")
         spec = WriteSpec(
@@ -96,8 +123,18 @@ class DirectPath(HeldJobs):
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             await self.done(job, False, str(exc), FailureReason.TRANSPORT)
             return None
-        self.me.trace.mark(job.room, "prepared")
+        self.trace.mark(job.room, "prepared")
         return made
+
+    async def _hold(self, job: WriteJob, pending: Sequence[Completion], made: Made | None = None) -> None:
+        """Hold ``job`` until every wait in ``pending`` completed, its WRITE made now (``made``, if it
+        already was); the completion waiter starts it (:class:`~.held.HeldJobs`). A job whose WRITE
+        cannot be made is answered."""
+        if made is None:
+            made = await self.prepare(job)
+            if made is None:
+                return
+        self.held.hold(job, pending, made, self)
 
     def _make_direct(self, job: WriteJob) -> Made:
         """Plan and make ``job``'s WRITE without starting it. Raises TransferError.
@@ -134,7 +171,7 @@ class DirectPath(HeldJobs):
                 whole.local_devices, chunk_notification(job, region=-1),
             )  # fmt: skip
             spec = self.sealed(job, spec)
-            self.me.trace.mark(job.room, "planned")
+            self.trace.mark(job.room, "planned")
             return self.poller.prepare_indexed(shared.lists, index, spec), spec
         finally:
             if job.group.closes and key in self._chunk_lists:  # the chunk's last group: no more WRITEs
@@ -154,27 +191,36 @@ class DirectPath(HeldJobs):
             self.poller.close_lists(shared.lists)
         self._chunk_lists.clear()
 
+    async def layer_group(self, job: WriteJob) -> None:
+        """A layer group of a direct or slice chunk: started now if every one of its ``waits``
+        completed, else its WRITE is made now and held until they have."""
+        pending = pending_waits(job)
+        if not pending:
+            await self.execute(job)
+            return
+        await self._hold(job, pending)
+
     async def execute(self, job: WriteJob, made: Made | None = None) -> None:
         """Make and start ``job``'s WRITE, or start ``made``, the one made for it while it was held."""
         if job.ready is not None:
             if not is_ready(job.ready):
                 # The KV is still being computed (NIXL reads it itself: it must be written first).
                 # The WRITE is made now and the job held, not the worker: the completion waiter
-                # starts it (:meth:`on_reached`), and the jobs behind it go on meanwhile.
-                await self.hold(job, [job.ready], made)
+                # starts it (:meth:`~.held.HeldJobs.on_reached`), and the jobs behind it go on meanwhile.
+                await self._hold(job, [job.ready], made)
                 return
-            self.me.trace.mark(job.room, "ready")
+            self.trace.mark(job.room, "ready")
         try:
             if made is None:
                 made = self._make_direct(job)
             seal = seal_of(made[1])
             if seal is not None:
-                self.start_seal(made, ())
+                self.held.start_seal(made, ())
                 if not seal.ready:
                     # integrity: the WRITE starts once its checksum is known (docs/INTEGRITY.md); the
                     # worker goes on meanwhile, and the completion waiter's thread starts it
                     assert seal.sum is not None
-                    await self.hold(job, [seal.sum.done], made)
+                    await self._hold(job, [seal.sum.done], made)
                     return
             self.start_made(job, made)
         except TransferError as exc:

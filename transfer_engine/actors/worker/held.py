@@ -28,11 +28,12 @@ from typing import Any
 import torch
 
 from transfer_engine.errors import FailureReason, TransferError
-from transfer_engine.runtime.completion import Completion
+from transfer_engine.runtime.completion import Completion, CompletionWaiter
 from transfer_engine.runtime.mail import Mailbox, Ready, WriteJob
+from transfer_engine.runtime.ports import RoomBoard, WritePort
+from transfer_engine.runtime.steptrace import StepTrace
 
-from .core import Made, WorkerCore, seal_of, seal_ready
-from .plan import is_staged_job
+from .core import Done, Made, OwnInbox, Starter, seal_of, seal_ready
 
 log = logging.getLogger(__name__)
 
@@ -86,42 +87,83 @@ def is_ready(ready: Ready) -> bool:
     return ready.is_set()
 
 
+def pending_waits(job: WriteJob) -> list[Completion]:
+    """The waits of ``job``'s layer group that have not completed yet."""
+    return [w for w in job.waits if w is not None and not is_ready(w)]
+
+
 def held_ready(job: WriteJob) -> bool:
     """Whether a held job's KV is written: every wait of its layer group, and its chunk's event."""
     return all(is_ready(w) for w in job.waits) and (job.ready is None or is_ready(job.ready))
 
 
-class HeldJobs(WorkerCore):
-    """Holds jobs until their KV is written; see the module docstring."""
+class HeldJobs:
+    """Holds jobs until their KV is written; see the module docstring.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    Given the poller (:class:`~transfer_engine.runtime.ports.WritePort`: its thread-safe starts, its
+    adoption of a started WRITE), the room board (where a started WRITE's end is reported), the
+    worker's own inbox (its wake-up), its completion waiter, and the worker's reply to a job."""
+
+    def __init__(
+        self,
+        index: int,
+        poller: WritePort,
+        rooms: RoomBoard,
+        inbox: OwnInbox,
+        completions: CompletionWaiter,
+        done: Done,
+        *,
+        trace: StepTrace,
+        counters: dict[str, int],
+        early_drive: float = 0.0,
+    ) -> None:
+        self.index = index
+        self.poller = poller
+        self.rooms = rooms
+        self.inbox = inbox
+        self.completions = completions
+        self.done = done
+        self.trace = trace
+        self.counters = counters
+        self.early_drive = early_drive
+        """``EngineConfig.early_drive``: how long the waiter's thread looks at the WRITE of a layer group
+        that closes its chunk, after starting it."""
         self._unready: list[WriteJob] = []
         """Held jobs whose ``waits`` (or ``ready``) have not all completed, in arrival order."""
         self._failed_starts: list[tuple[WriteJob, str]] = []
         """Held jobs whose start from the waiter's callback failed: answered by the next Reached."""
-        self._prepared: dict[int, Held] = {}
-        """id(job) -> its WRITE, made and not started by the loop, for the held direct jobs in
-        ``_unready`` (an entry leaves with its job, so an id is never a stale one)."""
+        self._prepared: dict[int, tuple[Held, Starter]] = {}
+        """id(job) -> its WRITE, made and not started by the loop, and what starts it, for the held
+        direct jobs in ``_unready`` (an entry leaves with its job, so an id is never a stale one)."""
 
     @property
     def held_jobs(self) -> int:
         """Jobs held until their KV is written (0 when idle)."""
         return len(self._unready)
 
-    async def hold(self, job: WriteJob, pending: Sequence[Completion], made: Made | None = None) -> None:
-        """Hold ``job`` until every wait in ``pending`` completed; a direct (or slice) job has its
-        WRITE made now (``made``, if it already was), which the completion waiter's thread starts
-        (:meth:`start_early`; or its callback, :meth:`on_reached`, when the loop saw them complete
-        first). A job whose WRITE cannot be made was answered already."""
+    def stuck(self) -> tuple[int, int, int]:
+        """``(held, made, failed starts)``: what this part holds, for a diagnosis of a room that did
+        not end (``tools/bench_layerwise.py``)."""
+        return len(self._unready), len(self._prepared), len(self._failed_starts)
+
+    def hold(
+        self,
+        job: WriteJob,
+        pending: Sequence[Completion],
+        made: Made | None = None,
+        starter: Starter | None = None,
+    ) -> None:
+        """Hold ``job`` until every wait in ``pending`` completed. A direct (or slice) job comes with
+        its WRITE ``made`` and the ``starter`` that made it: the completion waiter's thread starts it
+        (:meth:`start_early`; or its callback, :meth:`on_reached`, through ``starter``, when the loop
+        saw them complete first). A staged layer group comes with neither: :meth:`take_ready` hands
+        it back once its KV is written."""
         first = None
-        if not is_staged_job(job):
-            if made is None:
-                made = await self.prepare(job)
-                if made is None:
-                    return
+        if made is not None:
+            assert starter is not None
             pending = [*pending, *self.start_seal(made, pending)]
-            held = self._prepared[id(job)] = Held(made)
+            held = Held(made)
+            self._prepared[id(job)] = (held, starter)
             first = functools.partial(self.start_early, job, held)
         self._unready.append(job)
         # Every wait found pending gets its callback, even one that completed since (while the WRITE
@@ -149,35 +191,37 @@ class HeldJobs(WorkerCore):
         """On the loop, from the completion waiter: a wait of the held ``job`` completed.
 
         A job whose WRITE the waiter's thread started (:meth:`start_early`) is adopted here, or
-        answered if its start was refused. A job whose WRITE was made ahead (:meth:`prepare`) and
-        whose waits have all completed is started here and now, without a mail hop through the
-        inbox; any other job is left to the :class:`Reached` mail, as is a start that failed (its
+        answered if its start was refused. A job whose WRITE was made ahead and whose waits have all
+        completed is started here and now by its :class:`~.core.Starter`, without a mail hop through
+        the inbox; any other job is left to the :class:`Reached` mail, as is a start that failed (its
         answer needs the worker's task)."""
-        self.me.trace.mark(job.room, "reached")
+        self.trace.mark(job.room, "reached")
         if self.inbox.closed:  # the worker ended, nobody waits
             return
-        held = self._prepared.get(id(job))
-        if held is not None and held.state in (Start.STARTED, Start.REFUSED):
-            self.unhold(job)
-            # A room with a job out never ends; only at shutdown is it gone, and then the poller's
-            # reply goes nowhere: the worker's own inbox, closed (the poller drops it).
-            room = self.rooms.get(job.room)
-            reply_to = room if room is not None else self.inbox
-            refusal = self.settle(held, reply_to, job.key, self.is_relaxed(job))
-            if refusal is None:
-                return
-            log.warning("worker %d: room %d: %s", self.index, job.room, refusal)
-            self._failed_starts.append((job, str(refusal)))
-        elif held is not None and held_ready(job) and seal_ready(held.made) and held.take():
-            self.unhold(job)
-            self.me.trace.mark(job.room, "started")
-            try:
-                self.start_made(job, held.made)
-                return
-            except Exception as exc:  # a callback must not lose a job: the Reached mail answers it
-                log.warning("worker %d: room %d: %s", self.index, job.room, exc)
-                self._failed_starts.append((job, f"{type(exc).__name__}: {exc}"))
-        self.post_reached()
+        entry = self._prepared.get(id(job))
+        if entry is not None:
+            held, starter = entry
+            if held.state in (Start.STARTED, Start.REFUSED):
+                self.unhold(job)
+                # A room with a job out never ends; only at shutdown is it gone, and then the poller's
+                # reply goes nowhere: the worker's own inbox, closed (the poller drops it).
+                room = self.rooms.get(job.room)
+                reply_to = room if room is not None else self.inbox.mailbox
+                refusal = self.settle(held, reply_to, job.key, starter.is_relaxed(job))
+                if refusal is None:
+                    return
+                log.warning("worker %d: room %d: %s", self.index, job.room, refusal)
+                self._failed_starts.append((job, str(refusal)))
+            elif held_ready(job) and seal_ready(held.made) and held.take():
+                self.unhold(job)
+                self.trace.mark(job.room, "started")
+                try:
+                    starter.start_made(job, held.made)
+                    return
+                except Exception as exc:  # a callback must not lose a job: the Reached mail answers it
+                    log.warning("worker %d: room %d: %s", self.index, job.room, exc)
+                    self._failed_starts.append((job, f"{type(exc).__name__}: {exc}"))
+        self.inbox.wake()
 
     def unhold(self, job: WriteJob) -> None:
         """``job`` is held no more (its WRITE was claimed)."""
@@ -187,7 +231,7 @@ class HeldJobs(WorkerCore):
     def start_early(self, job: WriteJob, held: Held) -> None:
         """On the completion waiter's thread, as a wait of held ``job`` completes: if every wait has,
         start its made WRITE now (:meth:`claim_and_start`); the loop adopts it in :meth:`on_reached`."""
-        self.me.trace.mark(job.room, "woken")  # back from the wait, the GIL held again
+        self.trace.mark(job.room, "woken")  # back from the wait, the GIL held again
         if held_ready(job) and seal_ready(held.made):
             # the group that closes its chunk is small: its bytes land within a fraction of a
             # millisecond, and the decode hears of them sooner if this thread looks until they have
@@ -204,21 +248,21 @@ class HeldJobs(WorkerCore):
         completion waiter's thread")."""
         if not held.claim(Start.STARTING):
             return
-        self.me.trace.mark(room, "started")
+        self.trace.mark(room, "started")
         try:
             at = self.poller.start_early(held.made[0])
         except TransferError as exc:
             with held.lock:
                 held.refusal, held.state = exc, Start.REFUSED
             return
-        if at is not None and self.me.trace.enabled:
-            self.me.trace.mark_at(room, "locked", at[0])
-            self.me.trace.mark_at(room, "transfer_cpu", at[0] + at[2])  # the lock + the call's CPU time
-            self.me.trace.mark_at(room, "transferred", at[1])
-        self.me.trace.mark(room, "posted")
+        if at is not None and self.trace.enabled:
+            self.trace.mark_at(room, "locked", at[0])
+            self.trace.mark_at(room, "transfer_cpu", at[0] + at[2])  # the lock + the call's CPU time
+            self.trace.mark_at(room, "transferred", at[1])
+        self.trace.mark(room, "posted")
         # still STARTING while it looks: the loop adopts it (and its poller may release it) only after
         if drive > 0 and self.poller.drive(held.made[0], drive):
-            self.me.trace.mark(room, "driven")
+            self.trace.mark(room, "driven")
         with held.lock:
             held.state = Start.STARTED
 
@@ -226,7 +270,7 @@ class HeldJobs(WorkerCore):
         """At the worker's end (its waiter thread joined): release ``held``'s WRITE, or, when the
         thread started it and the loop never adopted it, hand it to the poller to end."""
         if held.state is Start.STARTED:  # its reply goes to this worker's closed inbox: dropped
-            self.poller.adopt(held.made[0], held.made[1], self.inbox, None)
+            self.poller.adopt(held.made[0], held.made[1], self.inbox.mailbox, None)
         elif held.state is not Start.REFUSED:  # (a refused start's handle is gone already)
             self.poller.discard(held.made[0])
 
@@ -245,13 +289,13 @@ class HeldJobs(WorkerCore):
 
     def _sealed(self, job: WriteJob) -> bool:
         """Whether held ``job``'s WRITE (if one was made) has its checksum known, or none to take."""
-        held = self._prepared.get(id(job))
-        return held is None or seal_ready(held.made)
+        entry = self._prepared.get(id(job))
+        return entry is None or seal_ready(entry[0].made)
 
     def claim_held(self, job: WriteJob) -> bool:
         """Claim held ``job``'s made WRITE for the loop (True for a job with none made)."""
-        held = self._prepared.get(id(job))
-        return held is None or held.take()
+        entry = self._prepared.get(id(job))
+        return entry is None or entry[0].take()
 
     def take_ready(self) -> list[tuple[WriteJob, Made | None]]:
         """Claim every held job whose KV is written, in arrival order, with the WRITE made for it (None
@@ -264,9 +308,9 @@ class HeldJobs(WorkerCore):
         self._unready = [job for job, ok in zip(self._unready, done, strict=True) if not ok]
         taken: list[tuple[WriteJob, Made | None]] = []
         for job in ready:
-            self.me.trace.mark(job.room, "started")
-            held = self._prepared.pop(id(job), None)
-            taken.append((job, held.made if held is not None else None))
+            self.trace.mark(job.room, "started")
+            entry = self._prepared.pop(id(job), None)
+            taken.append((job, entry[0].made if entry is not None else None))
         return taken
 
     async def answer_failed_starts(self) -> None:
@@ -275,7 +319,7 @@ class HeldJobs(WorkerCore):
         for job, detail in failed:
             await self.done(job, False, detail, FailureReason.TRANSPORT)
 
-    async def cancel_held(self, room: int) -> None:
+    async def cancel(self, room: int) -> None:
         """Answer ``room``'s held jobs as cancelled and drop the WRITEs made for them. A held job whose
         WRITE the waiter's thread claimed stays held: that WRITE is (being) started, and the callback on
         its way adopts it (its WriteEnded answers the job) or answers its refusal."""
@@ -284,16 +328,16 @@ class HeldJobs(WorkerCore):
         self._unready = [job for job in self._unready if id(job) not in gone]
         for job in cancelled:
             self.completions.forget(job)  # its KV may never be written: the waiter need not look
-            held = self._prepared.pop(id(job), None)
-            if held is not None:
-                seal = seal_of(held.made[1])
+            entry = self._prepared.pop(id(job), None)
+            if entry is not None:
+                seal = seal_of(entry[0].made[1])
                 if seal is not None:  # its sum, waiting for KV never written, frees the checksum thread
                     seal.cancel()
-                self.poller.discard(held.made[0])
+                self.poller.discard(entry[0].made[0])
             await self.done(job, False, "cancelled while its KV was not written", FailureReason.ABORTED)
 
-    def let_go_held(self) -> None:
+    def let_go_all(self) -> None:
         """At the worker's end, its waiter thread joined: let go of the WRITEs of the jobs still held."""
-        for held in self._prepared.values():
+        for held, _ in self._prepared.values():
             self.let_go(held)
         self._prepared.clear()

@@ -1,31 +1,33 @@
-"""Layer groups (``Sender.begin_chunk``/``layers_ready``): a chunk's layers go out as groups, each
-group's WRITE started once its layers are written.
+"""Layer groups of a staged chunk (``Sender.begin_chunk``/``layers_ready`` on the staged and host
+paths): the chunk's first group asks for one ring region for the whole chunk (:class:`LayerRegion`:
+every layer's block); each group is gathered into a lease of its own and WRITTEN into its layers'
+part of that region once granted, through :mod:`.staged`'s parking. A group whose layers are not
+written yet is held (:mod:`.held`) and handed back once they are.
 
-On the direct and slice paths a group is a WRITE of its layers' rows of the chunk's descriptors
-(:mod:`.direct`); a group whose layers are not written yet is held (:mod:`.held`). On the staged paths
-the chunk's first group asks for one ring region for the whole chunk (:class:`LayerRegion`: every
-layer's block); each group is gathered into a lease of its own and WRITTEN into its layers' part of
-that region once granted (:mod:`.staged`).
+The layer groups of a direct or slice chunk are WRITEs of their layers' rows of the chunk's
+descriptors, made and started by :mod:`.direct`; the worker hands each group to the part that
+carries it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from transfer_engine.errors import FailureReason, StagingError, TransferError
+from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_block_runs, group_tensors
 from transfer_engine.protocol.staging import Allocation, writer_block_bytes
 from transfer_engine.runtime.mail import WriteJob
+from transfer_engine.runtime.ports import Outbox
+from transfer_engine.runtime.steptrace import StepTrace
 
-from .core import Made
-from .held import is_ready
-from .plan import is_staged_job
-from .staged import Staged, StagedPath
+from .core import Done
+from .held import HeldJobs, pending_waits
+from .staged import Staged, StagedPath, first_region, staged_source, staging_request
 
 
 @dataclass(eq=False)
@@ -57,55 +59,64 @@ class LayerRegion:
     """The chunk's closing group was received: no more groups will come."""
 
 
-class LayerwisePath(StagedPath):
-    """Sends layer groups; see the module docstring."""
+class StagedGroups:
+    """Sends the layer groups of staged chunks; see the module docstring.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    Given the pool, the outbox (``StagingRequest`` to a decode rank), the staged part (its buffers,
+    where a granted group is parked and started), the held part (groups whose layers are not
+    written yet), and the worker's reply to a job."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        outbox: Outbox,
+        staged: StagedPath,
+        held: HeldJobs,
+        done: Done,
+        *,
+        agent_name: str,
+        trace: StepTrace,
+        counters: dict[str, int],
+    ) -> None:
+        self.pool = pool
+        self.outbox = outbox
+        self.staged = staged
+        self.held = held
+        self.done = done
+        self.agent_name = agent_name
+        self.trace = trace
+        self.counters = counters
         self._layer_regions: dict[tuple[str, int, int], LayerRegion] = {}
         """(decode agent, room, chunk id) -> the region of a layer-wise staged chunk."""
 
     @property
-    def layer_jobs(self) -> int:
-        """Jobs held until their KV is written (layer groups, direct chunks), and layer-wise regions held
-        (0 when idle)."""
-        return self.held_jobs + len(self._layer_regions)
+    def regions(self) -> int:
+        """Layer-wise chunks' regions held (0 when idle)."""
+        return len(self._layer_regions)
 
     @property
     def awaiting_grant(self) -> int:
-        """Chunks (whole, or a layer-wise chunk's region) whose ring region was asked for and not
-        granted yet."""
-        return super().awaiting_grant + sum(
-            1 for r in self._layer_regions.values() if r.allocation is None and r.refused is None
-        )
+        """Layer-wise chunks whose ring region was asked for and not granted yet."""
+        return sum(1 for r in self._layer_regions.values() if r.allocation is None and r.refused is None)
 
     def has_layer_region(self, agent: str, room: int, chunk_id: int) -> bool:
         """Whether that chunk is a layer-wise one with a region (asked for or granted)."""
         return (agent, room, chunk_id) in self._layer_regions
 
-    async def layer_job(self, job: WriteJob) -> None:
-        """A layer group of a chunk to one decode rank: on staged paths ask for the chunk's region
-        with its first group; post once every ``waits`` completed. A direct group still waiting has its
-        WRITE made now; the completion waiter's callback (:meth:`on_reached`) starts it."""
-        if is_staged_job(job) and not await self._layer_region(job):
+    async def layer_group(self, job: WriteJob) -> None:
+        """A layer group of a staged chunk to one decode rank: ask for the chunk's region with its
+        first group; start it once every ``waits`` completed (held until then: the worker hands it
+        back to :meth:`start`)."""
+        if not await self._layer_region(job):
             return
-        pending = [w for w in job.waits if w is not None and not is_ready(w)]
+        pending = pending_waits(job)
         if not pending:
-            await self._start_layer(job)
+            await self.start(job)
             return
-        await self.hold(job, pending)
+        self.held.hold(job, pending)
 
-    async def start_ready(self) -> None:
-        """Start the held jobs whose KV is written, in arrival order."""
-        for job, made in self.take_ready():
-            await self._start_layer(job, made)
-
-    async def _start_layer(self, job: WriteJob, made: Made | None = None) -> None:
-        """Start a job whose KV is written: a direct (or slice) one, layer group or held chunk, through
-        :meth:`execute`; a staged layer group through its chunk's ring region."""
-        if not is_staged_job(job):
-            await self.execute(job, made)
-            return
+    async def start(self, job: WriteJob) -> None:
+        """Start a staged layer group whose KV is written, through its chunk's ring region."""
         assert job.chunk is not None and job.group is not None
         key = (job.peer.agent_name, job.room, job.chunk.chunk_id)
         region = self._layer_regions.get(key)
@@ -119,7 +130,7 @@ class LayerwisePath(StagedPath):
         else:
             self._park_group(job, region)
             self._group_left(key, region)
-            await self.progress(job.peer.agent_name)
+            await self.staged.progress(job.peer.agent_name)
 
     def _group_left(self, key: tuple[str, int, int], region: LayerRegion) -> None:
         """One group of the chunk was parked or failed; forget the region after the last one."""
@@ -137,13 +148,13 @@ class LayerwisePath(StagedPath):
         if region is None:
             try:
                 spec = req.slices[0]
-                src_slots = self.staged_source(job)
+                src_slots = staged_source(job, self.pool)
                 layout = self.pool.layout
                 tensor_bytes = writer_block_bytes(
                     1, src_slots.size, spec.num_heads, layout.head_dim, self.pool.itemsize
                 )
                 host = req.path == "host"
-                (await self.buffer(host))[1].check_fits(tensor_bytes * len(group_tensors(
+                (await self.staged.buffer(host))[1].check_fits(tensor_bytes * len(group_tensors(
                     layout.num_layers, layout.mla, group.start, group.end
                 )))  # fmt: skip
             except StagingError as exc:
@@ -153,12 +164,12 @@ class LayerwisePath(StagedPath):
                 await self.done(job, False, str(exc), FailureReason.PROTOCOL)
                 return False
             assert peer.ring is not None  # staged_source refused a peer without one
-            request = self.staging_request(job, src_slots)
+            request = staging_request(self.agent_name, job, src_slots)
             region = LayerRegion(
                 request, peer.endpoint, peer.ring.addr, src_slots, tensor_bytes,
                 tensor_bytes * layout.num_kv_tensors, host, time.monotonic(),
             )  # fmt: skip
-            first = self.first_region(job, region.block_bytes)
+            first = first_region(job, region.block_bytes)
             if isinstance(first, str):
                 await self.done(job, False, first, FailureReason.PROTOCOL)
                 return False
@@ -169,12 +180,13 @@ class LayerwisePath(StagedPath):
             else:  # granted with the request: no round trip
                 region.allocation, region.dst = first
                 self.counters["granted_ahead"] += 1
-                self.me.trace.mark(job.room, "granted_ahead")
+                self.trace.mark(job.room, "granted_ahead")
         region.pending += 1
         region.closed = region.closed or group.closes
         return True
 
-    async def on_layer_grant(self, grant: m.StagingGrant) -> None:
+    async def on_grant(self, grant: m.StagingGrant) -> None:
+        """The decode granted a layer-wise chunk's region: park its groups that wait for it."""
         key = (grant.agent, grant.room, grant.chunk_id)
         region = self._layer_regions[key]
         if region.allocation is not None or region.refused is not None:
@@ -184,7 +196,7 @@ class LayerwisePath(StagedPath):
             grant.writer_bytes != region.block_bytes
             or grant.writer_offset + grant.writer_bytes > grant.length
         ):
-            await self._on_layer_refused(
+            await self._refuse(
                 region,
                 grant.agent,
                 f"grant for room {grant.room} chunk {grant.chunk_id} gives {grant.writer_bytes} bytes at "
@@ -198,14 +210,14 @@ class LayerwisePath(StagedPath):
         for job in waiting:
             self._park_group(job, region)
             self._group_left(key, region)
-        await self.progress(grant.agent)
+        await self.staged.progress(grant.agent)
 
-    async def on_layer_refusal(self, refused: m.StagingRefused) -> None:
+    async def on_refused(self, refused: m.StagingRefused) -> None:
         """The decode refused a layer-wise chunk's region."""
         region = self._layer_regions[(refused.agent, refused.room, refused.chunk_id)]
-        await self._on_layer_refused(region, refused.agent, refused.detail)
+        await self._refuse(region, refused.agent, refused.detail)
 
-    async def _on_layer_refused(
+    async def _refuse(
         self, region: LayerRegion, agent: str, detail: str, reason: FailureReason = FailureReason.STAGING
     ) -> None:
         """The chunk's region was refused: its waiting groups fail now, later ones when they start."""
@@ -224,20 +236,19 @@ class LayerwisePath(StagedPath):
             layout.num_layers, layout.mla, region.tensor_bytes, job.group.start, job.group.end
         )
         nbytes = sum(length for _, _, length in runs)
-        self.park(
+        self.staged.park(
             Staged(job, region.src_slots, nbytes, region.host, region.allocation, region.dst, runs=runs)
         )
 
     def repeat_requests(self, before: float) -> None:
-        """Ask again for the regions, whole chunks' and layer-wise chunks', asked for before ``before``
-        and not granted yet."""
-        super().repeat_requests(before)
+        """Ask again for the layer-wise chunks' regions asked for before ``before`` and not granted
+        yet."""
         for region in self._layer_regions.values():
             if region.allocation is None and region.refused is None and region.asked_at < before:
                 self.counters["staging_repeats"] += 1
                 self.outbox.send(region.endpoint, region.request)
 
-    async def cancel_regions(self, room: int) -> None:
+    async def cancel(self, room: int) -> None:
         """Forget ``room``'s layer-wise regions, answering the groups that waited for a grant."""
         for key in [k for k in self._layer_regions if k[1] == room]:
             region = self._layer_regions.pop(key)

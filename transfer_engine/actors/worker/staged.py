@@ -18,8 +18,8 @@ import functools
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import numpy as np
@@ -29,6 +29,7 @@ from transfer_engine.errors import FailureReason, StagingError, TransferError
 from transfer_engine.kernels import KVTable, as_kv_table, gather_heads
 from transfer_engine.kernels.checksum import checksum_value
 from transfer_engine.memory.integrity import Sum
+from transfer_engine.memory.layout import KVPool
 from transfer_engine.memory.staging import StagingMemory, allocate_staging, run_cpu_copy
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_tensors
@@ -39,13 +40,14 @@ from transfer_engine.protocol.staging import (
     WatermarkTracker,
     writer_block_bytes,
 )
-from transfer_engine.runtime.completion import recorded
+from transfer_engine.runtime.completion import CompletionWaiter, recorded
 from transfer_engine.runtime.mail import WriteEnded, WriteJob
+from transfer_engine.runtime.ports import Outbox, WritePort
+from transfer_engine.runtime.steptrace import StepTrace
 from transfer_engine.transport.interface import WriteSpec
 
-from .core import seal_of
-from .direct import DirectPath
-from .held import Held, Start, is_ready
+from .core import Done, OwnInbox, seal_of
+from .held import Held, HeldJobs, Start, is_ready
 from .plan import chunk_notification, staged_slots
 
 log = logging.getLogger(__name__)
@@ -75,12 +77,110 @@ class Lease:
     offset: int
 
 
-class StagedPath(DirectPath):
-    """Stages chunks through ring regions; see the module docstring."""
+def staged_source(job: WriteJob, pool: KVPool) -> np.ndarray:
+    """The prefill slots a staged chunk gathers; TransferError when it cannot be staged here."""
+    req, peer, chunk = job.request, job.peer, job.chunk
+    assert chunk is not None
+    if peer.ring is None:
+        raise TransferError(f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring")
+    src_slots = staged_slots(job, pool)
+    if src_slots.size == 0:
+        raise TransferError(f"room {job.room}: chunk {chunk.chunk_id} carries no tokens for this decode rank")
+    return src_slots
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._kv = as_kv_table(self.pool.kv_views)
+
+def staging_request(agent: str, job: WriteJob, src_slots: np.ndarray) -> m.StagingRequest:
+    """The ring-region request of a staged chunk (whole, or its layer groups' shared region) from
+    the prefill agent ``agent``."""
+    chunk = job.chunk
+    assert chunk is not None
+    return m.StagingRequest(
+        agent=agent,
+        room=job.room,
+        chunk_id=chunk.chunk_id,
+        sender=job.sender,
+        page_start=chunk.page_start,
+        num_pages=chunk.num_pages,
+        tokens=int(src_slots.size),
+    )
+
+
+def first_region(job: WriteJob, nbytes: int) -> tuple[Allocation, int] | str | None:
+    """Chunk 0's region granted with the room's TransferRequest: ``(allocation, address of this
+    writer's block)``; None when the chunk must ask (another chunk, or none granted); a string
+    saying why when the grant cannot hold the chunk's ``nbytes`` (the decode broke the protocol)."""
+    chunk, first = job.chunk, job.request.first_region
+    if first is None or chunk is None or chunk.chunk_id != 0:
+        return None
+    ring = job.peer.ring
+    assert ring is not None  # staged_source refused a peer without one
+    if nbytes > first.writer_bytes or first.writer_offset + first.writer_bytes > first.length:
+        return (
+            f"room {job.room}: chunk 0 stages {nbytes} bytes, the region granted with the request "
+            f"gives {first.writer_bytes} at +{first.writer_offset} of {first.length}"
+        )
+    allocation = Allocation(first.alloc_id, first.round, first.offset, first.length)
+    return allocation, ring.addr + first.offset + first.writer_offset
+
+
+def staged_spec(staged: Staged, memory: StagingMemory, offset: int) -> WriteSpec:
+    """The WRITE of a staged chunk (or group) from its staging lease into its ring region."""
+    assert staged.allocation is not None
+    runs = staged.runs if staged.runs is not None else [(0, 0, staged.nbytes)]
+    return WriteSpec(
+        staged.job.peer.agent_name,
+        memory.mem_type,
+        np.array([memory.addr + offset + src for src, _, _ in runs], dtype=np.uint64),
+        np.array([staged.dst + dst for _, dst, _ in runs], dtype=np.uint64),
+        np.array([length for _, _, length in runs], dtype=np.uint64),
+        memory.device_id,
+        chunk_notification(staged.job, staged.allocation.alloc_id),
+    )
+
+
+class StagedPath:
+    """Stages chunks through ring regions; see the module docstring.
+
+    Given the pool, the poller (:class:`~transfer_engine.runtime.ports.WritePort`: it registers the
+    staging buffers, makes and starts the WRITEs), the outbox (``StagingRequest`` to a decode rank),
+    the held part (a gathered WRITE is started by the completion waiter's thread as a held one is),
+    the worker's own inbox (where a staged WRITE's end comes back, and its wake-up), its completion
+    waiter, the seal of a chunk's WRITE, and the worker's reply to a job."""
+
+    def __init__(
+        self,
+        index: int,
+        pool: KVPool,
+        poller: WritePort,
+        outbox: Outbox,
+        held: HeldJobs,
+        inbox: OwnInbox,
+        completions: CompletionWaiter,
+        sealed: Callable[[WriteJob, WriteSpec], WriteSpec],
+        done: Done,
+        *,
+        agent_name: str,
+        trace: StepTrace,
+        counters: dict[str, int],
+        staging_bytes: int,
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.poller = poller
+        self.outbox = outbox
+        self.held = held
+        self.inbox = inbox
+        self.completions = completions
+        self.sealed = sealed
+        self.done = done
+        self.agent_name = agent_name
+        self.trace = trace
+        self.counters = counters
+        self.staging_bytes = staging_bytes
+        """The size of each staging buffer (``EngineConfig.staging_bytes``, resolved)."""
+        self.stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        """The stream of this worker's gathers (None on CPU)."""
+        self._kv = as_kv_table(pool.kv_views)
         self._group_kv: dict[tuple[int, int], KVTable] = {}
         self._buffers: dict[bool, tuple[StagingMemory, BufferLeases]] = {}
         """Staging buffer and its leases, by host memory or not (allocated on first use)."""
@@ -134,39 +234,14 @@ class StagedPath(DirectPath):
             )
         return self._buffers[host]
 
-    def staged_source(self, job: WriteJob) -> np.ndarray:
-        """The prefill slots a staged chunk gathers; TransferError when it cannot be staged here."""
-        req, peer, chunk = job.request, job.peer, job.chunk
-        assert chunk is not None
-        if peer.ring is None:
-            raise TransferError(f"decode rank {req.decode_rank} ({peer.agent_name}) has no staging ring")
-        src_slots = staged_slots(job, self.pool)
-        if src_slots.size == 0:
-            raise TransferError(
-                f"room {job.room}: chunk {chunk.chunk_id} carries no tokens for this decode rank"
-            )
-        return src_slots
-
-    def staging_request(self, job: WriteJob, src_slots: np.ndarray) -> m.StagingRequest:
-        """The ring-region request of a staged chunk (whole, or its layer groups' shared region)."""
-        chunk = job.chunk
-        assert chunk is not None
-        return m.StagingRequest(
-            agent=self.me.agent_name,
-            room=job.room,
-            chunk_id=chunk.chunk_id,
-            sender=job.sender,
-            page_start=chunk.page_start,
-            num_pages=chunk.num_pages,
-            tokens=int(src_slots.size),
-        )
-
     async def request_region(self, job: WriteJob) -> None:
+        """A whole staged chunk: ask the decode rank's ring for its region (or take the one granted
+        with the request) and park it."""
         req, peer, chunk = job.request, job.peer, job.chunk
         assert chunk is not None
         try:
             spec = req.slices[0]
-            src_slots = self.staged_source(job)
+            src_slots = staged_source(job, self.pool)
             layout = self.pool.layout
             nbytes = writer_block_bytes(
                 layout.num_kv_tensors, src_slots.size, spec.num_heads, layout.head_dim, self.pool.itemsize
@@ -179,7 +254,7 @@ class StagedPath(DirectPath):
         except TransferError as exc:
             await self.done(job, False, str(exc), FailureReason.PROTOCOL)
             return
-        first = self.first_region(job, nbytes)
+        first = first_region(job, nbytes)
         if isinstance(first, str):
             await self.done(job, False, first, FailureReason.PROTOCOL)
             return
@@ -187,33 +262,15 @@ class StagedPath(DirectPath):
             allocation, dst = first
             self._parked[peer.agent_name].append(Staged(job, src_slots, nbytes, host, allocation, dst))
             self.counters["granted_ahead"] += 1
-            self.me.trace.mark(job.room, "granted_ahead")
+            self.trace.mark(job.room, "granted_ahead")
             await self.progress(peer.agent_name)
             return
-        request = self.staging_request(job, src_slots)
+        request = staging_request(self.agent_name, job, src_slots)
         self._granting[(peer.agent_name, job.room, chunk.chunk_id)] = Staged(
             job, src_slots, nbytes, host, request=request, asked_at=time.monotonic()
         )
         self.counters["staging_requests"] += 1
         self.outbox.send(peer.endpoint, request)
-
-    @staticmethod
-    def first_region(job: WriteJob, nbytes: int) -> tuple[Allocation, int] | str | None:
-        """Chunk 0's region granted with the room's TransferRequest: ``(allocation, address of this
-        writer's block)``; None when the chunk must ask (another chunk, or none granted); a string
-        saying why when the grant cannot hold the chunk's ``nbytes`` (the decode broke the protocol)."""
-        chunk, first = job.chunk, job.request.first_region
-        if first is None or chunk is None or chunk.chunk_id != 0:
-            return None
-        ring = job.peer.ring
-        assert ring is not None  # staged_source refused a peer without one
-        if nbytes > first.writer_bytes or first.writer_offset + first.writer_bytes > first.length:
-            return (
-                f"room {job.room}: chunk 0 stages {nbytes} bytes, the region granted with the request "
-                f"gives {first.writer_bytes} at +{first.writer_offset} of {first.length}"
-            )
-        allocation = Allocation(first.alloc_id, first.round, first.offset, first.length)
-        return allocation, ring.addr + first.offset + first.writer_offset
 
     async def on_grant(self, grant: m.StagingGrant) -> None:
         staged = self._granting.pop((grant.agent, grant.room, grant.chunk_id), None)
@@ -254,7 +311,7 @@ class StagedPath(DirectPath):
 
     async def on_lease_ended(self, lease: Lease, ok: bool, detail: str) -> None:
         """A staged WRITE ended: free its lease, answer its job, retry the parked chunks."""
-        self.me.trace.mark(lease.staged.job.room, "write_ended")
+        self.trace.mark(lease.staged.job.room, "write_ended")
         self._buffers[lease.staged.host][1].release(lease.offset)
         await self.done(lease.staged.job, ok, detail, FailureReason.TRANSPORT)
         await self.progress_all()
@@ -316,7 +373,7 @@ class StagedPath(DirectPath):
         :class:`Reached` mail makes the worker look at its parked chunks again."""
         self._awaiting_kv.discard(id(staged))
         if not self.inbox.closed:
-            self.post_reached()
+            self.inbox.wake()
 
     async def _gather_and_write(self, staged: Staged, memory: StagingMemory, offset: int) -> None:
         job = staged.job
@@ -335,7 +392,7 @@ class StagedPath(DirectPath):
             stream=self.stream,
         )
         leases = self._buffers[staged.host][1]
-        spec = self.sealed(job, self._staged_spec(staged, memory, offset))
+        spec = self.sealed(job, staged_spec(staged, memory, offset))
         seal = seal_of(spec)
         # Integrity: the gather kernel sums what it writes, in the same pass (docs/INTEGRITY.md);
         # the sum is known when the gather is, so the WRITE's start waits for nothing more.
@@ -381,7 +438,7 @@ class StagedPath(DirectPath):
         # (not from host staging memory: UCX copies a DRAM WRITE inside its start, up to a millisecond
         # that would hold the waiter's thread and, through the transport's lock, the poller)
         first = (
-            functools.partial(self.claim_and_start, job.room, held)
+            functools.partial(self.held.claim_and_start, job.room, held)
             if isinstance(held, Held) and not staged.host
             else None
         )
@@ -398,25 +455,25 @@ class StagedPath(DirectPath):
         and answers the room."""
         tracked = self._gathering.pop(id(staged), None) is not None
         job = staged.job
-        self.me.trace.mark(job.room, "gathered")
+        self.trace.mark(job.room, "gathered")
         if self.inbox.closed:  # the worker ended (and let go of the WRITEs it tracked): nobody will answer
             if isinstance(held, Held) and not tracked:
-                self.let_go(held)
+                self.held.let_go(held)
             return
         token = Lease(staged, offset)
         try:
             if isinstance(held, TransferError):
                 raise held
             if held.state in (Start.STARTED, Start.REFUSED):
-                refusal = self.settle(held, self.inbox, token)
+                refusal = self.held.settle(held, self.inbox.mailbox, token)
                 if refusal is not None:
                     raise refusal
             else:
                 # the thread is done with it (its first step ran before this callback), or never ran
                 claimed = held.take()
                 assert claimed, held.state
-                self.poller.start_write(*held.made, self.inbox, token)
-                self.me.trace.mark(job.room, "posted")
+                self.poller.start_write(*held.made, self.inbox.mailbox, token)
+                self.trace.mark(job.room, "posted")
         except TransferError as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
             self.inbox.post(WriteEnded(token, False, str(exc)))
@@ -430,21 +487,6 @@ class StagedPath(DirectPath):
         except TransferError as exc:
             return exc
 
-    @staticmethod
-    def _staged_spec(staged: Staged, memory: StagingMemory, offset: int) -> WriteSpec:
-        """The WRITE of a staged chunk (or group) from its staging lease into its ring region."""
-        assert staged.allocation is not None
-        runs = staged.runs if staged.runs is not None else [(0, 0, staged.nbytes)]
-        return WriteSpec(
-            staged.job.peer.agent_name,
-            memory.mem_type,
-            np.array([memory.addr + offset + src for src, _, _ in runs], dtype=np.uint64),
-            np.array([staged.dst + dst for _, dst, _ in runs], dtype=np.uint64),
-            np.array([length for _, _, length in runs], dtype=np.uint64),
-            memory.device_id,
-            chunk_notification(staged.job, staged.allocation.alloc_id),
-        )
-
     def _group_table(self, job: WriteJob) -> KVTable:
         """The KV table of one layer group's tensors (cached per group)."""
         assert job.group is not None
@@ -456,7 +498,7 @@ class StagedPath(DirectPath):
             self._group_kv[key] = table
         return table
 
-    async def cancel_staged(self, room: int) -> None:
+    async def cancel(self, room: int) -> None:
         """End ``room``'s chunks waiting for a grant or parked."""
         for key in [k for k in self._granting if k[1] == room]:
             staged = self._granting.pop(key)
@@ -481,5 +523,5 @@ class StagedPath(DirectPath):
         running."""
         for made in self._gathering.values():
             if isinstance(made, Held):
-                self.let_go(made)
+                self.held.let_go(made)
         self._gathering.clear()
