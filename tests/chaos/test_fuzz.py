@@ -290,8 +290,8 @@ def _hello(engine: Any, regions: list[m.MemRegion]) -> m.PeerHello:
         aux=None,
         ring=None,
         ring_mem_type="",
-        layout=engine._info,
-        compat=engine._compat,
+        layout=engine.pool.info(),
+        compat=m.compat_hash(engine.pool.info()),
     )
 
 

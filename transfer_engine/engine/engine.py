@@ -1,10 +1,14 @@
 """The engine of one rank (docs/ARCHITECTURE.md): :class:`TransferEngine`, the supervisor of its actors.
 
 ``async with TransferEngine(config, kv) as engine`` starts every actor of the rank under one task
-group and stops them on the way out (:mod:`transfer_engine.engine.supervisor`). This module holds
-the engine's state, the API that opens rooms (``sender()``, ``receiver()``, ``connect()``) and the
-table of live rooms. Rooms are actors started per request: the engine hands each what it needs when
-it makes it, or by mail, and never changes a room itself.
+group and stops them on the way out. The engine is made of parts, each given only what it uses, that
+call each other downward only: the :class:`~transfer_engine.engine.supervisor.Supervisor` (the
+actors' task group), the :class:`~transfer_engine.engine.rooms.RoomTable` (the live rooms), the
+:class:`~transfer_engine.engine.handshake.Handshake`, :class:`~transfer_engine.engine.dispatch.Dispatch`,
+:class:`~transfer_engine.engine.liveness.Liveness` and :class:`~transfer_engine.engine.paths.PathPolicy`.
+This module holds the books they share, the API that opens rooms (``sender()``, ``receiver()``,
+``connect()``) and the wiring. Rooms are actors started per request: the engine hands each what it
+needs when it makes it, or by mail, and never changes a room itself.
 """
 
 from __future__ import annotations
@@ -14,40 +18,45 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
-import anyio
 import numpy as np
-from anyio.abc import TaskGroup
 
 from transfer_engine.actors.bootstrap import Bootstrap
+from transfer_engine.actors.control import Control
 from transfer_engine.actors.introspect import Introspect
 from transfer_engine.actors.metrics import MetricsServer, load_metrics
+from transfer_engine.actors.nixl_poller import NixlPoller
 from transfer_engine.actors.ring import RingActor
 from transfer_engine.actors.room import ReceiverRoomActor, RoomActor, SenderRoomActor
 from transfer_engine.actors.scatter import ScatterActor
 from transfer_engine.actors.worker import TransferWorker
 from transfer_engine.config import EngineConfig
+from transfer_engine.engine.checks import check_pages, check_room
 from transfer_engine.engine.dispatch import Dispatch
-from transfer_engine.engine.handles import Receiver, Sender, check_request, check_room
-from transfer_engine.engine.handshake import Handshakes
+from transfer_engine.engine.handles import Receiver, Sender
+from transfer_engine.engine.handshake import Handshake
 from transfer_engine.engine.liveness import Liveness
-from transfer_engine.engine.paths import PathChoice
-from transfer_engine.engine.supervisor import Supervision
-from transfer_engine.errors import ConfigError, RoomInUseError, RoomLimitError
+from transfer_engine.engine.paths import PathPolicy
+from transfer_engine.engine.rooms import RoomTable
+from transfer_engine.engine.snapshot import build_snapshot, record_ended
+from transfer_engine.engine.started import host_staging
+from transfer_engine.engine.supervisor import Supervisor
+from transfer_engine.errors import ConfigError
+from transfer_engine.memory.integrity import PoolChecksums
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.observe import ENDED_ROOMS_KEPT, RoomSnapshot
-from transfer_engine.observe.build import build_snapshot, record_ended
 from transfer_engine.protocol import heads, leases
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.cost import DEFAULT_PRIOR_RATE, CostBook, PeerLoad
 from transfer_engine.protocol.layers import check_layers_per_write
-from transfer_engine.protocol.retransmit import Ended, Tombstones
+from transfer_engine.protocol.retransmit import Tombstones
 from transfer_engine.protocol.rooms import Deadlines
 from transfer_engine.protocol.stash import EarlyRequests
 from transfer_engine.runtime.mail import LocalAbort, RequestPages
-from transfer_engine.runtime.peers import PrefillInstance
-from transfer_engine.runtime.ports import PeerBook, RankIdentity, RoomBoard
+from transfer_engine.runtime.peers import Peer, PrefillInstance
+from transfer_engine.runtime.ports import PeerBook, RankIdentity, RoomBoard, RoomPorts
 from transfer_engine.runtime.steptrace import StepTrace
 from transfer_engine.transport.nixl import Transport
 from transfer_engine.transport.security import Curve
@@ -55,7 +64,7 @@ from transfer_engine.transport.security import Curve
 log = logging.getLogger("transfer_engine.engine")
 
 
-class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
+class TransferEngine:
     """One rank's transfer engine; use as ``async with TransferEngine(config, kv) as engine``."""
 
     def __init__(self, config: EngineConfig, kv: KVPool, *, transport: Transport | None = None) -> None:
@@ -67,7 +76,6 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         self.config = config
         self.pool = kv
         self.agent_name = config.agent_name or f"te-{config.role}-{config.tp_rank}-{os.getpid()}-{id(self):x}"
-        self._transport = transport
         self.curve = Curve.from_config(config)
         """Control-plane CURVE keys (None: off); loaded here so a bad key file fails the constructor."""
         self.deadlines = Deadlines(
@@ -76,9 +84,6 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
             config.transfer_timeout,
             leases.room_lease(config.room_lease, config.heartbeat_interval),
         )
-        self.rooms: dict[int, RoomActor] = {}
-        self.board = RoomBoard(self._room_closed)
-        """The live rooms' mailboxes: how every actor addresses a room."""
         self.me = RankIdentity(
             self.agent_name,
             config.role,
@@ -87,24 +92,12 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
             StepTrace(config.trace_steps, config.role),
         )
         self.peers = PeerBook()
-        self.instances: dict[str, PrefillInstance] = {}
-        self._slice_pieces_of: dict[str, float] = {}
-        """Per prefill bootstrap: the slice path's descriptors per page (see ``_slice_pieces``)."""
-        self._connecting: dict[str, anyio.Event] = {}
         self._stash = EarlyRequests()
         self._announced: dict[int, str] = {}
         """Decode: rooms of requests queued here whose ``receiver()`` comes later, by the bootstrap of
         their prefill instance (:meth:`announce`)."""
         self.tombstones = Tombstones(config.bootstrap_timeout + config.transfer_timeout)
         """Prefill: outcomes of rooms no longer live, to answer repeated requests (protocol.retransmit)."""
-        self.workers: list[TransferWorker] = []
-        self.bootstrap: Bootstrap | None = None
-        self.ring: RingActor | None = None
-        self.scatter: ScatterActor | None = None
-        self._tg: TaskGroup | None = None
-        self._info = kv.info()
-        self._compat = m.compat_hash(self._info)
-        self._heartbeat_seq = 0
         self.counters: Counter[str] = Counter()
         self.costs = CostBook(prior_rate=DEFAULT_PRIOR_RATE)
         """Decode: per prefill instance (its bootstrap address), the rooms queued and in flight and the
@@ -112,7 +105,6 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         self.started_at = time.monotonic()
         self.ended_rooms: deque[RoomSnapshot] = deque(maxlen=ENDED_ROOMS_KEPT)
         """Final snapshots of the latest rooms that ended, oldest first (for ``transfer-engine dump``)."""
-        self.introspect: Introspect | None = None
         self.metrics = (
             load_metrics(config.metrics_port, lambda: build_snapshot(self))
             if config.metrics_port is not None
@@ -121,9 +113,135 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         """Prometheus metrics (``metrics_port``); ConfigError above when prometheus-client is missing."""
         self.room_ended = None if self.metrics is None else self.metrics.room_ended
         """Called with each ended room's final snapshot (the metrics' histograms)."""
-        self.metrics_server: MetricsServer | None = None
+        info = kv.info()
+        compat = m.compat_hash(info)
+        self._table = RoomTable(
+            config.max_rooms, self.counters, self.costs, self.tombstones,
+            lambda actor: record_ended(self, actor, self.ended_rooms),
+        )  # fmt: skip
+        self._supervisor = Supervisor(
+            config, kv, self.me, curve=self.curve, board=self._table.board, rooms=self._table.rooms,
+            peers=self.peers, counters=self.counters, costs=self.costs, metrics=self.metrics,
+            info=info, compat=compat, transport=transport,
+        )  # fmt: skip
+        started = self._supervisor
+        self._handshake = Handshake(config, kv, self.agent_name, started, self.peers, info, compat)
+        self._paths = PathPolicy(config, kv, started)
+        self._liveness = Liveness(
+            config, self.agent_name, started, rooms=self._table.rooms, board=self._table.board,
+            peers=self.peers, stash=self._stash, announced=self._announced,
+            instances=self._handshake.instances, forget=self._forget_instances, counters=self.counters,
+        )  # fmt: skip
+        self._dispatch = Dispatch(
+            config, self.me, started, board=self._table.board, peers=self.peers, stash=self._stash,
+            tombstones=self.tombstones, counters=self.counters,
+            hello=self._handshake.on_peer_hello, held_by=self._liveness.held_by,
+        )  # fmt: skip
 
-    # --- state (lifecycle: :mod:`transfer_engine.engine.supervisor`) -------------------------------
+    # --- lifecycle (:mod:`transfer_engine.engine.supervisor`) -------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self._supervisor.open(
+            route=self._dispatch.route,
+            snapshot=lambda room: build_snapshot(self, room),
+            heartbeats=self._liveness.run,
+        )
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._supervisor.close(exc_type, exc, tb)
+
+    def _forget_instances(self, peer: Peer) -> None:
+        """``peer`` died: forget the prefill instances it is a rank of, and what was measured of them."""
+        for bootstrap in self._handshake.forget(peer):
+            self._paths.forget(bootstrap)
+
+    # --- state --------------------------------------------------------------------------------------
+
+    @property
+    def rooms(self) -> dict[int, RoomActor]:
+        """The live rooms' actors by room id (read only: the room table changes it)."""
+        return self._table.rooms
+
+    @property
+    def board(self) -> RoomBoard:
+        """The live rooms' mailboxes: how every actor addresses a room."""
+        return self._table.board
+
+    @property
+    def instances(self) -> dict[str, PrefillInstance]:
+        """Decode: the prefill instances this rank connected to, by bootstrap address."""
+        return self._handshake.instances
+
+    @property
+    def host_staging(self) -> bool:
+        """Whether this rank's staging ring is in host memory (``path=host`` or ``staging_memory=host``)."""
+        return host_staging(self.config)
+
+    @property
+    def poller(self) -> NixlPoller:
+        return self._supervisor.poller
+
+    @property
+    def control(self) -> Control:
+        return self._supervisor.control
+
+    @property
+    def room_ports(self) -> RoomPorts:
+        return self._supervisor.room_ports
+
+    @property
+    def workers(self) -> list[TransferWorker]:
+        return self._supervisor.workers
+
+    @property
+    def ring(self) -> RingActor | None:
+        return self._supervisor.ring
+
+    @property
+    def scatter(self) -> ScatterActor | None:
+        return self._supervisor.scatter
+
+    @property
+    def bootstrap(self) -> Bootstrap | None:
+        return self._supervisor.bootstrap
+
+    @property
+    def introspect(self) -> Introspect | None:
+        return self._supervisor.introspect
+
+    @property
+    def metrics_server(self) -> MetricsServer | None:
+        return self._supervisor.metrics_server
+
+    @property
+    def checksums(self) -> PoolChecksums | None:
+        return self._supervisor.checksums
+
+    @property
+    def _transport(self) -> Transport | None:
+        return self._supervisor.transport
+
+    @property
+    def endpoint(self) -> str:
+        """This rank's control endpoint."""
+        return self._supervisor.endpoint
+
+    @property
+    def introspect_endpoint(self) -> str:
+        """Where ``transfer-engine dump --endpoint`` reaches this rank (``tcp://host:port``)."""
+        return self.introspect.endpoint if self.introspect is not None else ""
+
+    @property
+    def metrics_endpoint(self) -> str | None:
+        """``http://host:port/metrics`` when ``metrics_port`` is set, else None."""
+        return self.metrics_server.endpoint if self.metrics_server is not None else None
+
+    def worker_for(self, agent_name: str) -> TransferWorker:
+        """The prefill worker that serves decode agent ``agent_name``."""
+        return self._supervisor.worker_for(agent_name)
 
     def leaks(self) -> dict[str, int]:
         """What is still held: rooms, stashed messages, NIXL handles in flight. All 0 when idle."""
@@ -155,9 +273,8 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         per_write = check_layers_per_write(
             self.config.layers_per_write if layers_per_write is None else layers_per_write
         )
-        if room in self.rooms:
-            raise RoomInUseError(room)
-        self._check_capacity(room)
+        self._table.check_unused(room)
+        self._table.check_capacity(room)
         ended = self.tombstones.get(room, time.monotonic())
         aborted_before = not self.tombstones.reopen(room)
         aborted_by = ended.aborted_by if aborted_before and ended is not None else frozenset()
@@ -169,10 +286,6 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
             assert ended is not None  # complete, so it fails now instead of at bootstrap_timeout
             actor.inbox.send_nowait(LocalAbort(ended.detail))
         return Sender(actor, self.pool, per_write)
-
-    def _check_capacity(self, room: int) -> None:
-        if len(self.rooms) >= self.config.max_rooms:
-            raise RoomLimitError(room, self.config.max_rooms)
 
     # --- decode API -----------------------------------------------------------------------------
 
@@ -196,15 +309,13 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
             raise ConfigError("receiver() is for decode engines; this one is prefill")
         self.me.trace.mark(room, "receiver")
         check_room(room)
-        checked = None if pages is None else check_request(self.pool, pages, aux_slot, decode_prefix_len)
-        if room in self.rooms:
-            raise RoomInUseError(room)
+        checked = None if pages is None else check_pages(self.pool, pages, aux_slot, decode_prefix_len)
+        self._table.check_unused(room)
         self._announced.pop(room, None)
-        instance = await self._instance(bootstrap)
-        if room in self.rooms:
-            raise RoomInUseError(room)
-        self._check_capacity(room)
-        path, why = self._choose_path(instance, checked)
+        instance = await self._handshake.instance(bootstrap)
+        self._table.check_unused(room)
+        self._table.check_capacity(room)
+        path, why = self._paths.choose(instance, checked)
         layout = self.pool.layout
         D, d = self.config.tp_size, self.config.tp_rank
         writers = heads.writers_of(layout.num_heads, instance.tp_size, D, d, layout.mla)
@@ -249,7 +360,7 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         check_room(room)
         self._announced[room] = bootstrap  # before connecting: a receiver() called next removes it
         try:
-            await self._instance(bootstrap)
+            await self._handshake.instance(bootstrap)
         except BaseException:
             if self._announced.get(room) == bootstrap:
                 del self._announced[room]
@@ -263,32 +374,10 @@ class TransferEngine(Supervision, Handshakes, Dispatch, Liveness, PathChoice):
         """Handshake with the prefill instance behind ``bootstrap`` now, ahead of its first room."""
         if self.config.role != "decode":
             raise ConfigError("connect() is for decode engines; this one is prefill")
-        await self._instance(bootstrap)
+        await self._handshake.instance(bootstrap)
 
     # --- rooms ----------------------------------------------------------------------------------
 
     def _start_room(self, actor: RoomActor) -> None:
-        assert self._tg is not None
-        self.rooms[actor.room] = actor
-        self.board.open(actor.room, actor.inbox)
-        self.counters["rooms_opened"] += 1
-        self._tg.start_soon(actor.run, name=f"{actor.side}-room-{actor.room}")
-        self.poller.wake()
-
-    def _room_closed(self, room: int) -> None:
-        """The room board's hook: room ``room`` ended (final and quiescent) and left the board."""
-        actor = self.rooms.pop(room)
-        self.counters[f"rooms_{actor.status.name.lower()}"] += 1
-        failure = actor.core.failure
-        self.costs.ended(room, time.monotonic(), ok=failure is None)
-        if failure is not None:
-            self.counters[f"failed_{failure.reason.name.lower()}"] += 1
-        if isinstance(actor, SenderRoomActor):
-            self.tombstones.put(
-                actor.room,
-                Ended(actor.status, None if failure is None else failure.reason,
-                      "" if failure is None else failure.detail, time.monotonic(),
-                      aborted_by=frozenset(actor.failed_by),
-                      askers={rank: request.agent for rank, request in actor.requests.items()}),
-            )  # fmt: skip
-        record_ended(self, actor, self.ended_rooms)
+        self._table.open(actor)
+        self._supervisor.spawn_room(actor)

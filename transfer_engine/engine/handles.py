@@ -1,5 +1,5 @@
-"""The caller's handles on one room: :class:`Sender` (prefill) and :class:`Receiver` (decode), and the
-checks of their arguments.
+"""The caller's handles on one room: :class:`Sender` (prefill) and :class:`Receiver` (decode), over
+their abstract base :class:`RoomHandle` (the checks of their arguments: :mod:`transfer_engine.engine.checks`).
 
 A handle reads its room's status and failure (never blocking, from any thread) and mails the room
 what the caller asks for; the room actor alone changes the room.
@@ -8,6 +8,7 @@ what the caller asks for; the room actor alone changes the room.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,11 +17,13 @@ import numpy as np
 import torch
 
 from transfer_engine.actors.room import ReceiverRoomActor, RoomActor, SenderRoomActor
-from transfer_engine.errors import ConfigError, FailureReason, LayoutError, LocalProtocolError, TransferFailed
+from transfer_engine.engine.checks import check_pages, pages_array
+from transfer_engine.errors import ConfigError, FailureReason, LocalProtocolError, TransferFailed
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol.layers import LayerChunks
 from transfer_engine.protocol.polling import polled
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.runtime.completion import recorded
 from transfer_engine.runtime.mail import (
     LayersReady,
     LocalAbort,
@@ -31,63 +34,19 @@ from transfer_engine.runtime.mail import (
     RoomMail,
 )
 
-MAX_ROOM_ID = (1 << 63) - 1
 
-
-def pages_array(pages: Sequence[int] | np.ndarray | Any, pool: KVPool, what: str) -> np.ndarray:
-    """``pages`` (a sequence, array or tensor of page indices) as a 1-D int64 array; ConfigError for
-    anything else or an empty one, LayoutError naming the first page outside ``pool``."""
-    arr = np.asarray(pages.cpu() if hasattr(pages, "cpu") else pages)
-    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise ConfigError(
-            f"{what} must be a non-empty 1-D sequence of integers, got {arr.dtype} shape {arr.shape}"
-        )
-    arr = arr.astype(np.int64)
-    bad = np.flatnonzero((arr < 0) | (arr >= pool.num_pages))
-    if bad.size:
-        raise LayoutError(f"{what} contains page {int(arr[bad[0]])}, outside [0, {pool.num_pages})")
-    return arr
-
-
-def check_request(
-    pool: KVPool, pages: Sequence[int] | np.ndarray | Any, aux_slot: int | None, decode_prefix_len: int
-) -> np.ndarray:
-    """A decode room's pages as an int64 array; ConfigError/LayoutError naming a bad argument."""
-    arr = pages_array(pages, pool, "pages")
-    pool.check_aux_slot(aux_slot)
-    page_size = pool.layout.page_size
-    if (
-        not isinstance(decode_prefix_len, int)
-        or isinstance(decode_prefix_len, bool)
-        or decode_prefix_len < 0
-        or decode_prefix_len % page_size
-    ):
-        raise ConfigError(
-            f"decode_prefix_len={decode_prefix_len!r} must be a non-negative multiple of page_size={page_size}"
-        )
-    return arr
-
-
-def check_room(room: int) -> None:
-    """ConfigError unless ``room`` is a room id: an integer in ``[0, MAX_ROOM_ID]``."""
-    if not isinstance(room, int) or not 0 <= room <= MAX_ROOM_ID:
-        raise ConfigError(f"room={room!r} must be an integer in [0, 2**63)")
-
-
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """A CUDA event recorded on ``stream`` now: it completes once the work queued on it so far has."""
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-class RoomHandle:
+class RoomHandle(ABC):
     """What both handles share: the room's status and failure, waiting for its end, aborting it,
-    and mailing it (the blocking facade validates on its callers' threads and mails from the loop)."""
+    and mailing it (the blocking facade validates on its callers' threads and mails from the loop).
+    Abstract: a handle is a :class:`Sender` or a :class:`Receiver`, each over its side's actor."""
 
     def __init__(self, actor: RoomActor) -> None:
-        self._actor = actor
         self._live = RoomStatus.BOOTSTRAPPING if actor.status.final else actor.status
+
+    @property
+    @abstractmethod
+    def _actor(self) -> RoomActor:
+        """The room's actor (the only one that changes the room; the handle reads and mails it)."""
 
     @property
     def room(self) -> int:
@@ -198,6 +157,10 @@ class Sender(RoomHandle):
         covers them all."""
 
     @property
+    def _actor(self) -> SenderRoomActor:
+        return self._room_actor
+
+    @property
     def decode_prefix_len(self) -> int:
         """Tokens the decode side already holds (0 until its requests arrived): send only the rest.
 
@@ -260,8 +223,7 @@ class Sender(RoomHandle):
         last = bool(last)
         if ready is None and self._pool.device.type == "cuda" and not layerwise:
             # the KV of this chunk is written by work queued so far on the caller's stream
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self._pool.device))
+            ready = recorded(torch.cuda.current_stream(self._pool.device))
         if layerwise:
             self._layers.open(self._chunks)
         self._sealed = last
@@ -298,12 +260,12 @@ class Sender(RoomHandle):
             # the layers are written by work queued so far on the caller's stream
             stream = torch.cuda.current_stream(self._pool.device)
             if self._pending_stream is not None and self._pending_stream != stream:
-                self._waits.append(_recorded(self._pending_stream))
+                self._waits.append(recorded(self._pending_stream))
             self._pending_stream = stream
         if group is None:
             return None
         if self._pending_stream is not None:
-            self._waits.append(_recorded(self._pending_stream))
+            self._waits.append(recorded(self._pending_stream))
             self._pending_stream = None
         waits = tuple(self._waits)
         self._waits = []
@@ -393,6 +355,10 @@ class Receiver(RoomHandle):
         self._requested = False
 
     @property
+    def _actor(self) -> ReceiverRoomActor:
+        return self._room_actor
+
+    @property
     def requested(self) -> bool:
         """Whether the room's pages were given (its TransferRequests go out, or went out)."""
         return self._requested or self._room_actor.requested
@@ -413,11 +379,12 @@ class Receiver(RoomHandle):
         TransferRequests when it takes the pages from its mailbox.
         """
         self.give_pages(
-            check_request(self._pool, pages, aux_slot, decode_prefix_len), aux_slot, decode_prefix_len
+            check_pages(self._pool, pages, aux_slot, decode_prefix_len), aux_slot, decode_prefix_len
         )
 
     def give_pages(self, pages: np.ndarray, aux_slot: int | None, decode_prefix_len: int) -> None:
-        """:meth:`request` with ``pages`` that :func:`check_request` returned for these arguments."""
+        """:meth:`request` with ``pages`` that :func:`~transfer_engine.engine.checks.check_pages`
+        returned for these arguments."""
         actor = self._room_actor
         if self.requested:
             raise LocalProtocolError(f"room {self.room} already requested its pages")

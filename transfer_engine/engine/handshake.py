@@ -9,21 +9,53 @@ import time
 
 import anyio
 
-from transfer_engine.engine.state import EngineState
+from transfer_engine.config import EngineConfig
+from transfer_engine.engine.started import Started
 from transfer_engine.errors import LayoutError, PeerUnreachableError, RemoteProtocolError, TransferError
+from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import handshake, heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.runtime.mail import Subscribe
 from transfer_engine.runtime.peers import Peer, PrefillInstance
+from transfer_engine.runtime.ports import PeerBook
 from transfer_engine.transport.nixl import RemotePeer
 
 log = logging.getLogger("transfer_engine.engine")
 
 
-class Handshakes(EngineState):
-    """The decode side connects to prefill instances; the prefill side answers their PeerHello."""
+class Handshake:
+    """The decode side connects to prefill instances (``instances``, by bootstrap address); the
+    prefill side answers their PeerHello. Both add the peers they meet to the peer book."""
 
-    async def _instance(self, bootstrap: str) -> PrefillInstance:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: KVPool,
+        agent_name: str,
+        started: Started,
+        peers: PeerBook,
+        info: m.LayoutInfo,
+        compat: int,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.agent_name = agent_name
+        self._started = started
+        self.peers = peers
+        self._info = info
+        self._compat = compat
+        self.instances: dict[str, PrefillInstance] = {}
+        """Decode: the prefill instances this rank connected to, by bootstrap address."""
+        self._connecting: dict[str, anyio.Event] = {}
+
+    def forget(self, peer: Peer) -> list[str]:
+        """Drop the instances ``peer`` is a rank of (it died); their bootstrap addresses."""
+        gone = [bootstrap for bootstrap, inst in self.instances.items() if peer in inst.ranks]
+        for bootstrap in gone:
+            del self.instances[bootstrap]
+        return gone
+
+    async def instance(self, bootstrap: str) -> PrefillInstance:
         """The prefill instance behind ``bootstrap``, connecting (once, shared by callers) if needed."""
         while bootstrap not in self.instances:
             pending = self._connecting.get(bootstrap)
@@ -44,10 +76,11 @@ class Handshakes(EngineState):
 
     async def _connect(self, bootstrap: str) -> PrefillInstance:
         cfg = self.config
+        control, poller, ring = self._started.control, self._started.poller, self._started.ring
         deadline = time.monotonic() + cfg.bootstrap_timeout
         while True:
             try:
-                topo = await self.control.request(bootstrap, m.TopologyQuery(), cfg.connect_timeout)
+                topo = await control.request(bootstrap, m.TopologyQuery(), cfg.connect_timeout)
             except PeerUnreachableError:
                 raise
             if not isinstance(topo, m.Topology):
@@ -64,20 +97,20 @@ class Handshakes(EngineState):
         hello = m.PeerHello(
             rank=cfg.tp_rank,
             tp_size=cfg.tp_size,
-            endpoint=self.endpoint,
+            endpoint=control.endpoint,
             agent_name=self.agent_name,
-            agent_metadata=self.poller.metadata(),
+            agent_metadata=poller.metadata(),
             mem_type=self.pool.mem_type,
             regions=self.pool.regions(),
             aux=self.pool.aux_region(),
-            ring=None if self.ring is None else self.ring.memory.region(),
-            ring_mem_type="" if self.ring is None else self.ring.memory.mem_type,
+            ring=None if ring is None else ring.memory.region(),
+            ring_mem_type="" if ring is None else ring.memory.mem_type,
             layout=self._info,
             compat=self._compat,
         )
         peers: list[Peer] = []
         for info in topo.ranks:
-            ack = await self.control.request(info.endpoint, hello, cfg.connect_timeout)
+            ack = await control.request(info.endpoint, hello, cfg.connect_timeout)
             if not isinstance(ack, m.PeerHelloAck):
                 raise RemoteProtocolError(
                     f"prefill rank {info.rank} answered {type(ack).__name__} to PeerHello"
@@ -89,17 +122,17 @@ class Handshakes(EngineState):
             peer = Peer(
                 ack.agent_name, info.endpoint, info.rank, ack.tp_size, ack.layout, last_seen=time.monotonic()
             )
-            self.poller.add_peer(RemotePeer(peer.agent_name, "DRAM", []), ack.agent_metadata)
+            poller.add_peer(RemotePeer(peer.agent_name, "DRAM", []), ack.agent_metadata)
             self.peers[peer.agent_name] = peer
             peers.append(peer)
-            if self.ring is not None:
-                await self.ring.inbox.send(Subscribe(peer))
+            if ring is not None:
+                await ring.inbox.send(Subscribe(peer))
         log.info(
             "decode rank %d connected to prefill instance %s (tp %d)", cfg.tp_rank, bootstrap, topo.tp_size
         )
         return PrefillInstance(bootstrap, topo.tp_size, peers)
 
-    def _on_peer_hello(self, hello: m.PeerHello) -> m.PeerHelloAck:
+    def on_peer_hello(self, hello: m.PeerHello) -> m.PeerHelloAck:
         """Prefill side of the handshake: validate, load the peer's agent and memory, answer."""
         refuse = handshake.refusal(hello, self._info, self._compat, self.config.tp_size)
         if refuse is None:
@@ -113,13 +146,13 @@ class Handshakes(EngineState):
                 if hello.ring:
                     remote_regions.append(hello.ring)
                     mem_types.append(hello.ring_mem_type)
-                self.poller.add_peer(
+                self._started.poller.add_peer(
                     RemotePeer(hello.agent_name, hello.mem_type, remote_regions, mem_types),
                     hello.agent_metadata,
                 )
                 old = self.peers.get(hello.agent_name)
                 if old is not None and old.endpoint != hello.endpoint:
-                    self.control.forget(old.endpoint)
+                    self._started.control.forget(old.endpoint)
                 self.peers[hello.agent_name] = peer
             except TransferError as exc:
                 refuse = str(exc)
@@ -135,5 +168,5 @@ class Handshakes(EngineState):
             hello.agent_name,
         )
         return m.PeerHelloAck(ok=True, detail="", rank=self.config.tp_rank, tp_size=self.config.tp_size,
-                              agent_name=self.agent_name, agent_metadata=self.poller.metadata(), layout=self._info,
+                              agent_name=self.agent_name, agent_metadata=self._started.poller.metadata(), layout=self._info,
                               compat=self._compat)  # fmt: skip

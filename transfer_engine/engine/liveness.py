@@ -6,17 +6,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
+from collections.abc import Callable, Mapping
 
 import anyio
 
 from transfer_engine.actors.room import ReceiverRoomActor, SenderRoomActor
 from transfer_engine.actors.room.common import RoomActor
-from transfer_engine.engine.state import EngineState
+from transfer_engine.config import EngineConfig
+from transfer_engine.engine.started import Started, send_owed
 from transfer_engine.protocol import leases
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.rooms import RoomStatus
+from transfer_engine.protocol.stash import EarlyRequests
 from transfer_engine.runtime.mail import LeaseRenewed, PeerDead, RepeatStaging, Subscribe
-from transfer_engine.runtime.peers import Peer
+from transfer_engine.runtime.peers import Peer, PrefillInstance
+from transfer_engine.runtime.ports import PeerBook, RoomBoard
 
 log = logging.getLogger("transfer_engine.engine")
 
@@ -24,15 +29,50 @@ _LEASED = (RoomStatus.BOOTSTRAPPING, RoomStatus.WAITING_FOR_INPUT)
 """The states whose deadline a room's lease sets (``Deadlines.due``); Transferring runs on progress."""
 
 
-class Liveness(EngineState):
-    """Heartbeats to every live peer, leases on theirs, and the end of a peer that fell silent."""
+class Liveness:
+    """Heartbeats to every live peer, leases on theirs, and the end of a peer that fell silent.
 
-    async def _heartbeat_loop(self) -> None:
+    Reads the live rooms, the rooms announced ahead of their ``receiver()`` (by bootstrap address)
+    and the prefill instances connected to (the handshake's); renews leases in the early-request
+    stash and the rooms; at a peer's death, drops it from the peer book, has ``forget`` drop what was
+    learnt of its instance, and tells its rooms.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        agent_name: str,
+        started: Started,
+        *,
+        rooms: Mapping[int, RoomActor],
+        board: RoomBoard,
+        peers: PeerBook,
+        stash: EarlyRequests,
+        announced: Mapping[int, str],
+        instances: Mapping[str, PrefillInstance],
+        forget: Callable[[Peer], None],
+        counters: Counter[str],
+    ) -> None:
+        self.config = config
+        self.agent_name = agent_name
+        self._started = started
+        self.rooms = rooms
+        self.board = board
+        self.peers = peers
+        self._stash = stash
+        self._announced = announced
+        self._instances = instances
+        self._forget = forget
+        self.counters = counters
+        self._heartbeat_seq = 0
+
+    async def run(self) -> None:
         """Send a heartbeat every half interval; check leases every quarter interval.
 
         A peer silent for more than ``LEASE_SILENCE`` intervals is dead; checked every quarter interval,
         that fails its rooms within 2.25 x heartbeat_interval of its last heartbeat.
         """
+        started = self._started
         interval = self.config.heartbeat_interval
         tick = interval / 4
         last_tick = last_beat = time.monotonic()
@@ -60,11 +100,11 @@ class Liveness(EngineState):
                             seq=self._heartbeat_seq,
                             rooms=held.get(peer.agent_name),
                         )
-                        self.control.send(peer.endpoint, beat)
-                        if self.ring is not None:  # the watermark is state: repeat it, a lost one heals
+                        started.control.send(peer.endpoint, beat)
+                        if started.ring is not None:  # the watermark is state: repeat it, a lost one heals
                             with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
-                                self.ring.inbox.send_nowait(Subscribe(peer))
-                for worker in self.workers:  # unanswered StagingRequests (protocol.retransmit)
+                                started.ring.inbox.send_nowait(Subscribe(peer))
+                for worker in started.workers:  # unanswered StagingRequests (protocol.retransmit)
                     if worker.awaiting_grant:
                         with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
                             worker.inbox.send_nowait(RepeatStaging(before=now - interval / 2))
@@ -86,7 +126,7 @@ class Liveness(EngineState):
                     room,
                     len(answers),
                 )
-                self._answer(answers)
+                send_owed(started, self.peers, answers)
 
     def _held_rooms(self) -> list[tuple[int, frozenset[str]]]:
         """Each room held live here, with the peer agents it is held with (:func:`leases.held_rooms`):
@@ -98,7 +138,7 @@ class Liveness(EngineState):
             if not actor.core.status.final:
                 held.append((room, _room_peers(actor)))
         for room, bootstrap in self._announced.items():  # queued here, its receiver() to come (announce)
-            instance = self.instances.get(bootstrap)
+            instance = self._instances.get(bootstrap)
             if instance is not None and room not in self.rooms:
                 held.append((room, frozenset(peer.agent_name for peer in instance.ranks)))
         return held
@@ -112,7 +152,7 @@ class Liveness(EngineState):
                 with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
                     actor.inbox.send_nowait(LeaseRenewed(at))
 
-    def _held_by(self, agent: str, rooms: list[int] | None, now: float) -> None:
+    def held_by(self, agent: str, rooms: list[int] | None, now: float) -> None:
         """Peer ``agent``'s heartbeat lists ``rooms`` as held live there: renew their leases here (a
         stashed request's; a leased room's, by mail, dropped when its mailbox is full: the next
         heartbeat renews it again)."""
@@ -134,16 +174,14 @@ class Liveness(EngineState):
         peer.alive = False
         self.counters["peers_dead"] += 1
         del self.peers[peer.agent_name]
-        for bootstrap, inst in list(self.instances.items()):
-            if peer in inst.ranks:
-                del self.instances[bootstrap]
-                self._slice_pieces_of.pop(bootstrap, None)
-        self.control.forget(peer.endpoint)
+        self._forget(peer)
+        self._started.control.forget(peer.endpoint)
         self._stash.forget(peer.agent_name)  # nobody left to answer, nor to renew them
         for actor in list(self.rooms.values()):
-            await self._to_room(actor.room, PeerDead(peer.agent_name, detail))
-        await self.poller.abandon(peer.agent_name, detail)
-        self.poller.remove_peer(peer.agent_name)
+            await self.board.deliver(actor.room, PeerDead(peer.agent_name, detail))
+        poller = self._started.poller
+        await poller.abandon(peer.agent_name, detail)
+        poller.remove_peer(peer.agent_name)
 
 
 def _unasked(actor: RoomActor) -> bool:

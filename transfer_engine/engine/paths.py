@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from transfer_engine.engine.state import EngineState
+from transfer_engine.config import EngineConfig
+from transfer_engine.engine.started import Started, host_staging
 from transfer_engine.errors import ConfigError
-from transfer_engine.memory.layout import stride_rows_of
+from transfer_engine.memory.layout import KVPool, stride_rows_of
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol.paths import (
     CPU_CROSSOVER,
@@ -21,10 +22,22 @@ from transfer_engine.protocol.paths import (
 from transfer_engine.runtime.peers import PrefillInstance
 
 
-class PathChoice(EngineState):
-    """Which path (direct, slice, staged, host) a decode rank's rooms with one prefill instance take."""
+class PathPolicy:
+    """Which path (direct, slice, staged, host) a decode rank's rooms with one prefill instance take:
+    ``EngineConfig.path`` applied to the instance, the pool and whether this rank runs a staging ring."""
 
-    def _choose_path(self, instance: PrefillInstance, pages: np.ndarray | None = None) -> tuple[str, str]:
+    def __init__(self, config: EngineConfig, pool: KVPool, started: Started) -> None:
+        self.config = config
+        self.pool = pool
+        self._started = started
+        self._slice_pieces_of: dict[str, float] = {}
+        """Per prefill bootstrap: the slice path's descriptors per page (see :meth:`_slice_pieces`)."""
+
+    def forget(self, bootstrap: str) -> None:
+        """Drop what was measured of the instance behind ``bootstrap`` (one of its ranks died)."""
+        self._slice_pieces_of.pop(bootstrap, None)
+
+    def choose(self, instance: PrefillInstance, pages: np.ndarray | None = None) -> tuple[str, str]:
         """The path of a room with ``instance``, and why. ``pages``: the room's pages on this rank,
         when known: under ``auto`` the direct plan's descriptors for them (at least one per KV tensor
         and run of consecutive pages) are weighed against the crossover of the pool's memory."""
@@ -32,13 +45,13 @@ class PathChoice(EngineState):
         policy = self.config.path
         same_pages = all(p.layout.page_size == layout.page_size for p in instance.ranks)
         equal = instance.tp_size == self.config.tp_size or layout.mla
-        staged = "host" if self.host_staging else "staged"
+        staged = "host" if host_staging(self.config) else "staged"
         if policy == "auto":
-            has_ring = self.ring is not None
+            has_ring = self._started.ring is not None
             pieces = self._slice_pieces(instance) if has_ring and not (equal and same_pages) else float("inf")
             tensors = layout.num_kv_tensors
             choice = choose_path(
-                equal_tp=equal, same_pages=same_pages, has_ring=has_ring, host=self.host_staging,
+                equal_tp=equal, same_pages=same_pages, has_ring=has_ring, host=host_staging(self.config),
                 slice_pieces=pieces, num_tensors=tensors,
                 direct_descriptors=None if pages is None else direct_descriptors_at_least(pages, tensors),
                 nbytes=0 if pages is None else len(pages) * self.pool.page_bytes * tensors,
@@ -55,7 +68,7 @@ class PathChoice(EngineState):
             return "direct", "path=direct"
         if policy == "slice":
             return "slice", "path=slice"
-        assert is_staged(policy) and self.ring is not None  # the ring exists for these policies
+        assert is_staged(policy) and self._started.ring is not None  # the ring exists for these policies
         return staged, f"path={policy}"
 
     def _slice_pieces(self, instance: PrefillInstance) -> float:

@@ -14,27 +14,32 @@ import gc
 import logging
 import time
 import zlib
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
 
 from transfer_engine.actors.bootstrap import Bootstrap
 from transfer_engine.actors.control import Control
-from transfer_engine.actors.introspect import Introspect
+from transfer_engine.actors.introspect import Introspect, SnapshotSource
 from transfer_engine.actors.metrics import MetricsServer
 from transfer_engine.actors.nixl_poller import NixlPoller
 from transfer_engine.actors.ring import RingActor
+from transfer_engine.actors.room import RoomActor
 from transfer_engine.actors.scatter import ScatterActor
 from transfer_engine.actors.worker import TransferWorker
-from transfer_engine.engine.state import EngineState
+from transfer_engine.config import EngineConfig
+from transfer_engine.engine.started import host_staging
 from transfer_engine.errors import ConfigError, PeerUnreachableError
 from transfer_engine.memory.integrity import PoolChecksums
+from transfer_engine.memory.layout import KVPool
 from transfer_engine.memory.staging import allocate_staging, chunk_region_bytes, warm_staging_kernels
-from transfer_engine.observe.build import build_snapshot
 from transfer_engine.observe.stalls import trace_stalls
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.cost import CostBook
 from transfer_engine.protocol.layers import ChunkCut
 from transfer_engine.runtime.mail import Shutdown
 from transfer_engine.runtime.ports import (
@@ -42,10 +47,17 @@ from transfer_engine.runtime.ports import (
     JOBS_PER_ROOM,
     RING_POSTS_PER_ROOM,
     SCATTERS_PER_ROOM,
+    PeerBook,
+    RankIdentity,
+    RoomBoard,
     RoomPorts,
     WorkerShards,
 )
-from transfer_engine.transport.nixl import NixlTransport, default_params
+from transfer_engine.transport.nixl import NixlTransport, Transport, default_params
+from transfer_engine.transport.security import Curve
+
+if TYPE_CHECKING:
+    from transfer_engine.observe.metrics import Metrics
 
 SHUTDOWN_DRAIN_S = 10.0
 """How long leaving the engine waits for live rooms to end and posted WRITEs to finish."""
@@ -82,15 +94,89 @@ def freeze_gc_once() -> None:
     log.info("gc: %d objects frozen in %.1f ms", gc.get_freeze_count(), (time.perf_counter() - started) * 1e3)
 
 
-class Supervision(EngineState):
-    """Starts every actor of the rank under one task group, and stops them (docs/ARCHITECTURE.md)."""
+class Supervisor:
+    """Starts every actor of the rank under one task group, and stops them (docs/ARCHITECTURE.md).
 
-    async def __aenter__(self) -> Self:
+    Made with the engine, given the books the actors share (the room board and the live rooms, the
+    peer book, the counters and cost book) and what the engine alone knows (``route``: where Control
+    hands each message; ``snapshot``: what Introspect answers; ``heartbeats``: the liveness loop),
+    it makes nothing until :meth:`open`. From then on it holds the actors (``poller``, ``control``,
+    ``workers``...), which the other parts reach through it (:class:`~transfer_engine.engine.started.Started`).
+    """
+
+    poller: NixlPoller
+    control: Control
+    room_ports: RoomPorts
+    """Everything a room actor is handed (set once the actors are up)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: KVPool,
+        me: RankIdentity,
+        *,
+        curve: Curve | None,
+        board: RoomBoard,
+        rooms: Mapping[int, RoomActor],
+        peers: PeerBook,
+        counters: Counter[str],
+        costs: CostBook,
+        metrics: Metrics | None,
+        info: m.LayoutInfo,
+        compat: int,
+        transport: Transport | None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.me = me
+        self.curve = curve
+        self.board = board
+        self.rooms = rooms
+        self.peers = peers
+        self.counters = counters
+        self.costs = costs
+        self.metrics = metrics
+        self.transport = transport
+        """The rank's NIXL transport (made at :meth:`open` unless one was given)."""
+        self._info = info
+        self._compat = compat
+        self.workers: list[TransferWorker] = []
+        self.bootstrap: Bootstrap | None = None
+        self.ring: RingActor | None = None
+        self.scatter: ScatterActor | None = None
+        self.introspect: Introspect | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.checksums: PoolChecksums | None = None
+        self._tg: TaskGroup | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """This rank's control endpoint."""
+        return self.control.endpoint
+
+    def worker_for(self, agent_name: str) -> TransferWorker:
+        """The prefill worker that serves decode agent ``agent_name``."""
+        return self.workers[zlib.crc32(agent_name.encode()) % len(self.workers)]
+
+    def spawn_room(self, actor: RoomActor) -> None:
+        """Start a room's actor in the task group (its room is on the board already)."""
+        assert self._tg is not None
+        self._tg.start_soon(actor.run, name=f"{actor.side}-room-{actor.room}")
+        self.poller.wake()
+
+    async def open(
+        self,
+        *,
+        route: Callable[[m.AnyMessage, bytes], Awaitable[None]],
+        snapshot: SnapshotSource,
+        heartbeats: Callable[[], Coroutine[Any, Any, None]],
+    ) -> None:
+        """Start every actor in order; on an error, stop what started and release the transport."""
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
         try:
-            await self._start(tg)
+            await self._start(tg, route, snapshot, heartbeats)
         except BaseException as exc:
             tg.cancel_scope.cancel()
             for worker in self.workers:
@@ -102,29 +188,36 @@ class Supervision(EngineState):
             finally:
                 self._close_transport()
             raise
-        return self
 
-    async def _start(self, tg: TaskGroup) -> None:
+    async def _start(
+        self,
+        tg: TaskGroup,
+        route: Callable[[m.AnyMessage, bytes], Awaitable[None]],
+        snapshot: SnapshotSource,
+        heartbeats: Callable[[], Coroutine[Any, Any, None]],
+    ) -> None:
         cfg = self.config
-        transport = self._transport or NixlTransport(
-            self.agent_name,
+        transport = self.transport or NixlTransport(
+            self.me.agent_name,
             cfg.nixl_backend,
             default_params(cfg.nixl_backend, cfg.nixl_params, self.pool.device.type),
             progress_thread=cfg.nixl_progress_thread,
+            host=cfg.host,  # UCX listens where the control plane does (transport/binding.py)
         )
-        self._transport = transport
+        self.transport = transport
         transport.register(self.pool.regions(), self.pool.mem_type)
         aux = self.pool.aux_region()
         if aux is not None:
             transport.register(
                 [aux], "VRAM" if self.pool.aux is not None and self.pool.aux.is_cuda else "DRAM"
             )
+        rooms = self.rooms
         self.poller = NixlPoller(
             transport,
             self.board,
             notifications=cfg.role == "decode",
             poll_interval=cfg.poll_interval,
-            busy=(lambda: bool(self.rooms)) if cfg.role == "decode" else (lambda: False),
+            busy=(lambda: bool(rooms)) if cfg.role == "decode" else (lambda: False),
             spin=cfg.poll_spin,
             trace=self.me.trace,
             num_layers=self.pool.layout.num_layers,
@@ -139,13 +232,13 @@ class Supervision(EngineState):
                     "staging kernels warmed: %d launches in %.2f s", launches, time.monotonic() - started
                 )
         self.control = Control(
-            cfg.host, cfg.control_port, self._dispatch, name=f"{cfg.role}{cfg.tp_rank}", curve=self.curve
+            cfg.host, cfg.control_port, route, name=f"{cfg.role}{cfg.tp_rank}", curve=self.curve
         )
         await tg.start(self.control.run)
         self.introspect = Introspect(
             cfg.host,
             cfg.introspect_port,
-            lambda room: build_snapshot(self, room),
+            snapshot,
             name=f"{cfg.role}{cfg.tp_rank}",
             secure=None if self.curve is None else self.curve.server,
         )
@@ -185,10 +278,10 @@ class Supervision(EngineState):
             checksums=self.checksums,
             costs=self.costs,
         )  # fmt: skip
-        tg.start_soon(self._heartbeat_loop)
+        tg.start_soon(heartbeats)
         if cfg.stall_traceback > 0:
             tg.start_soon(
-                trace_stalls, cfg.stall_traceback, f"{cfg.role} rank {cfg.tp_rank} {self.agent_name}"
+                trace_stalls, cfg.stall_traceback, f"{cfg.role} rank {cfg.tp_rank} {self.me.agent_name}"
             )
         log.info(
             "%s rank %d/%d up: control %s agent %s",
@@ -196,7 +289,7 @@ class Supervision(EngineState):
             cfg.tp_rank,
             cfg.tp_size,
             self.endpoint,
-            self.agent_name,
+            self.me.agent_name,
         )
         freeze_gc_once()
 
@@ -207,9 +300,9 @@ class Supervision(EngineState):
         if size == 0:  # four chunks of `staging_chunk_pages`, but never more than the KV itself
             chunk = chunk_region_bytes(self.pool, cfg.staging_chunk_pages)
             size = max(chunk, min(4 * chunk, chunk_region_bytes(self.pool, self.pool.num_pages)))
-        memory = allocate_staging(self.pool, size, host=self.host_staging)
-        assert self._transport is not None
-        self._transport.register([memory.region()], memory.mem_type)
+        memory = allocate_staging(self.pool, size, host=host_staging(cfg))
+        assert self.transport is not None
+        self.transport.register([memory.region()], memory.mem_type)
         self.ring = RingActor(
             self.me, self.pool, memory, self.peers, self.control, self.board,
             capacity=ACTOR_MAILBOX, reserve=RING_POSTS_PER_ROOM * cfg.max_rooms,
@@ -228,9 +321,11 @@ class Supervision(EngineState):
         await tg.start(self.scatter.run)
         log.info("decode rank %d: %s staging ring of %d bytes", cfg.tp_rank, memory.mem_type, size)
 
-    async def __aexit__(
+    async def close(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        """Fail live rooms with SHUTDOWN, wait (bounded) for them and for posted WRITEs, stop every
+        actor and release the transport."""
         assert self._tg is not None
         tg = self._tg
         with anyio.CancelScope(shield=True):
@@ -254,17 +349,13 @@ class Supervision(EngineState):
         try:
             await tg.__aexit__(exc_type, exc, tb)
         finally:
-            checksums = getattr(self, "checksums", None)  # (None when the start failed before it)
-            if checksums is not None:  # its thread: no room waits for a check any more
-                checksums.close()
+            if self.checksums is not None:  # its thread: no room waits for a check any more
+                self.checksums.close()
             self._close_transport()
 
     def _close_transport(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-
-    def worker_for(self, agent_name: str) -> TransferWorker:
-        return self.workers[zlib.crc32(agent_name.encode()) % len(self.workers)]
+        if self.transport is not None:
+            self.transport.close()
 
     async def _register(self) -> None:
         cfg = self.config

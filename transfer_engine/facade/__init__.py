@@ -6,11 +6,21 @@
 - :class:`LoopThread`: one asyncio event loop on a daemon thread, and the only way code on other
   threads hands work to a loop (:mod:`transfer_engine.facade.bridge`);
 - :class:`BootstrapServer`: the prefill instance's bootstrap registry on a LoopThread
-  (:mod:`transfer_engine.facade.bootstrap`).
+  (:mod:`transfer_engine.facade.bootstrap`);
+- :func:`recorded`: a CUDA event recorded on a stream now (the caller's: the work it queued so far),
+  for a ``ready`` a caller hands over (:func:`transfer_engine.runtime.completion.recorded`).
 """
 
 from transfer_engine.facade.blocking import BlockingEngine, BlockingReceiver, BlockingSender
 from transfer_engine.facade.bootstrap import BootstrapServer
 from transfer_engine.facade.bridge import LoopThread
+from transfer_engine.runtime.completion import recorded
 
-__all__ = ["BlockingEngine", "BlockingReceiver", "BlockingSender", "BootstrapServer", "LoopThread"]
+__all__ = [
+    "BlockingEngine",
+    "BlockingReceiver",
+    "BlockingSender",
+    "BootstrapServer",
+    "LoopThread",
+    "recorded",
+]

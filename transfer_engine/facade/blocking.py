@@ -13,6 +13,11 @@ Every method says how long it may block:
   ``connect()`` (``bootstrap_timeout``), ``wait(timeout)``, ``close()`` (every live room is failed
   with SHUTDOWN; at most twice the engine's 10 s drain bound, in practice milliseconds).
 
+A caller whose work per request is a task on the engine's loop rather than a handle's calls (the
+vLLM core: a prefill room's pages are known only once its decode's request came in) hands it over
+with ``spawn()`` (never blocks) or ``call()`` (blocks until it returned), each given the asyncio
+:class:`TransferEngine`, and queues callbacks with ``call_soon()`` (never blocks).
+
 Every method may be called from any thread. Calls on one handle are serialised by its lock, so two
 threads sending chunks of one room do not interleave a chunk's bookkeeping; chunks and aborts of a
 handle reach the room in the order their calls returned. After :meth:`BlockingEngine.close`, every
@@ -27,9 +32,11 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -38,7 +45,7 @@ import numpy as np
 import torch
 
 from transfer_engine.config import EngineConfig
-from transfer_engine.engine import Receiver, Sender, TransferEngine, check_request, check_room
+from transfer_engine.engine import Receiver, Sender, TransferEngine, check_pages, check_room
 from transfer_engine.errors import (
     ConfigError,
     FailureReason,
@@ -72,14 +79,17 @@ def _room(room: int | str) -> int:
     return rid
 
 
-class _BlockingHandle:
+class _BlockingHandle(ABC):
+    """What both blocking handles share (abstract: a handle is a BlockingSender or a BlockingReceiver)."""
+
     def __init__(self, engine: BlockingEngine, room: int) -> None:
         self._engine = engine
         self.room = room
         self._lock = threading.Lock()
 
+    @abstractmethod
     def _handle(self) -> Sender | Receiver | None:
-        raise NotImplementedError
+        """The engine's handle on the room (None while a receiver's room is not open yet)."""
 
     def poll(self) -> RoomStatus:
         """The room's status; never blocks. Success/Failed only once no WRITE of it can land."""
@@ -121,8 +131,10 @@ class _BlockingHandle:
         if error is not None:
             raise error
 
+    @abstractmethod
     async def _opened(self) -> None:
-        """Return once the room exists on the engine (a receiver may still be handshaking)."""
+        """Return once the room exists on the engine (a receiver may still be handshaking); raise
+        the error that kept it from opening."""
 
 
 class BlockingSender(_BlockingHandle):
@@ -134,6 +146,9 @@ class BlockingSender(_BlockingHandle):
 
     def _handle(self) -> Sender:
         return self._sender
+
+    async def _opened(self) -> None:
+        """A sender's room is open when its handle exists."""
 
     @property
     def decode_prefix_len(self) -> int:
@@ -229,7 +244,7 @@ class BlockingReceiver(_BlockingHandle):
         """
         with self._lock:
             self._engine._check_open()
-            arr = check_request(self._engine.pool, pages, aux_slot, decode_prefix_len)
+            arr = check_pages(self._engine.pool, pages, aux_slot, decode_prefix_len)
             receiver = self._receiver
             if receiver is None:
                 raise LocalProtocolError(
@@ -311,7 +326,17 @@ class BlockingEngine:
     then the loop thread, its sockets and NIXL handles are gone.
     """
 
-    def __init__(self, config: EngineConfig, kv: KVPool, *, transport: Transport | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVPool,
+        *,
+        transport: Transport | None = None,
+        cpus: frozenset[int] | None = None,
+    ) -> None:
+        """``transport``: the engine's NIXL transport (None: the engine makes its own). ``cpus``: the
+        CPUs the loop thread, and every thread the engine starts (they inherit it), may run on (None:
+        the caller's); ConfigError when the process may not run there."""
         self.config = config
         self.pool = kv
         _lower_switch_interval(config.gil_switch_interval)
@@ -319,6 +344,12 @@ class BlockingEngine:
         self._close_lock = threading.Lock()
         self._loop_thread = LoopThread(f"te-{config.role}-{config.tp_rank}")
         self._loop_thread.start()
+        if cpus is not None:  # before the engine exists: the threads it starts inherit the mask
+            try:
+                self._loop_thread.call(os.sched_setaffinity, 0, cpus)
+            except OSError as exc:
+                self._loop_thread.close()
+                raise ConfigError(f"cpus={sorted(cpus)}: cannot run the engine there: {exc}") from None
         opened: concurrent.futures.Future[tuple[TransferEngine, Mailer]] = concurrent.futures.Future()
         self._served: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._loop_thread.spawn(self._serve, config, kv, transport, opened)
@@ -340,6 +371,10 @@ class BlockingEngine:
         """The engine's life on the loop: open it, report it to ``opened``, serve until close()."""
         try:
             self._closing = anyio.Event()
+            if (
+                kv.device.type == "cuda"
+            ):  # the loop thread's CUDA calls (events, streams) on the pool's device
+                torch.cuda.set_device(kv.device)
             async with (
                 TransferEngine(config, kv, transport=transport) as engine,
                 anyio.create_task_group() as tg,
@@ -375,6 +410,35 @@ class BlockingEngine:
 
     def _post(self, handle: Sender | Receiver, mail: RoomMail) -> None:
         self._call_soon(self._mailer.post, handle, mail)
+
+    # --- work on the engine's loop (callable from any thread) -----------------------------------
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(engine, *args)`` on the loop, ``engine`` being the asyncio :class:`TransferEngine`;
+        block until it returned and return its result (or raise its error). ``fn`` is an async
+        function, or a synchronous one run as one step of the loop. LocalProtocolError once closed."""
+        return self._call(fn, self._engine, *args)
+
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+        """Start the async ``fn(engine, *args)`` as a task on the loop (``engine`` as for :meth:`call`);
+        never blocks. Tasks start in the order they were handed over, after everything queued before
+        them; they are cancelled by :meth:`close` before the engine stops. An error a task raises is
+        logged; the engine and the other tasks go on. LocalProtocolError once closed."""
+        self._check_open()
+        self._call_soon(self._mailer.start, self._logged, fn, args)
+
+    def call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        """Have the loop run the synchronous ``fn(*args)`` soon, after everything queued before it
+        (handles' mail, tasks, callbacks); never blocks. What it raises is logged. LocalProtocolError
+        once closed."""
+        self._check_open()
+        self._call_soon(fn, *args)
+
+    async def _logged(self, fn: Callable[..., Coroutine[Any, Any, None]], args: tuple[Any, ...]) -> None:
+        try:
+            await fn(self._engine, *args)
+        except Exception:
+            log.exception("a task on the %s engine's loop failed: %r", self.config.role, fn)
 
     # --- API --------------------------------------------------------------------------------------
 
@@ -422,7 +486,7 @@ class BlockingEngine:
             raise ConfigError("receiver() is for decode engines; this one is prefill")
         rid = _room(room)
         if pages is not None:
-            check_request(self.pool, pages, aux_slot, decode_prefix_len)
+            check_pages(self.pool, pages, aux_slot, decode_prefix_len)
         if rid in self._engine.rooms:  # the loop checks again; this catches the usual case early
             raise RoomInUseError(rid)
         receiver = BlockingReceiver(self, rid)

@@ -69,8 +69,17 @@ async def poll_reached(done: Completion, poll_s: float = POLL_S) -> None:
 
 
 def recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """An event recorded on ``stream`` now: reached once everything enqueued there so far has run."""
-    done = torch.cuda.Event()
+    """An event recorded on ``stream`` now: reached once everything enqueued there so far has run.
+
+    The package's one helper for "the work queued so far on a stream is done": the KV of a chunk or
+    a layer group on the caller's current stream (the engine's handles, the vLLM core through
+    ``transfer_engine.facade``), a worker's gather, the scatter's copy. Each such event may end up
+    waited on by a thread, a :class:`CompletionWaiter` blocked in ``synchronize()``; the event is
+    made blocking (``torch.cuda.Event(blocking=True)``) so that the wait sleeps in the driver
+    instead of spinning a CPU core. Querying it (:func:`reached`) and ordering another stream after
+    it (``Stream.wait_event``) are the same as for any event.
+    """
+    done = torch.cuda.Event(blocking=True)
     done.record(stream)
     return done
 
