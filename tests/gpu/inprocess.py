@@ -74,4 +74,7 @@ def run_case(
             check_decode(caches, decode, rank, requests)
         for core in (*p_cores, *d_cores):
             assert not {k: v for k, v in core.leaks().items() if v}, f"{core.config.role} leaked"
-        return sum(w.counters["staged_writes"] for core in p_cores for w in core._engine.workers)  # type: ignore[union-attr]
+        return sum(
+            core._running().call(lambda engine: sum(w.counters["staged_writes"] for w in engine.workers))
+            for core in p_cores
+        )

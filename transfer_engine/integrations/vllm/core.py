@@ -5,14 +5,17 @@ made from vLLM's worker thread; nothing here imports vLLM. One :class:`Connector
 
 - built from what ``register_kv_caches`` receives (layer name -> tensor) and the resolved
   ``KVCacheLayout`` name, through :func:`~transfer_engine.integrations.vllm.layouts.pool_from_vllm`
-  (no copies); :meth:`start` runs the engine on a :class:`~transfer_engine.facade.LoopThread`;
+  (no copies); :meth:`start` runs the engine through the facade, as SGLang's backend does
+  (:class:`~transfer_engine.facade.BlockingEngine`), each request a task on its loop
+  (``BlockingEngine.spawn``);
 - a request is a transfer ID (both sides derive the room from it, :func:`transfer_engine.room_id`)
   and vLLM block ids. Prefill: :meth:`send` (the request's KV is written) or :meth:`begin_layers`
   and then :meth:`layers_ready` per layer range as the forward writes them. Decode: :meth:`receive`.
   :meth:`abort` ends a live request's room, :meth:`cancel` tells the prefill that a decode request
   ended before its room opened;
 - readiness comes from the caller's CURRENT CUDA stream: :meth:`send` and :meth:`layers_ready`
-  record an event there (vLLM's forward queues a layer's kernels and returns before they ran), and
+  record an event there (:func:`transfer_engine.facade.recorded`; vLLM's forward queues a layer's
+  kernels and returns before they ran), and
   the engine starts the WRITE only once it completed (docs/ARCHITECTURE.md, "The path of a room").
   On CPU the KV is written when the call is made: no event;
 - every request is reported exactly once, when its room has ended (no WRITE of it can still land):
@@ -27,12 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
+import msgspec
 import torch
 
 from transfer_engine import (
@@ -41,14 +44,14 @@ from transfer_engine import (
     room_id,
 )
 from transfer_engine.errors import ConfigError, LocalProtocolError, TransferError
-from transfer_engine.facade import LoopThread
+from transfer_engine.facade import BlockingEngine, recorded
 
 from .layouts import VllmKV, pool_from_vllm
 from .records import (
     DIGEST_BYTES,
     DigestSlots,
+    GroupReady,
     LayerQueue,
-    Ready,
     Reports,
     RequestRecord,
     digest_of,
@@ -60,8 +63,8 @@ __all__ = ["DIGEST_BYTES", "ConnectorCore", "digest_of", "failure_kind"]
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 60.0
-"""How long :meth:`ConnectorCore.start` waits for the engine to come up."""
+CLOSE_TIMEOUT_S = 60.0
+"""How long :meth:`ConnectorCore.close` waits for the live rooms it aborts to end."""
 
 
 class ConnectorCore:
@@ -119,12 +122,7 @@ class ConnectorCore:
         self._cuda = self.pool.device.type == "cuda"
         self._cpus = cpus
         self._transport = transport
-        self._loop = LoopThread(f"te-vllm-{config.role}-{config.tp_rank}")
-        self._engine: TransferEngine | None = None
-        self._stop: anyio.Event | None = None
-        self._up = threading.Event()
-        self._served = threading.Event()
-        self._error: BaseException | None = None
+        self._engine: BlockingEngine | None = None
         self._live: dict[int, RequestRecord] = {}
         """Rooms of this rank by room (loop thread only)."""
         self._layerwise: dict[str, LayerQueue] = {}
@@ -139,33 +137,28 @@ class ConnectorCore:
     # ---- lifecycle (worker thread) -------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the loop thread and the engine; returns once the engine is up, or raises its error."""
-        self._loop.start()
-        if self._cpus is not None:  # set before the engine exists: the threads it starts inherit it
-            try:
-                self._loop.call(os.sched_setaffinity, 0, self._cpus)
-            except OSError as exc:
-                self._loop.close()
-                raise ConfigError(f"cpus={sorted(self._cpus)}: cannot run the engine there: {exc}") from None
-        self._loop.spawn(self._serve)
-        if not self._up.wait(START_TIMEOUT_S):
-            self._loop.close()
-            raise TransferError(f"the {self.config.role} engine did not start within {START_TIMEOUT_S} s")
-        if self._error is not None:
-            self._loop.close()
-            raise self._error
+        """Start the engine on its loop thread (the facade's); returns once it is up, or raises its error.
+
+        vLLM's process keeps its GIL switch interval: the facade's lowering
+        (``EngineConfig.gil_switch_interval``) is measured for SGLang's scheduler thread, and is
+        left off here."""
+        config = msgspec.structs.replace(self.config, gil_switch_interval=0.0)
+        self._engine = BlockingEngine(config, self.pool, transport=self._transport, cpus=self._cpus)
+        log.info(
+            "transfer engine %s rank %d: transfer-engine dump --endpoint %s",
+            self.config.role, self.config.tp_rank, self._engine.introspect_endpoint,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Abort the live rooms, stop the engine and the loop thread. Idempotent."""
-        stop = self._stop
-        if stop is not None and not self._served.is_set():
-            try:
-                self._loop.call_soon(stop.set)
-            except LocalProtocolError:
-                pass
-            else:
-                self._served.wait(START_TIMEOUT_S)
-        self._loop.close()
+        engine = self._engine
+        if engine is None:
+            return
+        try:
+            engine.call(self._abort_live)
+        except LocalProtocolError:  # closed already
+            pass
+        engine.close()
 
     def __enter__(self) -> ConnectorCore:
         self.start()
@@ -174,39 +167,20 @@ class ConnectorCore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def _serve(self) -> None:
-        self._stop = anyio.Event()
-        if self._cuda:  # the loop thread's CUDA calls (events, streams) are on the caches' device
-            torch.cuda.set_device(self.pool.device)
-        try:
-            async with TransferEngine(self.config, self.pool, transport=self._transport) as engine:
-                self._engine = engine
-                log.info(
-                    "transfer engine %s rank %d: transfer-engine dump --endpoint %s",
-                    self.config.role, self.config.tp_rank, engine.introspect_endpoint,
-                )  # fmt: skip
-                self._up.set()
-                await self._stop.wait()
-                for request in list(self._live.values()):
-                    if request.handle is not None:
-                        await request.handle.abort("vLLM is shutting down")
-        except Exception as exc:  # reported to start(), or logged once the engine was up
-            if self._up.is_set():
-                raise
-            self._error = exc
-            self._up.set()
-        finally:
-            self._served.set()
+    async def _abort_live(self, engine: TransferEngine) -> None:
+        """On the loop: abort every live room; returns once they ended (at most CLOSE_TIMEOUT_S)."""
+        with anyio.move_on_after(CLOSE_TIMEOUT_S):
+            for request in list(self._live.values()):
+                if request.handle is not None:
+                    await request.handle.abort("vLLM is shutting down")
 
     def leaks(self) -> dict[str, int]:
         """What the engine still holds (``TransferEngine.leaks``) and the core's live requests."""
-        engine = self._engine
-        assert engine is not None
 
-        def look() -> dict[str, int]:
+        def look(engine: TransferEngine) -> dict[str, int]:
             return {**engine.leaks(), "core_requests": len(self._live)}
 
-        return dict(self._loop.call(look))
+        return dict(self._running().call(look))
 
     @property
     def bootstrap(self) -> str:
@@ -223,7 +197,7 @@ class ConnectorCore:
         """Prefill: send the request's KV, written by the work queued so far on the caller's
         current stream, to whatever decode asks for its room. Never blocks."""
         request = self._request(req_id, transfer_id, block_ids)
-        ready = self._ready_event(torch.cuda.current_stream(self.pool.device)) if self._cuda else None
+        ready = recorded(torch.cuda.current_stream(self.pool.device)) if self._cuda else None
         self._hand(self._send, request, None, ready)
 
     def begin_layers(self, req_id: str, transfer_id: str, block_ids: Sequence[int]) -> None:
@@ -293,17 +267,17 @@ class ConnectorCore:
         until then this rank's heartbeats to the prefill behind ``bootstrap`` hold its room live there
         (``TransferEngine.announce``). A prefill that cannot be reached is logged; the request's
         receive fails later. Never blocks."""
-        self._loop.spawn(self._announce, req_id, room_id(transfer_id), bootstrap)
+        self._running().spawn(self._announce, req_id, room_id(transfer_id), bootstrap)
 
     def abort(self, req_id: str, transfer_id: str) -> None:
         """End the request's room; it is reported once no WRITE of it can land. A prefill request
         that has no room here fails its room, so a decode waiting on it learns at once."""
-        self._loop.spawn(self._abort, req_id, room_id(transfer_id))
+        self._running().spawn(self._abort, req_id, room_id(transfer_id))
 
     def cancel(self, req_id: str, transfer_id: str, bootstrap: str) -> None:
         """Decode: the request ended before its room opened here; tell the prefill, which then
         fails its room at once instead of holding its blocks. Nothing is reported."""
-        self._loop.spawn(self._cancel, req_id, room_id(transfer_id), bootstrap)
+        self._running().spawn(self._cancel, req_id, room_id(transfer_id), bootstrap)
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         """Requests whose room ended since the last call: (prefill side, decode side)."""
@@ -343,24 +317,25 @@ class ConnectorCore:
         self.kv.pages_of(block_ids)  # a bad block raises here, on the caller's thread
         return RequestRecord(req_id, transfer_id, room_id(transfer_id), tuple(int(b) for b in block_ids))
 
+    def _running(self) -> BlockingEngine:
+        engine = self._engine
+        if engine is None:
+            raise LocalProtocolError("the connector core is not started")
+        return engine
+
     def _hand(self, fn: Any, *args: Any) -> None:
+        engine = self._running()
         with self._lock:
             self._outstanding += 1
-        self._loop.spawn(fn, *args)
+        engine.spawn(fn, *args)
 
     def _hand_layers(self, layers: LayerQueue) -> None:
         if layers.end == layers.handed:
             return
         stream = layers.stream
-        ready = self._ready_event(stream) if stream is not None else None
-        self._loop.call_soon(layers.queue.put_nowait, (layers.handed, layers.end, ready))
+        ready = recorded(stream) if stream is not None else None
+        self._running().call_soon(layers.queue.put_nowait, (layers.handed, layers.end, ready))
         layers.handed, layers.stream = layers.end, None
-
-    def _ready_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        """An event recorded on ``stream`` now: it completes once the work queued there did."""
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
 
     # ---- on the loop ---------------------------------------------------------------------------------
 
@@ -395,12 +370,14 @@ class ConnectorCore:
             )
 
     async def _send(
-        self, request: RequestRecord, layers: asyncio.Queue[tuple[int, int, Ready]] | None, ready: Ready
+        self,
+        engine: TransferEngine,
+        request: RequestRecord,
+        layers: asyncio.Queue[tuple[int, int, GroupReady]] | None,
+        ready: GroupReady,
     ) -> None:
         """One prefill room: the whole request at once, or (``layers`` given) as the worker thread
         reports its layers."""
-        engine = self._engine
-        assert engine is not None
         slot = self._claim(request)
         if slot is None:
             request.failure = "refused"
@@ -438,9 +415,9 @@ class ConnectorCore:
             self._release(request, slot)
             self._report(request, ok, prefill=True)
 
-    async def _receive(self, request: RequestRecord, bootstrap: str, prefix_len: int) -> None:
-        engine = self._engine
-        assert engine is not None
+    async def _receive(
+        self, engine: TransferEngine, request: RequestRecord, bootstrap: str, prefix_len: int
+    ) -> None:
         engine.withdraw(request.room)  # the room opens now (or never): its own requests hold it
         slot = self._claim(request)
         if slot is None:
@@ -473,17 +450,13 @@ class ConnectorCore:
             self._release(request, slot)
             self._report(request, ok, prefill=False)
 
-    async def _announce(self, req_id: str, room: int, bootstrap: str) -> None:
-        engine = self._engine
-        assert engine is not None
+    async def _announce(self, engine: TransferEngine, req_id: str, room: int, bootstrap: str) -> None:
         try:
             await engine.announce(room, bootstrap)
         except TransferError as exc:
             log.warning("request %s (room %d): announcing it to its prefill: %s", req_id, room, exc)
 
-    async def _abort(self, req_id: str, room: int) -> None:
-        engine = self._engine
-        assert engine is not None
+    async def _abort(self, engine: TransferEngine, req_id: str, room: int) -> None:
         request = self._live.get(room)
         if request is not None and request.req_id == req_id:
             request.aborted = True
@@ -496,9 +469,7 @@ class ConnectorCore:
             except TransferError as exc:
                 log.warning("request %s (room %d): abort: %s", req_id, room, exc)
 
-    async def _cancel(self, req_id: str, room: int, bootstrap: str) -> None:
-        engine = self._engine
-        assert engine is not None
+    async def _cancel(self, engine: TransferEngine, req_id: str, room: int, bootstrap: str) -> None:
         engine.withdraw(room)
         if room in self._live:
             return  # the room is live here under another request: not this one's to end

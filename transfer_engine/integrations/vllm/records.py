@@ -19,8 +19,8 @@ from transfer_engine import PeerUnreachableError, Receiver, Sender, TransferAbor
 __all__ = [
     "DIGEST_BYTES",
     "DigestSlots",
+    "GroupReady",
     "LayerQueue",
-    "Ready",
     "Reports",
     "RequestRecord",
     "digest_of",
@@ -30,7 +30,7 @@ __all__ = [
 
 DIGEST_BYTES = 16
 
-Ready = torch.cuda.Event | None
+GroupReady = torch.cuda.Event | None
 """What a layer group waits for before its WRITE: a CUDA event, or nothing (CPU)."""
 
 
@@ -70,7 +70,7 @@ class RequestRecord:
 class LayerQueue:
     """A layer-wise request's layers as the worker thread reports them (worker thread only)."""
 
-    queue: asyncio.Queue[tuple[int, int, Ready]]
+    queue: asyncio.Queue[tuple[int, int, GroupReady]]
     handed: int = 0
     """Layers ``[0, handed)`` were handed to the loop."""
     end: int = 0
