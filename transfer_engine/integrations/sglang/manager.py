@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 
@@ -24,10 +24,19 @@ from transfer_engine.integrations.sglang.settings import (
     te_overrides,
 )
 
-if TYPE_CHECKING:
-    from transfer_engine.integrations.sglang.requests import KVReceiver
+__all__ = ["HeldRoom", "KVManager", "PrefillInfo"]
 
-__all__ = ["KVManager", "PrefillInfo"]
+
+class HeldRoom(Protocol):
+    """A decode request the manager keeps for SGLang's deferred release until its room ended
+    (:class:`~transfer_engine.integrations.sglang.requests.KVReceiver` is one; the requests module
+    sits over this one and is not imported here)."""
+
+    bootstrap_room: int
+
+    def ended(self) -> bool:
+        """Whether the room ended: no WRITE of it can land any more."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,7 @@ class KVManager(BaseKVManager):
         self.engine = BlockingEngine(config, self.pool)
         self.prefill_info_table: dict[str, PrefillInfo] = {}
         self._lock = threading.Lock()
-        self._held: dict[int, KVReceiver] = {}
+        self._held: dict[int, HeldRoom] = {}
 
     def register_to_bootstrap(self) -> None:
         """Nothing to do: a prefill engine registers with the bootstrap registry as it starts."""
@@ -113,7 +122,7 @@ class KVManager(BaseKVManager):
 
     # SGLang's deferred release (its decode transfer queue calls these; see the conn module's docstring)
 
-    def hold(self, receiver: KVReceiver) -> None:
+    def hold(self, receiver: HeldRoom) -> None:
         """Keep ``receiver`` for :meth:`is_abort_release_safe`; rooms that ended need no keeping."""
         with self._lock:
             for room in [room for room, held in self._held.items() if held.ended()]:
