@@ -449,21 +449,22 @@ def side_entries(
                 f"{int(length[region])} bytes"
             )
     u64 = np.uint64
+    units = spec.num_units
     start = base.astype(u64)[rows[:, 0]] + rows[:, 1].astype(u64)  # (units,)
     within = (
         np.arange(per_page, dtype=u64)[:, None] * (rows[:, 4] * g).astype(u64)[None, :]
     )  # (groups, units)
-    across = (h0 + np.arange(heads, dtype=np.int64) * k)[None, :] * rows[:, 3][:, None]  # (units, heads)
-    fixed = (
-        start[None, :, None] + within[:, :, None] + across.astype(u64)[None, :, :]
-    )  # (groups, units, heads)
-    block = rows[:, 2].astype(u64)
-    out = np.empty((num_pages, per_page, spec.num_units, heads), dtype=u64)
+    across = ((h0 + np.arange(heads) * k)[None, :] * rows[:, 3][:, None]).astype(u64)  # (units, heads)
+    # One page's entries, flat (group, unit, head), and each one's page stride: every page is then
+    # two passes with long inner loops (a short innermost axis costs numpy a loop per few entries).
+    fixed = (start[None, :, None] + within[:, :, None] + across[None, :, :]).reshape(-1)
+    block = np.broadcast_to(rows[:, 2].astype(u64)[None, :, None], (per_page, units, heads)).reshape(-1)
+    out = np.empty((num_pages, fixed.size), dtype=u64)
     for p0 in range(0, num_pages, _PAGES_PER_STEP):
         p1 = min(num_pages, p0 + _PAGES_PER_STEP)
         view = out[p0:p1]
-        np.multiply(np.arange(p0, p1, dtype=u64)[:, None, None, None], block[None, None, :, None], out=view)
-        np.add(view, fixed[None], out=view)
+        np.multiply(np.arange(p0, p1, dtype=u64)[:, None], block[None, :], out=view)
+        np.add(view, fixed[None, :], out=view)
     addr = out.reshape(-1)
     return addr, np.broadcast_to(u64(spec.entry_bytes), addr.shape)
 
@@ -563,14 +564,11 @@ def group_indices(
     i32 = np.int32
     src32, dst32 = src_g.astype(i32) * i32(step), dst_g.astype(i32) * i32(step)
     heads = spec.head_groups
-    if heads == 1:
-        offsets = units.astype(i32)[:, None]
-        return (offsets + src32[None, :]).reshape(-1), (offsets + dst32[None, :]).reshape(-1)
-    offsets = ((units * heads)[:, None] + np.arange(heads)[None, :]).astype(i32)[:, None, :]
-    return (
-        (offsets + src32[None, :, None]).reshape(-1),
-        (offsets + dst32[None, :, None]).reshape(-1),
-    )
+    offsets = (units * heads).astype(i32)[:, None]
+    if heads > 1:  # (token, head) first, then one long pass per unit: numpy's inner loops stay long
+        within = np.arange(heads, dtype=i32)[None, :]
+        src32, dst32 = (src32[:, None] + within).reshape(-1), (dst32[:, None] + within).reshape(-1)
+    return (offsets + src32[None, :]).reshape(-1), (offsets + dst32[None, :]).reshape(-1)
 
 
 def write_indices(
