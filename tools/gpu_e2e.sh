@@ -2,6 +2,7 @@
 # GPU end to end, on a machine with GPUs and, in ./.whl, the wheels it lacks (nixl, pyzmq, msgspec,
 # the test plugins). Usage, from the project root:
 #   tools/gpu_e2e.sh tests          # the whole suite with CUDA: gpu kernel tests + integration on CUDA pools
+#   tools/gpu_e2e.sh cuda           # EVERY CUDA-only test, one line of counts each (< 8 min): the first call of a round
 #   tools/gpu_e2e.sh bench 1:1 2:1  # tools/bench_transfer.py sweeps for the listed P:D scenarios
 #   tools/gpu_e2e.sh strided        # paged KV layouts: compiled kernel tests, CUDA matrix, bench_kernels by layout
 #   tools/gpu_e2e.sh percall        # per-room overhead on one GPU: direct/staged c1/c8 with --trace (< 8 min)
@@ -253,6 +254,52 @@ if [ "$phase" = percall ]; then  # per-room overhead on ONE GPU (both processes 
       --rounds 4 --lat-rooms 40 --ab $ab --json 2>&1 | grep -v "NIXL INFO" | tee "$OUT/percall-$path-c$conc-$ab.txt" \
       | grep -E "^path=|--ab|post_write|granted|StagingGrant|gathered|posted|notif|Scattered|d.waited|Error|Traceback"
   done
+  exit 0
+fi
+if [ "$phase" = cuda ]; then  # every CUDA-only test CI cannot run, in one call (< 8 min), most telling first:
+  # the gpu-marked kernel and unit tests (integrity's ordering among them), the integration suites on
+  # CUDA pools (integrity, its order and the busy-decode race first), the vLLM core on CUDA caches,
+  # then the vLLM core bench with integrity on (false INTEGRITY failures show as failed requests).
+  # One line per step: its counts and seconds, then its failing node ids; logs in $OUT/cuda-*.log.
+  start=$SECONDS
+  budget=${BUDGET:-450}
+  step() {  # step NAME LIMIT_S CMD...: run one pytest command under a limit, print counts and failures
+    local name=$1 limit=$2
+    shift 2
+    local left=$((budget - (SECONDS - start)))
+    if [ "$left" -lt 30 ]; then
+      echo "$name: skipped, the phase's $budget s were spent" | tee -a "$OUT/cuda.txt"
+      return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/cuda-$name.log" 2>&1
+    local rc=$?
+    local counts
+    counts=$(grep -v "NIXL INFO" "$OUT/cuda-$name.log" | grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected)" | tail -1)
+    echo "$name: rc $rc, ${counts:-no summary (see cuda-$name.log)}, $((SECONDS - t0)) s" | tee -a "$OUT/cuda.txt"
+    grep -E "^(FAILED|ERROR) " "$OUT/cuda-$name.log" | cut -c1-200 | head -15 | tee -a "$OUT/cuda.txt"
+  }
+  : >"$OUT/cuda.txt"
+  PYT="python3 -m pytest -q -p no:cacheprovider -rfE"
+  step kernels 170 $PYT -m gpu tests/kernels tests/unit
+  step integrity 150 env TE_TEST_DEVICE=cuda $PYT tests/integration/test_integrity_race.py \
+    tests/integration/test_integrity_order.py tests/integration/test_integrity.py
+  step integration 150 env TE_TEST_DEVICE=cuda $PYT tests/integration/test_matrix.py \
+    tests/integration/test_staged.py tests/integration/test_failures.py tests/integration/test_matrix_strided.py
+  step vllm-gpu 200 env TE_TEST_DEVICE=cuda $PYT tests/gpu/test_vllm_gpu.py
+  left=$((budget - (SECONDS - start)))
+  if [ "$left" -gt 40 ]; then  # the vLLM core with integrity on, 1K/4K/16K tokens (the race)
+    timeout $((left < 120 ? left : 120)) python3 tools/bench_vllm_core.py --integrity on --tokens 1024,4096,16384 \
+      --reps ${REPS:-3} >"$OUT/cuda-bench-vllm.log" 2>&1
+    echo "bench_vllm_core --integrity on: rc $?" | tee -a "$OUT/cuda.txt"
+    grep -v "NIXL INFO" "$OUT/cuda-bench-vllm.log" | grep -iE "INTEGRITY|error|fail|Traceback" | cut -c1-200 \
+      | sort | uniq -c | head -8 | tee -a "$OUT/cuda.txt"
+    grep -v "NIXL INFO" "$OUT/cuda-bench-vllm.log" | tail -4 | tee -a "$OUT/cuda.txt"
+  else
+    echo "bench_vllm_core --integrity on: skipped, the phase's $budget s were spent" | tee -a "$OUT/cuda.txt"
+  fi
+  echo "cuda: $((SECONDS - start)) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/cuda.txt"
   exit 0
 fi
 if [ "$phase" = tests ]; then
