@@ -200,8 +200,10 @@ class PoolChecksums:
         are final then), without waiting for it.
 
         CUDA: enqueued on ``stream`` (default: this object's own), which first waits for the CUDA
-        events of ``after``; the sum lands in pinned host memory and ``done`` is the stream's event
-        after it. A ``threading.Event`` in ``after`` must be set already on CUDA (the stream cannot
+        events of ``after``; the whole sum runs there (the slots' upload, the kernel, the copy of the
+        value into pinned host memory: the caller's current stream orders none of it), and ``done``
+        is the stream's event after it, the fence before which the value is never read
+        (docs/INTEGRITY.md, "Which fence, and why it suffices"). A ``threading.Event`` in ``after`` must be set already on CUDA (the stream cannot
         wait for it): ValueError otherwise. CPU: taken on the checksum thread, which first waits for
         ``after``; ``done`` is set when it is known (or failed: :meth:`Sum.value` raises it)."""
         if self.pool.device.type == "cuda":
