@@ -474,6 +474,7 @@ async def _decode(
         result.update(
             room_bytes=room_bytes,
             engine_gbps=room_bytes * args.rooms / engine_s / 1e9,
+            rooms_per_s=args.rooms / engine_s,
             room_p50_ms=statistics.median(room_lat) * 1e3,
             room_p99_ms=_p(room_lat, 0.99) * 1e3,
             engine_lat_p50_ms=statistics.median(lat) * 1e3,
@@ -719,7 +720,7 @@ def main() -> int:
         f"path={args.path}({r['engine_path']}) page_table={args.page_table} P={args.prefill_tp} D={args.decode_tp} {args.device}{placement} "
         f"room={r['room_bytes'] / 1e6:.1f} MB x{args.rooms} conc={args.concurrency} chunks={args.chunks}: "
         f"engine {r['engine_gbps']:.2f} GB/s, raw NIXL {r['raw_gbps']:.2f} GB/s, ratio "
-        f"{r['throughput_ratio']:.2f} (rounds {r['round_ratios']}){copy}; room p50 {r['room_p50_ms']:.2f} ms p99 {r['room_p99_ms']:.2f} ms; "
+        f"{r['throughput_ratio']:.2f} (rounds {r['round_ratios']}){copy}; {r['rooms_per_s']:.0f} rooms/s; room p50 {r['room_p50_ms']:.2f} ms p99 {r['room_p99_ms']:.2f} ms; "
         f"descriptors/room {r['descriptors_per_room']:.0f} (small room {r['descriptors_per_small_room']:.0f}); small room p50 {r['engine_lat_p50_ms']:.3f} ms "
         f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added (median of pairs) "
         f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}; "
