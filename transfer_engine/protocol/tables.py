@@ -65,6 +65,7 @@ import numpy as np
 import numpy.typing as npt
 
 from transfer_engine.errors import ConfigError
+from transfer_engine.protocol.descriptors import STRIDE_FIELDS
 
 __all__ = [
     "Side",
@@ -73,6 +74,7 @@ __all__ = [
     "decide_table",
     "group_indices",
     "side_entries",
+    "units_of",
     "write_indices",
 ]
 
@@ -81,7 +83,6 @@ U64Array = npt.NDArray[np.uint64]
 I64Array = npt.NDArray[np.int64]
 I32Array = npt.NDArray[np.int32]
 
-_FIELDS = ("region", "offset", "block", "head", "token")
 _INDEX_LIMIT = 2**31
 """NIXL takes int32 indices: a table never holds more entries than this."""
 _PAGES_PER_STEP = 1 << 16
@@ -96,14 +97,14 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 def _strides_table(strides: npt.ArrayLike, name: str) -> I64Array:
     table = np.asarray(strides)
-    if table.ndim != 2 or table.shape[1] != len(_FIELDS) or not np.issubdtype(table.dtype, np.integer):
+    if table.ndim != 2 or table.shape[1] != len(STRIDE_FIELDS) or not np.issubdtype(table.dtype, np.integer):
         raise ConfigError(
-            f"{name} must be an integer table of shape (num_tensors, {len(_FIELDS)}), got "
+            f"{name} must be an integer table of shape (num_tensors, {len(STRIDE_FIELDS)}), got "
             f"{table.dtype} {table.shape}"
         )
     if table.size and int(table.min()) < 0:
         row, col = np.argwhere(table < 0)[0]
-        raise ConfigError(f"{name}[{row}].{_FIELDS[col]}={int(table[row, col])} must be >= 0")
+        raise ConfigError(f"{name}[{row}].{STRIDE_FIELDS[col]}={int(table[row, col])} must be >= 0")
     return table.astype(np.int64, copy=False)
 
 
