@@ -431,7 +431,11 @@ def rank_entry(run: Callable[[], int], name: str, args: argparse.Namespace, even
         sys.stderr.flush()
         events.close()
         events.join_thread()  # every event reaches the launcher before we go
-    os._exit(code)  # skip interpreter teardown: NIXL/UCX threads can make it slow or noisy
+        # The work is over: a late signal (the launcher forwards SIGTERM) must not kill the rank
+        # during the interpreter's teardown, which restores the default handlers part-way through.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
 
 
 class GracefulStop:

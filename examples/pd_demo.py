@@ -65,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--timeout", type=float, default=300.0, help="stop everything and fail after this long (s)"
     )
     parser.add_argument("--verbose", action="store_true", help="stream the children's output to stderr")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="keep the two sides' logs (prefill.log, decode.log) in this directory (default: a temporary one)",
+    )
     common.add_workload_arguments(parser)
     args = parser.parse_args(argv)
     if args.prefill_tp < 1 or args.decode_tp < 1:
@@ -185,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     plans = common.make_schedule(args)
     with tempfile.TemporaryDirectory(prefix="pd_demo-") as tmp:
         tmpdir = Path(tmp)
+        logdir = args.log_dir or tmpdir
+        logdir.mkdir(parents=True, exist_ok=True)
         summary_path = tmpdir / "decode.json"
         prefill_argv = [
             sys.executable, str(HERE / "prefill.py"), "--tp", str(args.prefill_tp),
@@ -206,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         children: list[Child] = []
         reason = ""
         try:
-            prefill = Child("prefill", prefill_argv, tmpdir / "prefill.log", stdout_pipe=False)
+            prefill = Child("prefill", prefill_argv, logdir / "prefill.log", stdout_pipe=False)
             children.append(prefill)
-            decode = Child("decode", decode_argv, tmpdir / "decode.log", stdout_pipe=True)
+            decode = Child("decode", decode_argv, logdir / "decode.log", stdout_pipe=True)
             children.append(decode)
             assert decode.proc.stdout is not None
             pump = threading.Thread(
