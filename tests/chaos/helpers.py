@@ -2,6 +2,9 @@
 
 Everything is real: NIXL (UCX over loopback) moves the bytes and ZMQ carries the control plane.
 Faults come only from :mod:`transfer_engine.transport.faults` wrapped around the real transport.
+Pools are on the CPU unless a test asks for ``device``: the integrity tests pass
+``tests.integration.harness.DEVICE`` (``TE_TEST_DEVICE=cuda`` on the GPU machine, as the
+integration tests do).
 """
 
 from __future__ import annotations
@@ -54,14 +57,22 @@ def make_engine(
     transport: TransportFactory | None = None,
     num_pages: int = 64,
     aux: int = 8,
+    device: str = "cpu",
     **config: Any,
 ) -> TransferEngine:
-    """One engine (not entered) of ``role`` with a small pool; ``config`` overrides EngineConfig fields."""
+    """One engine (not entered) of ``role`` with a small pool on ``device``; ``config`` overrides
+    EngineConfig fields."""
     name = agent_name(role, rank)
     fields = ({"num_workers": 2} if role == "prefill" else {}) | config
     cfg = EngineConfig(role=role, tp_size=tp, tp_rank=rank, bootstrap_port=port, agent_name=name, **fields)  # type: ignore[arg-type]
     pool = KVPool.allocate(
-        layout or small_layout(), tp, rank, num_pages, aux_slots=aux, aux_item_bytes=16 if aux else 0
+        layout or small_layout(),
+        tp,
+        rank,
+        num_pages,
+        aux_slots=aux,
+        aux_item_bytes=16 if aux else 0,
+        device=device,
     )
     return TransferEngine(cfg, pool, transport=None if transport is None else transport(name))
 
@@ -76,9 +87,11 @@ async def engines(
     decode_transport: TransportFactory | None = None,
     prefill_config: dict[str, Any] | None = None,
     decode_config: dict[str, Any] | None = None,
+    device: str = "cpu",
     **config: Any,
 ) -> AsyncIterator[Cluster]:
-    """P prefill and D decode engines, entered (prefill rank 0 first, it hosts the bootstrap).
+    """P prefill and D decode engines, entered (prefill rank 0 first, it hosts the bootstrap), their
+    pools on ``device``.
 
     ``config`` goes to every engine, ``prefill_config``/``decode_config`` to one side.
     """
@@ -86,8 +99,10 @@ async def engines(
 
     def make(role: str, rank: int, port: int) -> TransferEngine:
         if role == "prefill":
-            return make_engine(role, P, rank, port, layout, transport=prefill_transport, **p_cfg)
-        return make_engine(role, D, rank, port, layout, transport=decode_transport, **d_cfg)
+            return make_engine(
+                role, P, rank, port, layout, transport=prefill_transport, device=device, **p_cfg
+            )
+        return make_engine(role, D, rank, port, layout, transport=decode_transport, device=device, **d_cfg)
 
     async with open_cluster(make, P, D) as c:
         yield c

@@ -6,6 +6,10 @@ receives a corrupted byte over real NIXL. On every path, whole chunks and layer-
 fails the room with INTEGRITY and never counts the chunk, a prefill room still live fails with
 INTEGRITY too (the decode's Abort says why), no flipped room succeeds, clean rooms beside them do
 with every byte right, and nothing leaks (docs/INTEGRITY.md).
+
+The pools are on ``TE_TEST_DEVICE`` (``tests.integration.harness.DEVICE``): the CPU in CI, CUDA on
+the GPU machine (``tools/gpu_e2e.sh cuda``), where the flipped bit is in VRAM (or in the staging
+lease the gather kernel summed as it wrote it) and the sums are the CUDA kernels'.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from collections.abc import AsyncIterator
 import anyio
 import numpy as np
 import pytest
+import torch
 
-from tests.integration.harness import Cluster, shuffled_pages
+from tests.integration.harness import DEVICE, Cluster, shuffled_pages
 from transfer_engine.engine import Receiver, Sender
 from transfer_engine.errors import FailureReason, LocalProtocolError
 from transfer_engine.protocol import messages as m
@@ -43,10 +48,14 @@ PATHS = [
 async def flipping(
     P: int, D: int, path: str, rule: Rule, wrapped: list[FaultyTransport] | None = None
 ) -> AsyncIterator[Cluster]:
-    """P -> D engines on ``path``, integrity on, layer groups of one layer, each prefill's real NIXL
-    transport wrapped in the fault transport with ``rule`` (the wrappers appended to ``wrapped``)."""
+    """P -> D engines on ``path`` with their pools on ``DEVICE``, integrity on, layer groups of one
+    layer, each prefill's real NIXL transport wrapped in the fault transport with ``rule`` (the
+    wrappers appended to ``wrapped``)."""
     transport = faulty_factory([] if wrapped is None else wrapped, writes=[rule])
-    async with engines(P, D, path=path, layers_per_write=1, prefill_transport=transport, integrity=True) as c:
+    async with engines(
+        P, D, path=path, layers_per_write=1, prefill_transport=transport, integrity=True, device=DEVICE
+    ) as c:
+        assert {e.pool.device.type for e in c.engines} == {torch.device(DEVICE).type}
         yield c
 
 
