@@ -34,6 +34,7 @@ import numpy as np
 
 from transfer_engine.errors import TransportError
 from transfer_engine.protocol.messages import MemRegion
+from transfer_engine.transport.binding import bound_params
 from transfer_engine.transport.interface import RemotePeer, Transport, WriteSpec, XferState
 from transfer_engine.transport.posting import default_params, host_pieces, spread
 
@@ -92,12 +93,20 @@ class NixlTransport:
         params: dict[str, str] | None = None,
         *,
         progress_thread: bool = False,
+        host: str | None = None,
     ) -> None:
+        """``host`` is the address the engine's control plane binds to: UCX's network devices are
+        matched to it (:mod:`transfer_engine.transport.binding`; loopback by default), unless the
+        user chose them. None (what tests' bare transports use) leaves UCX's default: every interface."""
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as exc:  # pragma: no cover - nixl is a hard dependency
             raise TransportError(f"nixl is not importable: {exc}") from exc
         self.name = name
+        if host is not None:
+            params = bound_params(backend, params or {}, host)
+        self.params: dict[str, str] = dict(params or {})
+        """The backend parameters the agent was made with (``engine_config`` included)."""
         self._lock = threading.RLock()
         """Held by every call that touches the agent or the handle tables (:func:`_serialized`)."""
         try:
