@@ -58,6 +58,17 @@ class RoomStatus(enum.IntEnum):
     def final(self) -> bool:
         return self in (RoomStatus.SUCCESS, RoomStatus.FAILED)
 
+    def __str__(self) -> str:
+        """The name (``WAITING_FOR_INPUT``), as ``print(receiver.poll())`` and log lines show it; the
+        value stays an int for comparisons with SGLang's ``KVPoll`` and on the wire."""
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        """The name in f-strings too; a numeric format (``{status:d}``) gives the number."""
+        if spec and spec[-1] in "bcdeEfFgGnoxX%":
+            return int.__format__(self, spec)
+        return format(self.name, spec)
+
 
 # --- events ---------------------------------------------------------------------------------------
 
