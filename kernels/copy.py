@@ -1,0 +1,311 @@
+"""Indexed entry copy: entry ``src_idx[i]`` of one address table onto entry ``dst_idx[i]`` of another.
+
+The kernel path between two pools of one host (docs/DECISIONS.md, "One kernel between the GPUs of a
+host") moves a chunk or a layer group as one launch: the writer's pool and the reader's pool, mapped
+into the writer's process, are each described ONCE as a table of entry addresses
+(``protocol.tables.side_entries``: every (tensor unit, page, head group) entry, all of one size), and
+each copy is two int32 index arrays into them (``protocol.tables.write_indices``)::
+
+    for i in range(n):
+        memcpy(dst_table[dst_idx[i]], src_table[src_idx[i]], entry_bytes)
+
+Any page table and any head slice is expressed by the tables and the indices, so one kernel serves
+every layout. :class:`EntryTable` holds one side's table, uploaded to the device once;
+:func:`copy_entries` checks the indices on the host, uploads them on the given stream and launches;
+:func:`copy_entries_reference` is the pure-torch reference (and the CPU implementation): the same
+arguments, a vectorized gather and scatter over views of the memory the addresses name.
+
+Launch shape: an entry is split into NPIECE equal power-of-two pieces (one piece for entries up to 2
+KiB of 8-byte units), and each program copies BLOCK consecutive (entry, piece) pairs, about
+``block_bytes``, in 16-byte vectors wherever every address and the entry size are 16-byte aligned
+(the table's ``align``): the same tiling as the gather kernel (``kernels/gather.py``). Addresses are
+absolute: the kernel casts them to pointers, so the two tables may name any memory the device can
+reach (its own, a peer GPU's mapped through CUDA IPC, pinned host memory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    INT_VIEW,
+    Impl,
+    KernelInputError,
+    LaunchConfig,
+    check_stream,
+    column_block,
+    launcher,
+    piece_block,
+    pow2_divisor,
+    resolve_impl,
+    triton_int,
+    upload,
+    use_on_current_stream,
+)
+
+__all__ = ["DEFAULT_CONFIG", "EntryTable", "copy_entries", "copy_entries_reference", "entry_table"]
+
+DEFAULT_CONFIG = LaunchConfig(block_bytes=32768, num_warps=4)
+"""Launch shape of :func:`copy_entries` (the gather's, whose tiling it shares; docs/PERF.md)."""
+
+_REFERENCE_UNITS = 1 << 22
+"""Copy units gathered per pass of the reference: bounds its index temporaries (32 MiB)."""
+
+
+@triton.jit
+def _copy_kernel(
+    src_table,  # *i64 [Ns]: absolute address of each source entry
+    dst_table,  # *i64 [Nd]: absolute address of each destination entry
+    src_idx,  # *i32 [n]
+    dst_idx,  # *i32 [n]
+    n,
+    UNIT_TYPE: tl.constexpr,  # the integer type of one copy unit (1, 2, 4 or 8 bytes)
+    ALIGN: tl.constexpr,  # bytes every entry address is a multiple of (<= 16)
+    UNIT: tl.constexpr,  # bytes per unit
+    ROW: tl.constexpr,  # units per entry
+    PIECE: tl.constexpr,  # units per piece: an entry is NPIECE pieces
+    NPIECE: tl.constexpr,
+    BLOCK: tl.constexpr,  # pieces per program
+    EVEN: tl.constexpr,  # PIECE * NPIECE == ROW: no column mask
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    e = r // NPIECE
+    ok = e < n
+    s = tl.load(src_idx + e, mask=ok, other=0).to(tl.int64)
+    d = tl.load(dst_idx + e, mask=ok, other=0).to(tl.int64)
+    src_addr = tl.multiple_of(tl.load(src_table + s, mask=ok, other=0), ALIGN)
+    dst_addr = tl.multiple_of(tl.load(dst_table + d, mask=ok, other=0), ALIGN)
+    cols = ((r % NPIECE) * PIECE)[:, None] + tl.arange(0, PIECE)[None, :]
+    src = src_addr.to(tl.pointer_type(UNIT_TYPE))[:, None] + cols
+    dst = dst_addr.to(tl.pointer_type(UNIT_TYPE))[:, None] + cols
+    if EVEN:
+        mask = ok[:, None]
+    else:
+        mask = ok[:, None] & (cols < ROW)
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+_TRITON_UNIT = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+@dataclass(eq=False)
+class EntryTable:
+    """One side's entry addresses, made once per (pool, peer pool) pair (:func:`entry_table`).
+
+    ``addr``: uint64 ``[N]`` host array, the address of each entry in THIS process (a mapped peer's
+    entries at their mapped addresses); ``entry_bytes``: the size of every entry; ``device``: where
+    the memory is (a CUDA device: the kernel runs there and the table is uploaded once; CPU: the
+    reference copies). ``align``: the largest power of two (<= 16) dividing every address and
+    ``entry_bytes``. The table keeps no memory alive: whoever made the addresses keeps their memory
+    mapped while copies run.
+    """
+
+    addr: npt.NDArray[np.uint64]
+    entry_bytes: int
+    device: torch.device
+    align: int
+    _uploaded: tuple[torch.Tensor, torch.cuda.Event | None, int] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return int(self.addr.size)
+
+    def on_device(self) -> torch.Tensor:
+        """int64 ``[N]`` on the device (uploaded on the current stream the first time; the current
+        stream is ordered after that upload)."""
+        if self._uploaded is None:
+            host = torch.from_numpy(self.addr.view(np.int64))
+            self._uploaded = upload(host, self.device)
+        tensor, ready, origin = self._uploaded
+        return use_on_current_stream(tensor, ready, origin)
+
+
+def entry_table(addr: npt.ArrayLike, entry_bytes: int, device: torch.device | str) -> EntryTable:
+    """An :class:`EntryTable` over ``addr`` (uint64 addresses, one per entry). Raises
+    :class:`KernelInputError` for an empty or non-1-D table, a zero address or a bad size."""
+    array = np.ascontiguousarray(np.asarray(addr), dtype=np.uint64)
+    if array.ndim != 1 or array.size == 0:
+        raise KernelInputError(
+            f"an entry table must be a non-empty 1-D address array, got shape {array.shape}"
+        )
+    if not isinstance(entry_bytes, int) or entry_bytes < 1:
+        raise KernelInputError(f"entry_bytes={entry_bytes!r} must be an integer >= 1")
+    if int(array.min()) == 0:
+        raise KernelInputError(f"entry {int(np.argmin(array))} has address 0")
+    if int(array.max()) + entry_bytes > 1 << 63:
+        raise KernelInputError("an entry ends past 2**63: not an address")
+    dev = torch.device(device)
+    if dev.type not in ("cuda", "cpu"):
+        raise KernelInputError(f"device {dev} is neither cuda nor cpu")
+    gcd = (
+        int(np.bitwise_or.reduce(array)) | entry_bytes
+    )  # the lowest set bit of the OR: the common power of two
+    return EntryTable(array, entry_bytes, dev, pow2_divisor(gcd, 16))
+
+
+def _check_pair(src: EntryTable, dst: EntryTable) -> None:
+    if not isinstance(src, EntryTable) or not isinstance(dst, EntryTable):
+        raise KernelInputError("src and dst must be EntryTables (kernels.copy.entry_table)")
+    if src.entry_bytes != dst.entry_bytes:
+        raise KernelInputError(f"src entries are {src.entry_bytes} bytes, dst entries {dst.entry_bytes}")
+    if src.device != dst.device:
+        raise KernelInputError(f"src table is for {src.device}, dst table for {dst.device}")
+
+
+def _check_indices(
+    src_idx: npt.ArrayLike, dst_idx: npt.ArrayLike, src: EntryTable, dst: EntryTable
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """The index arrays as int32 host arrays, range-checked against both tables (on the host)."""
+    out = []
+    for name, values, table in (("src_idx", src_idx, src), ("dst_idx", dst_idx, dst)):
+        if isinstance(values, torch.Tensor):
+            if values.device.type != "cpu":
+                raise KernelInputError(f"{name} must be in host memory, got {values.device}")
+            values = values.numpy()
+        array = np.asarray(values)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise KernelInputError(f"{name} must be a 1-D integer array, got {array.dtype} {array.shape}")
+        if array.size and (int(array.min()) < 0 or int(array.max()) >= len(table)):
+            bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
+            raise KernelInputError(f"{name} holds {bad}, outside the table's [0, {len(table)})")
+        out.append(np.ascontiguousarray(array, dtype=np.int32))
+    if out[0].size != out[1].size:
+        raise KernelInputError(f"src_idx has {out[0].size} entries, dst_idx {out[1].size}")
+    return out[0], out[1]
+
+
+def copy_entries(
+    src: EntryTable,
+    dst: EntryTable,
+    src_idx: npt.ArrayLike,
+    dst_idx: npt.ArrayLike,
+    *,
+    stream: torch.cuda.Stream | None = None,
+    impl: Impl = "auto",
+    config: LaunchConfig | None = None,
+) -> None:
+    """Copy ``entry_bytes`` from ``src.addr[src_idx[i]]`` to ``dst.addr[dst_idx[i]]`` for every ``i``.
+
+    Shapes: ``src_idx``, ``dst_idx``: int ``[n]`` in HOST memory (numpy or CPU tensors), checked
+    against their tables' lengths here, before anything is enqueued (a bad one raises
+    :class:`KernelInputError` naming it); destination entries must not overlap each other or a
+    source entry (the copy's order is unspecified).
+
+    Stream: on CUDA everything (the tables' first upload, the indices' upload, the launch) is enqueued
+    on ``stream`` (default: the current stream of the tables' device); nothing synchronizes. The
+    bytes are in place when that stream reaches this point; the index arrays may be reused as soon as
+    this returns. On CPU the copy is done when this returns (the reference, or the interpreted kernel
+    with ``TRITON_INTERPRET=1`` / ``impl="triton"``).
+
+    ``n == 0``: nothing is launched.
+    """
+    _check_pair(src, dst)
+    device = src.device
+    check_stream(stream, device)
+    s_idx, d_idx = _check_indices(src_idx, dst_idx, src, dst)
+    n = int(s_idx.size)
+    which = resolve_impl(impl, device)
+    if n == 0:
+        return
+    cfg = config or DEFAULT_CONFIG
+    with launcher(device, stream):
+        if which == "torch":
+            copy_entries_reference(src, dst, s_idx, d_idx)
+            return
+        align = min(src.align, dst.align)
+        unit = min(align, 8)
+        row = src.entry_bytes // unit
+        piece, even = column_block(row)
+        npiece = triton.cdiv(row, piece)
+        block = piece_block(cfg.block_bytes, piece * unit)
+        s_dev, d_dev = (_indices_on(a, device) for a in (s_idx, d_idx))
+        kernel = _copy_kernel if which == "jit" else triton_int(_copy_kernel)
+        grid = (triton.cdiv(n * npiece, block),)
+        kernel[grid](  # type: ignore[index]
+            src.on_device(),
+            dst.on_device(),
+            s_dev,
+            d_dev,
+            n,
+            UNIT_TYPE=_TRITON_UNIT[unit],
+            ALIGN=align,
+            UNIT=unit,
+            ROW=row,
+            PIECE=piece,
+            NPIECE=npiece,
+            BLOCK=block,
+            EVEN=even,
+            num_warps=cfg.num_warps,
+        )
+
+
+def _indices_on(array: npt.NDArray[np.int32], device: torch.device) -> torch.Tensor:
+    """``array`` on ``device``, uploaded on the current stream (pinned, asynchronous) on CUDA."""
+    tensor, _, _ = upload(torch.from_numpy(array), device)
+    return tensor
+
+
+class _CudaSpan:
+    """A ``__cuda_array_interface__`` over raw device memory, for a torch view of it."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (addr, False),
+            "version": 3,
+            "stream": None,
+        }
+
+
+def _span(addr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of memory at ``addr`` on ``device``; reads nothing."""
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaSpan(addr, nbytes), device=device)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=torch.uint8)
+
+
+def copy_entries_reference(
+    src: EntryTable,
+    dst: EntryTable,
+    src_idx: npt.ArrayLike,
+    dst_idx: npt.ArrayLike,
+) -> None:
+    """Pure-torch :func:`copy_entries` (the reference the kernel is tested against, and the CPU copy).
+
+    Views the memory between the lowest and the highest entry each side's indices name as one byte
+    tensor (nothing in between is read or written), then gathers the source entries' units and
+    scatters them to the destination's, ``_REFERENCE_UNITS`` units per pass, through integer views
+    (every bit pattern survives). On CUDA it runs on the current stream. Indices as for
+    :func:`copy_entries`, unchecked here beyond their lengths.
+    """
+    s_idx = np.asarray(src_idx, dtype=np.int64)
+    d_idx = np.asarray(dst_idx, dtype=np.int64)
+    if s_idx.size != d_idx.size:
+        raise KernelInputError(f"src_idx has {s_idx.size} entries, dst_idx {d_idx.size}")
+    if s_idx.size == 0:
+        return
+    size = src.entry_bytes
+    unit = min(src.align, dst.align, 8)
+    int_dtype = INT_VIEW[unit]
+    row = size // unit
+    per_pass = max(1, _REFERENCE_UNITS // row)
+    device = src.device
+    cols = torch.arange(row, dtype=torch.int64, device=device)
+    for start in range(0, s_idx.size, per_pass):
+        s_addr = src.addr[s_idx[start : start + per_pass]]
+        d_addr = dst.addr[d_idx[start : start + per_pass]]
+        views = []
+        for addr in (s_addr, d_addr):
+            low = int(addr.min())
+            base = _span(low, int(addr.max()) - low + size, device).view(int_dtype)
+            first = torch.from_numpy(((addr - np.uint64(low)) // np.uint64(unit)).astype(np.int64))
+            views.append((base, (first.to(device)[:, None] + cols[None, :]).reshape(-1)))
+        (s_base, s_off), (d_base, d_off) = views
+        d_base[d_off] = s_base[s_off]

@@ -1,0 +1,280 @@
+"""The indexed entry copy (kernels/copy.py): bit-exact against its torch reference and against plain
+per-token indexing of the pools' views, over dtypes (fp8 and bytes included), page sizes 1 and 16,
+head slices (hetero TP), contiguous and strided (FlashAttention NHD/HND) layouts, whole chunks and
+layer groups, on a non-default stream on CUDA.
+
+The tables and indices come from ``protocol.tables`` exactly as the kernel path makes them (entry
+addresses of every page once per pair, int32 indices per copy); the expectation never calls them.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from transfer_engine.kernels import KernelInputError
+from transfer_engine.kernels.copy import copy_entries, copy_entries_reference, entry_table
+from transfer_engine.protocol import tables
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8]
+
+
+@dataclass(frozen=True)
+class Where:
+    name: str
+    device: str
+    impl: str
+
+
+WHERE = [
+    pytest.param(Where("interp", "cpu", "triton"), id="interp"),
+    pytest.param(Where("torch", "cpu", "torch"), id="torch"),
+    pytest.param(Where("cuda", "cuda", "auto"), id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=WHERE)
+def where(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Where:
+    chosen: Where = request.param
+    if chosen.name == "interp":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return chosen
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bit patterns of ``dtype`` (NaNs, negative zeros and fp8 codes included)."""
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * torch.empty((), dtype=dtype).element_size()),
+                        dtype=torch.uint8, generator=gen)  # fmt: skip
+    return raw.view(dtype)
+
+
+@dataclass
+class Side:
+    """One side's KV: its memory tensors, the per-tensor views ``[pages, page, heads, dim]``, strides rows."""
+
+    memory: list[torch.Tensor]
+    views: list[torch.Tensor]
+    rows: np.ndarray
+    page_size: int
+    heads: int
+
+    @property
+    def bases(self) -> np.ndarray:
+        return np.array([t.data_ptr() for t in self.memory], dtype=np.uint64)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([t.numel() * t.element_size() for t in self.memory], dtype=np.uint64)
+
+
+def _side(kind: str, layers: int, pages: int, page: int, heads: int, dim: int, dtype: torch.dtype,
+          device: str, gen: torch.Generator) -> Side:  # fmt: skip
+    """KV of ``kind``: "contiguous" (one ``[slots, heads, dim]`` tensor per K and V), "nhd" / "hnd"
+    (per layer one ``(2, pages, page, heads, dim)`` / ``(2, pages, heads, page, dim)`` tensor)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    memory: list[torch.Tensor] = []
+    views: list[torch.Tensor] = []
+    if kind == "contiguous":
+        memory = [_random((pages * page, heads, dim), dtype, gen).to(device) for _ in range(2 * layers)]
+        views = [t.view(pages, page, heads, dim) for t in memory]
+    else:
+        shape = (2, pages, page, heads, dim) if kind == "nhd" else (2, pages, heads, page, dim)
+        memory = [_random(shape, dtype, gen).to(device) for _ in range(layers)]
+        per = [m if kind == "nhd" else m.permute(0, 1, 3, 2, 4) for m in memory]
+        views = [p[0] for p in per] + [p[1] for p in per]
+    rows = []
+    for v in views:
+        region = next(
+            i for i, m in enumerate(memory) if m.data_ptr() <= v.data_ptr() < m.data_ptr() + m.numel() * item
+        )
+        rows.append((region, v.data_ptr() - memory[region].data_ptr(), v.stride(0) * item,
+                     v.stride(2) * item, v.stride(1) * item))  # fmt: skip
+    return Side(memory, views, np.array(rows, dtype=np.int64), page, heads)
+
+
+def _expect(src: Side, dst: Side, src_pages: list[int], dst_pages: list[int], tokens: int, h0: tuple[int, int],
+            nh: int, tensors: list[int], before: list[torch.Tensor]) -> list[torch.Tensor]:  # fmt: skip
+    """The destination views after the copy, by plain per-token indexing of byte views."""
+    out = [b.clone().view(torch.uint8) for b in before]
+    for t in tensors:
+        s = src.views[t].view(torch.uint8)
+        for i in range(tokens):
+            sp, so = src_pages[i // src.page_size], i % src.page_size
+            dp, do = dst_pages[i // dst.page_size], i % dst.page_size
+            out[t][dp, do, h0[1] : h0[1] + nh] = s[sp, so, h0[0] : h0[0] + nh]
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).contiguous().cpu()
+
+
+CASES = [
+    # (src kind, dst kind, src page, dst page, src heads, dst heads, src head start, dst head start, heads moved)
+    pytest.param("contiguous", "contiguous", 16, 16, 4, 4, 0, 0, 4, id="contig-16"),
+    pytest.param("contiguous", "contiguous", 1, 1, 4, 4, 0, 0, 4, id="contig-1"),
+    pytest.param("nhd", "nhd", 16, 16, 4, 4, 0, 0, 4, id="nhd-16"),
+    pytest.param("hnd", "nhd", 16, 4, 4, 4, 0, 0, 4, id="hnd-to-nhd-unequal-pages"),
+    pytest.param("nhd", "contiguous", 16, 1, 4, 2, 2, 0, 2, id="nhd-slice-hetero-tp"),
+    pytest.param("contiguous", "hnd", 4, 16, 2, 4, 0, 2, 2, id="contig-into-hnd-slice"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("sk", "dk", "sps", "dps", "sh", "dh", "s0", "d0", "nh"), CASES)
+def test_copy_matches_indexing(where: Where, dtype: torch.dtype, sk: str, dk: str, sps: int, dps: int,
+                               sh: int, dh: int, s0: int, d0: int, nh: int) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{sk}{dk}{sps}{dps}{dtype}".encode()))
+    layers, dim = 2, 8
+    src = _side(sk, layers, 6 * 16 // sps, sps, sh, dim, dtype, where.device, gen)
+    dst = _side(dk, layers, 6 * 16 // dps, dps, dh, dim, dtype, where.device, gen)
+    head_bytes = dim * torch.empty((), dtype=dtype).element_size()
+    spec = tables.decide_table(src.rows, dst.rows, head_bytes, sps, dps, s0, d0, nh, sh, dh)
+    s_addr, _ = tables.side_entries(spec, "src", src.bases, src.lengths, src.rows, len(src.views[0]))
+    d_addr, _ = tables.side_entries(spec, "dst", dst.bases, dst.lengths, dst.rows, len(dst.views[0]))
+    s_table = entry_table(s_addr, spec.entry_bytes, where.device)
+    d_table = entry_table(d_addr, spec.entry_bytes, where.device)
+    rng = np.random.default_rng(7)
+    tokens = 32
+    src_pages = rng.permutation(len(src.views[0]))[: tokens // sps].tolist()
+    dst_pages = rng.permutation(len(dst.views[0]))[: tokens // dps].tolist()
+    before = [v.clone() for v in dst.views]
+    s_idx, d_idx = tables.write_indices(spec, src_pages, dst_pages)
+    stream = torch.cuda.Stream() if where.device == "cuda" else None
+    copy_entries(s_table, d_table, s_idx, d_idx, stream=stream, impl=where.impl)  # type: ignore[arg-type]
+    if stream is not None:
+        stream.synchronize()
+    want = _expect(src, dst, src_pages, dst_pages, tokens, (s0, d0), nh, list(range(2 * layers)), before)
+    for t in range(2 * layers):
+        assert torch.equal(_bytes(dst.views[t]), _bytes(want[t])), f"tensor {t}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_layer_group_moves_its_tensors_only(where: Where, dtype: torch.dtype) -> None:
+    """A layer group's indices (``rows``) copy its layers' K and V and nothing else."""
+    gen = torch.Generator().manual_seed(3)
+    layers, dim, ps = 4, 8, 16
+    src = _side("nhd", layers, 4, ps, 2, dim, dtype, where.device, gen)
+    dst = _side("nhd", layers, 4, ps, 2, dim, dtype, where.device, gen)
+    head_bytes = dim * torch.empty((), dtype=dtype).element_size()
+    spec = tables.decide_table(src.rows, dst.rows, head_bytes, ps, ps, 0, 0, 2, 2, 2, group_layers=2)
+    s_addr, _ = tables.side_entries(spec, "src", src.bases, src.lengths, src.rows, 4)
+    d_addr, _ = tables.side_entries(spec, "dst", dst.bases, dst.lengths, dst.rows, 4)
+    group = [2, 3, layers + 2, layers + 3]  # layers [2, 4): their K and V rows
+    before = [v.clone() for v in dst.views]
+    s_idx, d_idx = tables.write_indices(spec, [1, 3], [2, 0], rows=np.array(group))
+    copy_entries(entry_table(s_addr, spec.entry_bytes, where.device),
+                 entry_table(d_addr, spec.entry_bytes, where.device), s_idx, d_idx, impl=where.impl)  # type: ignore[arg-type]  # fmt: skip
+    if where.device == "cuda":
+        torch.cuda.synchronize()
+    want = _expect(src, dst, [1, 3], [2, 0], 2 * ps, (0, 0), 2, group, before)
+    for t in range(2 * layers):
+        assert torch.equal(_bytes(dst.views[t]), _bytes(want[t])), f"tensor {t}"
+
+
+@pytest.mark.parametrize("entry_bytes", [1, 3, 6, 16, 48, 2048 + 24, 40000], ids=lambda b: f"{b}B")
+def test_kernel_matches_reference(where: Where, entry_bytes: int) -> None:
+    """Raw tables of any entry size (1-, 2-, 8-byte units, masked and multi-piece entries) and
+    permuted indices: the kernel writes exactly what the reference writes."""
+    gen = torch.Generator().manual_seed(entry_bytes)
+    n = 24
+    src = torch.randint(0, 256, (n * entry_bytes,), dtype=torch.uint8, generator=gen).to(where.device)
+    outs = [torch.zeros(n * entry_bytes + 7, dtype=torch.uint8, device=where.device) for _ in range(2)]
+    rng = np.random.default_rng(entry_bytes)
+    s_idx = rng.permutation(n)[:17]
+    d_idx = rng.permutation(n)[:17]
+    s_table = entry_table(
+        src.data_ptr() + np.arange(n, dtype=np.uint64) * entry_bytes, entry_bytes, where.device
+    )
+    for out, run in zip(outs, (copy_entries, copy_entries_reference), strict=True):
+        # dst entries start 1 byte into the buffer: an odd alignment the kernel must honour
+        d_table = entry_table(out.data_ptr() + 1 + np.arange(n, dtype=np.uint64) * entry_bytes, entry_bytes,
+                              where.device)  # fmt: skip
+        if run is copy_entries:
+            copy_entries(s_table, d_table, s_idx, d_idx, impl=where.impl)  # type: ignore[arg-type]
+        else:
+            copy_entries_reference(s_table, d_table, s_idx, d_idx)
+    if where.device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(outs[0].cpu(), outs[1].cpu())
+    got = outs[0].cpu()[1:].view(-1)[: n * entry_bytes].view(n, entry_bytes)
+    for s, d in zip(s_idx, d_idx, strict=True):
+        assert torch.equal(got[d], src.cpu().view(n, entry_bytes)[s])
+    untouched = sorted(set(range(n)) - set(d_idx.tolist()))
+    assert int(got[untouched].count_nonzero()) == 0
+
+
+def test_empty_copy_launches_nothing(where: Where) -> None:
+    buf = torch.zeros(64, dtype=torch.uint8, device=where.device)
+    table = entry_table(buf.data_ptr() + np.arange(4, dtype=np.uint64) * 16, 16, where.device)
+    copy_entries(table, table, np.zeros(0, np.int32), np.zeros(0, np.int32), impl=where.impl)  # type: ignore[arg-type]
+    assert int(buf.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(
+    ("src_idx", "dst_idx", "match"),
+    [
+        ([0, 4], [0, 1], "src_idx holds 4"),
+        ([0, 1], [-1, 1], "dst_idx holds -1"),
+        ([0, 1], [0], "src_idx has 2 entries, dst_idx 1"),
+        ([[0]], [[0]], "1-D integer array"),
+        ([0.5], [0], "1-D integer array"),
+    ],
+)
+def test_bad_indices_raise_before_launch(src_idx: object, dst_idx: object, match: str) -> None:
+    buf = torch.zeros(64, dtype=torch.uint8)
+    table = entry_table(buf.data_ptr() + np.arange(4, dtype=np.uint64) * 16, 16, "cpu")
+    with pytest.raises(KernelInputError, match=match):
+        copy_entries(table, table, src_idx, dst_idx)  # type: ignore[arg-type]
+    assert int(buf.count_nonzero()) == 0
+
+
+def test_bad_tables_raise() -> None:
+    buf = torch.zeros(64, dtype=torch.uint8)
+    addr = buf.data_ptr() + np.arange(4, dtype=np.uint64) * 16
+    with pytest.raises(KernelInputError, match="non-empty 1-D"):
+        entry_table(np.zeros(0, np.uint64), 16, "cpu")
+    with pytest.raises(KernelInputError, match="address 0"):
+        entry_table(np.array([0, 16], np.uint64), 16, "cpu")
+    with pytest.raises(KernelInputError, match="entry_bytes"):
+        entry_table(addr, 0, "cpu")
+    with pytest.raises(KernelInputError, match="src entries are 16 bytes, dst entries 8"):
+        copy_entries(entry_table(addr, 16, "cpu"), entry_table(addr, 8, "cpu"), [0], [0])
+    with pytest.raises(KernelInputError, match="a CUDA stream was given"):
+        copy_entries(entry_table(addr, 16, "cpu"), entry_table(addr, 16, "cpu"), [0], [1],
+                     stream=torch.cuda.Stream() if torch.cuda.is_available() else object())  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_alignment_of_a_table() -> None:
+    """``align``: the largest power of two (<= 16) dividing every address and the entry size."""
+    assert entry_table(np.array([64, 128], np.uint64), 256, "cpu").align == 16
+    assert entry_table(np.array([64, 132], np.uint64), 256, "cpu").align == 4
+    assert entry_table(np.array([64, 128], np.uint64), 6, "cpu").align == 2
+
+
+@pytest.mark.gpu
+def test_copy_never_synchronizes() -> None:
+    """With sync debug mode "error", any synchronising CUDA call inside the wrapper raises."""
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    s_table = entry_table(src.data_ptr() + np.arange(256, dtype=np.uint64) * 4096, 4096, "cuda")
+    d_table = entry_table(dst.data_ptr() + np.arange(256, dtype=np.uint64) * 4096, 4096, "cuda")
+    stream = torch.cuda.Stream()
+    perm = np.random.default_rng(0).permutation(256).astype(np.int32)
+    copy_entries(s_table, d_table, perm, perm, stream=stream)  # compiles and uploads the tables
+    stream.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            copy_entries(s_table, d_table, perm[::-1].copy(), perm, stream=stream)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream.synchronize()
+    want = src.view(256, 4096)[torch.from_numpy(perm[::-1].copy()).long().cuda()]
+    assert torch.equal(dst.view(256, 4096)[torch.from_numpy(perm).long().cuda()], want)
