@@ -15,6 +15,8 @@ have to know which library failed.
     │   └── RemoteProtocolError  the peer sent something the protocol forbids
     ├── TransportError         NIXL or the control sockets failed
     │   ├── PeerUnreachableError a bootstrap or peer endpoint could not be reached
+    │   ├── BindError            a socket of this process could not bind its own address
+    │   │   └── AddressInUseError    ... because another socket holds it
     │   └── AddressRangeError    a WRITE aimed outside the peer's registered regions
     ├── TransferFailed         a room ended in Failed (carries reason and detail)
     │   ├── TransferAborted    ... because a side aborted it (cancelled, not broken)
@@ -27,7 +29,9 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "AddressInUseError",
     "AddressRangeError",
+    "BindError",
     "ConfigError",
     "FailureReason",
     "HeadSplitError",
@@ -136,6 +140,19 @@ class PeerUnreachableError(TransportError):
     def __init__(self, endpoint: str, detail: str = "") -> None:
         self.endpoint = endpoint
         super().__init__(f"peer {endpoint} unreachable" + (f": {detail}" if detail else ""))
+
+
+class BindError(TransportError):
+    """Raised when a socket of this process cannot bind its own address (a local fault, not a peer's)."""
+
+    def __init__(self, address: str, detail: str = "") -> None:
+        self.address = address
+        """The address that could not be bound (``tcp://HOST:PORT``)."""
+        super().__init__(f"cannot bind {address}" + (f": {detail}" if detail else ""))
+
+
+class AddressInUseError(BindError):
+    """Raised when the address to bind is held by another socket: another engine or process listens there."""
 
 
 class AddressRangeError(TransportError):

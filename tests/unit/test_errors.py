@@ -8,7 +8,9 @@ import pytest
 
 from transfer_engine import errors
 from transfer_engine.errors import (
+    AddressInUseError,
     AddressRangeError,
+    BindError,
     ConfigError,
     FailureReason,
     HeadSplitError,
@@ -41,6 +43,8 @@ HIERARCHY: dict[type[Exception], tuple[type[BaseException], ...]] = {
     RemoteProtocolError: (ProtocolError,),
     TransportError: (TransferError,),
     PeerUnreachableError: (TransportError,),
+    BindError: (TransportError,),
+    AddressInUseError: (BindError,),
     AddressRangeError: (TransportError,),
     TransferFailed: (TransferError,),
     TransferAborted: (TransferFailed,),
@@ -143,6 +147,11 @@ def test_errors_with_fields_name_their_values() -> None:
     assert down.endpoint == "tcp://10.0.0.5:8998"
     assert str(down) == "peer tcp://10.0.0.5:8998 unreachable: timed out"
     assert str(PeerUnreachableError("tcp://h:1")) == "peer tcp://h:1 unreachable"
+    taken = AddressInUseError("tcp://127.0.0.1:8998", "Address already in use")
+    assert taken.address == "tcp://127.0.0.1:8998"
+    assert str(taken) == "cannot bind tcp://127.0.0.1:8998: Address already in use"
+    assert not isinstance(taken, PeerUnreachableError)  # a local fault is not an unreachable peer
+    assert str(BindError("tcp://10.9.9.9:1")) == "cannot bind tcp://10.9.9.9:1"
 
 
 def test_all_exports_exist() -> None:

@@ -30,7 +30,12 @@ from tests.gpu.vllm_kv import (
     wait_reported,
     written_bytes,
 )
-from transfer_engine.errors import ConfigError, LayoutError, LocalProtocolError, PeerUnreachableError
+from transfer_engine.errors import (
+    AddressInUseError,
+    ConfigError,
+    LayoutError,
+    LocalProtocolError,
+)
 from transfer_engine.integrations.vllm.core import ConnectorCore, digest_of
 from transfer_engine.testing.cluster import free_port
 
@@ -146,7 +151,9 @@ def test_start_raises_the_engines_error() -> None:
     with checked_cores() as (p_cores, _, _, _):
         port = p_cores[0].config.bootstrap_port
         other = make_core("prefill", SIDE, 0, allocate(SIDE, "cpu"), port)
-        with pytest.raises(PeerUnreachableError, match="Address already in use"):
+        with pytest.raises(
+            AddressInUseError, match=rf"cannot bind tcp://127\.0\.0\.1:{port}: Address already in use"
+        ):
             other.start()
         other.close()
         assert not [t for t in threading.enumerate() if t.name == "te-vllm-prefill-0" and t.is_alive()][1:]

@@ -20,7 +20,7 @@ import zmq.asyncio
 from anyio.abc import TaskStatus
 
 from transfer_engine.actors.router import BOOTSTRAP_MAX_FRAME, Inbox, bind_router
-from transfer_engine.errors import PeerUnreachableError
+from transfer_engine.errors import TransportError
 from transfer_engine.protocol import messages as m
 
 if TYPE_CHECKING:
@@ -55,9 +55,15 @@ class Bootstrap:
         secure = None if self.curve is None else self.curve.server
         try:
             sock, self.port = bind_router(
-                self._ctx, self.host, self.port, hwm=_HWM, max_frame=BOOTSTRAP_MAX_FRAME, secure=secure
+                self._ctx,
+                self.host,
+                self.port,
+                hwm=_HWM,
+                max_frame=BOOTSTRAP_MAX_FRAME,
+                secure=secure,
+                setting="bootstrap_port",
             )
-        except PeerUnreachableError:
+        except TransportError:  # BindError, or PeerUnreachableError when it cannot be secured
             self._ctx.term()
             raise
 

@@ -30,7 +30,7 @@ import zmq.asyncio
 from anyio.abc import TaskStatus
 
 from transfer_engine.actors.router import CONTROL_MAX_FRAME, Inbox, bind_router, source_of
-from transfer_engine.errors import PeerUnreachableError
+from transfer_engine.errors import PeerUnreachableError, TransportError
 from transfer_engine.protocol import messages as m
 
 if TYPE_CHECKING:
@@ -86,9 +86,15 @@ class Control:
         secure = None if self.curve is None else self.curve.server
         try:
             router, self.port = bind_router(
-                self._ctx, self.host, self.port, hwm=_SEND_HWM, max_frame=CONTROL_MAX_FRAME, secure=secure
+                self._ctx,
+                self.host,
+                self.port,
+                hwm=_SEND_HWM,
+                max_frame=CONTROL_MAX_FRAME,
+                secure=secure,
+                setting="control_port",
             )
-        except PeerUnreachableError:
+        except TransportError:  # BindError, or PeerUnreachableError when it cannot be secured
             self._ctx.term()
             raise
         self._router = router

@@ -23,7 +23,7 @@ import zmq.asyncio
 from anyio.abc import TaskStatus
 
 from transfer_engine.actors.router import INTROSPECT_MAX_FRAME, Inbox, Secure, bind_router
-from transfer_engine.errors import PeerUnreachableError
+from transfer_engine.errors import TransportError
 from transfer_engine.observe import Snapshot, encode_snapshot
 from transfer_engine.protocol import messages as m
 
@@ -65,9 +65,15 @@ class Introspect:
         self._ctx = zmq.asyncio.Context()
         try:
             router, self.port = bind_router(
-                self._ctx, self.host, self.port, hwm=_HWM, max_frame=INTROSPECT_MAX_FRAME, secure=self._secure
+                self._ctx,
+                self.host,
+                self.port,
+                hwm=_HWM,
+                max_frame=INTROSPECT_MAX_FRAME,
+                secure=self._secure,
+                setting="introspect_port",
             )
-        except PeerUnreachableError:
+        except TransportError:  # BindError, or PeerUnreachableError when it cannot be secured
             self.close()
             raise
         self._router = router

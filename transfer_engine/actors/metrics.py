@@ -11,6 +11,7 @@ ConfigError that names it (there is no silent fallback when metrics were asked f
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute, TaskStatus
 
-from transfer_engine.errors import ConfigError, PeerUnreachableError
+from transfer_engine.errors import AddressInUseError, BindError, ConfigError
 from transfer_engine.runtime.logbook import LogBook
 
 if TYPE_CHECKING:
@@ -69,7 +70,13 @@ class MetricsServer:
         try:
             listener = await anyio.create_tcp_listener(local_host=self.host, local_port=self.port)
         except OSError as exc:
-            raise PeerUnreachableError(f"http://{self.host}:{self.port}", f"cannot listen: {exc}") from exc
+            address = f"http://{self.host}:{self.port}"
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressInUseError(
+                    address,
+                    f"{exc.strerror}: another process listens there (set metrics_port to another port)",
+                ) from exc
+            raise BindError(address, str(exc)) from exc
         async with listener:
             self.port = int(listener.extra(SocketAttribute.local_port))
             host = f"[{self.host}]" if ":" in self.host else self.host

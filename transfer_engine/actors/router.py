@@ -13,7 +13,9 @@ message on, and is also where the endpoint records the drops its handler decides
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import NoReturn
@@ -21,7 +23,13 @@ from typing import NoReturn
 import zmq
 import zmq.asyncio
 
-from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransportError
+from transfer_engine.errors import (
+    AddressInUseError,
+    BindError,
+    PeerUnreachableError,
+    RemoteProtocolError,
+    TransportError,
+)
 from transfer_engine.protocol import messages as m
 from transfer_engine.runtime.logbook import LogBook
 
@@ -75,7 +83,14 @@ Handler = Callable[[m.AnyMessage, bytes, str], Awaitable[None]]
 
 
 def bind_router(
-    ctx: zmq.asyncio.Context, host: str, port: int, *, hwm: int, max_frame: int, secure: Secure | None
+    ctx: zmq.asyncio.Context,
+    host: str,
+    port: int,
+    *,
+    hwm: int,
+    max_frame: int,
+    secure: Secure | None,
+    setting: str = "the port",
 ) -> tuple[zmq.asyncio.Socket, int]:
     """A ROUTER bound at ``tcp://host:port`` (port 0: a free one), and the port it got.
 
@@ -84,7 +99,9 @@ def bind_router(
     per peer. ZMTP 1.0 peers are refused at the handshake (:data:`ZMTP3_ONLY`), so a connection of
     junk bytes queues nothing; ``secure`` may set its own ZAP domain (CURVE refuses them too).
 
-    Raises PeerUnreachableError, the socket closed, when it cannot be secured or bound.
+    Raises, the socket closed: AddressInUseError when another socket holds the address (naming
+    ``setting``, the configuration field that chose the port), BindError when it cannot be bound
+    otherwise (not an address of this machine...), PeerUnreachableError when it cannot be secured.
     """
     sock = ctx.socket(zmq.ROUTER)
     try:
@@ -99,9 +116,19 @@ def bind_router(
             sock.bind(f"tcp://{host}:{port}")
         else:
             port = sock.bind_to_random_port(f"tcp://{host}")
-    except (zmq.ZMQError, TransportError) as exc:
+    except zmq.ZMQError as exc:
         sock.close(linger=0)
-        raise PeerUnreachableError(f"tcp://{host}:{port}", f"cannot bind: {exc}") from exc
+        address = f"tcp://{host}:{port or '*'}"
+        if exc.errno == errno.EADDRINUSE:
+            raise AddressInUseError(
+                address,
+                f"{os.strerror(exc.errno)}: another engine or process listens there "
+                f"(set {setting} to another port, or stop it)",
+            ) from exc
+        raise BindError(address, os.strerror(exc.errno) if exc.errno else str(exc)) from exc
+    except TransportError as exc:
+        sock.close(linger=0)
+        raise PeerUnreachableError(f"tcp://{host}:{port}", f"cannot secure the socket: {exc}") from exc
     return sock, port
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from transfer_engine.engine import TransferEngine
-from transfer_engine.errors import PeerUnreachableError
+from transfer_engine.errors import AddressInUseError
 
 EngineMaker = Callable[[str, int, int], TransferEngine]
 """``make(role, rank, bootstrap_port)``: a not yet entered engine of that role and rank."""
@@ -91,8 +91,8 @@ async def open_cluster(make: EngineMaker, P: int, D: int) -> AsyncIterator[Clust
             try:
                 prefill = [await stack.enter_async_context(make("prefill", 0, port))]
                 break
-            except PeerUnreachableError as exc:
-                if "cannot bind" not in str(exc) or attempt == 2:
+            except AddressInUseError:
+                if attempt == 2:
                     raise
         for rank in range(1, P):
             prefill.append(await stack.enter_async_context(make("prefill", rank, port)))
