@@ -10,21 +10,35 @@ the shapes, strides and dtypes of ``vllm/v1/worker/utils.py``'s ``allocate_kv_ca
 ``KVCacheLayout`` (``vllm/v1/kv_cache_layout.py``); tests/vllm/test_layouts.py checks them against
 vLLM's own allocation. The forward's writes run on a stream that is not the default one, as
 vLLM's may: the core must take readiness from the CURRENT stream.
+
+With integrity on (docs/INTEGRITY.md), every layout of ``layouts.LAYOUTS`` on both sides at 1K, 4K
+and 16K tokens (the lengths whose sums raced the bytes on an H200), the cases above, and a bit
+flipped in flight: no good transfer may fail INTEGRITY, and a flipped one must.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import pytest
 import torch
 
 from transfer_engine.integrations.vllm.core import ConnectorCore
+from transfer_engine.integrations.vllm.layouts import LAYOUTS
+from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.room_ids import room_id
 from transfer_engine.testing.cluster import free_port
+from transfer_engine.transport.faults import Fault, FaultyTransport, Rule, matching
+from transfer_engine.transport.nixl import NixlTransport
 
 from .inprocess import cores
 from .twoproc import DecodeProcess, devices
 from .vllm_kv import (
+    Request,
     Side,
     allocate,
     check_decode,
@@ -178,3 +192,175 @@ def test_whole_request_send_waits_for_the_current_stream() -> None:
         assert wait_reported(d_cores[0], {r.transfer_id}, prefill=False, timeout=60) == set()
         torch.cuda.synchronize()
         check_decode(d_caches[0], side, 0, [r])
+
+
+# ---- integrity on (docs/INTEGRITY.md) ---------------------------------------------------------------
+
+INTEGRITY_TOKENS = [1024, 4096, 16384]
+"""One request of each (1K and 16K layer-wise, 4K sent whole): an H200 failed every block of the
+16K-token request, and once the 1K one, while a sum could read the pages before the bytes landed."""
+
+INTEGRITY_SIDE = replace(FLASH, num_blocks=sum(-(-n // FLASH.block_size) for n in INTEGRITY_TOKENS))
+"""FLASH with room for the three requests at once (1344 blocks, 704 MB a side)."""
+
+LAYOUT_PAIRS = [(name, list(LAYOUTS)[(i + 1) % len(LAYOUTS)]) for i, name in enumerate(LAYOUTS)]
+"""Every vLLM layout on the prefill, each against the next one on the decode: every layout is on
+both sides once, and each pair's sums must agree across two different layouts."""
+
+
+@pytest.fixture(scope="module")
+def integrity_decoder() -> Iterator[DecodeProcess]:
+    """One decode process for the module's integrity cases (``DecodeProcess.reset`` between them)."""
+    _, d_dev = devices()
+    decoder = DecodeProcess(INTEGRITY_SIDE, d_dev, free_port(), integrity=True)
+    stopped = False
+    try:
+        yield decoder
+        leaks = decoder.stop()
+        stopped = True
+        assert leaks == [{}] * decoder.side.tp, f"decode leaked: {leaks}"
+    finally:
+        if not stopped:
+            decoder.stop()
+
+
+def integrity_case(
+    decoder: DecodeProcess, prefill: Side, decode: Side, tokens: Sequence[int], device: str
+) -> dict[str, int]:
+    """Integrity on both sides: the decode process restarted on ``decode`` asks for one request of
+    each of ``tokens``, the prefill ranks here (on ``device``) run one forward that writes them on a
+    non-default stream. Every request is reported with no load error, every byte lands and nothing
+    else is written, nothing leaks on the prefill. Returns the decode ranks' counters, summed."""
+    decoder.reset(decode, integrity=True)
+    port = free_port()
+    caches = [allocate(prefill, device) for _ in range(prefill.tp)]
+    p_cores = [
+        make_core("prefill", prefill, r, caches[r], port, heartbeat_interval=5.0, integrity=True)
+        for r in range(prefill.tp)
+    ]
+    try:
+        for core in p_cores:
+            core.start()
+        requests = requests_for(prefill, decode, tokens)
+        decoder.ask(requests, p_cores[0].bootstrap)
+        forward = torch.cuda.Stream() if device.startswith("cuda") else None
+        with torch.cuda.stream(forward) if forward is not None else contextlib.nullcontext():
+            for rank, core in enumerate(p_cores):
+                run_prefill(core, caches[rank], prefill, rank, requests)
+        for core in p_cores:
+            wait_reported(core, {r.transfer_id for r in requests}, prefill=True, timeout=120)
+        errors, wrong, _ = decoder.result(timeout=120)
+        counters = decoder.counters()
+        assert errors == [] and wrong == 0, (
+            f"load errors {errors} (INTEGRITY failures: {[c.get('failed_integrity', 0) for c in counters]}), "
+            f"decode ranks with wrong bytes: {wrong}"
+        )
+        for core in p_cores:
+            assert not {k: v for k, v in core.leaks().items() if v}
+    finally:
+        for core in p_cores:
+            core.close()
+    total: dict[str, int] = {}
+    for rank_counters in counters:
+        for key, value in rank_counters.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def assert_every_chunk_matched(counters: dict[str, int], requests: int) -> None:
+    """No INTEGRITY failure, no mismatch, nothing unchecked, and at least one match a request."""
+    judged = {k: counters.get(k, 0) for k in ("integrity_match", "integrity_mismatch", "integrity_unchecked")}
+    assert counters.get("failed_integrity", 0) == 0, judged
+    assert judged["integrity_mismatch"] == 0 and judged["integrity_unchecked"] == 0, judged
+    assert judged["integrity_match"] >= requests, judged
+
+
+@pytest.mark.parametrize(
+    ("prefill_layout", "decode_layout"), LAYOUT_PAIRS, ids=[f"{a}-to-{b}" for a, b in LAYOUT_PAIRS]
+)
+def test_integrity_every_layout_1k_4k_16k(
+    integrity_decoder: DecodeProcess, prefill_layout: str, decode_layout: str
+) -> None:
+    """Integrity on, prefill in this process and decode in another, 1K/4K/16K tokens: zero INTEGRITY
+    failures, every chunk's sum matched the writer's, every byte right."""
+    p_dev, _ = devices()
+    torch.cuda.set_device(torch.device(p_dev))
+    prefill = replace(INTEGRITY_SIDE, layout=prefill_layout)
+    decode = replace(INTEGRITY_SIDE, layout=decode_layout)
+    counters = integrity_case(integrity_decoder, prefill, decode, INTEGRITY_TOKENS, p_dev)
+    assert_every_chunk_matched(counters, len(INTEGRITY_TOKENS))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_integrity_cases(integrity_decoder: DecodeProcess, case: str) -> None:
+    """The two-process cases above (TP splits, MLA, fp8, kernel blocks, other block sizes) with
+    integrity on: zero INTEGRITY failures, every byte right."""
+    prefill, decode = CASES[case]
+    p_dev, _ = devices()
+    torch.cuda.set_device(torch.device(p_dev))
+    counters = integrity_case(integrity_decoder, prefill, decode, [700, 129, 16], p_dev)
+    assert_every_chunk_matched(counters, 3)
+
+
+def assert_no_leaks(*sides: ConnectorCore) -> None:
+    """Nothing left on any core (30 s at most for rooms ending): no room, stash, WRITE or request."""
+    deadline = time.monotonic() + 30
+    for side in sides:
+        while leaks := {k: v for k, v in side.leaks().items() if v}:
+            assert time.monotonic() < deadline, f"{side.config.role} leaked: {leaks}"
+            time.sleep(0.05)
+
+
+def flipped_case(flipped: int, p_dev: str, d_dev: str) -> None:
+    """Two requests of 1K tokens (the first layer-wise, the second sent whole), integrity on, prefill
+    and decode cores in this process; the prefill's real NIXL transport wrapped in the fault
+    transport, which flips one bit of the first WRITE of request ``flipped`` in flight. The decode
+    reports that request's blocks as load errors after one INTEGRITY failure, the other request lands
+    byte-exact, nothing leaks."""
+    side = replace(FLASH, num_layers=4, num_blocks=128)
+    requests = requests_for(side, side, [1024, 1024])
+    bad: Request = requests[flipped]
+    rule = Rule(Fault.FLIP, match=matching(m.ChunkLanded, room=room_id(bad.transfer_id)))
+    name = f"vllm-gpu-flip-{os.getpid()}-{flipped}"
+    wrapper = FaultyTransport(NixlTransport(name), writes=[rule])
+    port = free_port()
+    p_caches, d_caches = allocate(side, p_dev), allocate(side, d_dev)
+    prefill = make_core(
+        "prefill", side, 0, p_caches, port, integrity=True, agent_name=name, transport=wrapper
+    )
+    decode = make_core("decode", side, 0, d_caches, port, integrity=True)
+    started: list[ConnectorCore] = []
+    try:
+        for core in (prefill, decode):
+            core.start()
+            started.append(core)
+        for r in requests:
+            decode.receive(r.transfer_id, r.transfer_id, r.decode_blocks, prefill.bootstrap)
+        forward = torch.cuda.Stream() if p_dev.startswith("cuda") else None
+        with torch.cuda.stream(forward) if forward is not None else contextlib.nullcontext():
+            run_prefill(prefill, p_caches, side, 0, requests)
+        ids = {r.transfer_id for r in requests}
+        wait_reported(prefill, ids, prefill=True, timeout=60)
+        errors = wait_reported(decode, ids, prefill=False, timeout=60)
+        assert errors == {str(b) for b in bad.decode_blocks}, errors
+        assert rule.fired == 1 and wrapper.fired["flip"] == 1
+        counters = decode._running().call(lambda e: dict(e.counters))
+        assert counters.get("failed_integrity", 0) == 1, counters
+        assert counters.get("integrity_mismatch", 0) >= 1, counters
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        good = requests[1 - flipped]
+        assert mismatches(d_caches, side, 0, good.number, good.decode_blocks, good.tokens) == 0
+        assert_no_leaks(prefill, decode)
+    finally:
+        for core in reversed(started):
+            core.close()
+
+
+@pytest.mark.parametrize("flipped", [0, 1], ids=["layerwise", "whole"])
+def test_integrity_a_flipped_bit_fails_its_request_only(flipped: int) -> None:
+    """A bit flipped in flight in one of two requests (a layer group's WRITE, or the WRITE of the
+    request sent whole), on CUDA caches: caught, that request fails INTEGRITY, the other is byte-exact."""
+    p_dev, d_dev = devices()
+    torch.cuda.set_device(torch.device(p_dev))
+    flipped_case(flipped, p_dev, d_dev)

@@ -7,6 +7,10 @@ The parent sends the decode process one command at a time on a pipe and waits fo
   once every one was reported: ``("done", load_errors, wrong_bytes, loaded_ns)`` where
   ``wrong_bytes`` counts the decode ranks whose bytes were wrong (-1 when ``check`` is False) and ``loaded_ns`` the
   ``time.monotonic_ns()`` (one clock for every process of the host) at which the last was reported;
+- ``("counters",)``: answers ``("counters", [each decode rank's engine counters])`` (``integrity_match``,
+  ``integrity_mismatch``, ``failed_integrity``...: totals since its cores started);
+- ``("side", side, config)``: close the cores, then make new ones over fresh caches of ``side`` with
+  ``config`` (answers ``"up"``): one process serves several layouts, without a new spawn each;
 - ``("stop",)``: close the cores and exit (answers ``"stopped"`` with the leak counters).
 """
 
@@ -21,6 +25,8 @@ from typing import Any
 
 import torch
 
+from transfer_engine.integrations.vllm.core import ConnectorCore
+
 from .vllm_kv import Request, Side, allocate, check_decode, make_core
 
 START_S = 120.0
@@ -31,14 +37,30 @@ def devices() -> tuple[str, str]:
     return ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
 
 
-def _decode_main(conn: Connection, side: Side, device: str, port: int, config: dict[str, Any]) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+def _start(
+    side: Side, device: str, port: int, config: dict[str, Any]
+) -> tuple[list[dict[str, torch.Tensor]], list[ConnectorCore]]:
+    """Fresh caches of ``side`` and started decode cores over them (closed again if one fails)."""
     caches = [allocate(side, device) for _ in range(side.tp)]
     cores = [make_core("decode", side, r, caches[r], port, **config) for r in range(side.tp)]
+    started: list[ConnectorCore] = []
     try:
         for core in cores:
             core.start()
+            started.append(core)
+    except BaseException:
+        for core in started:
+            core.close()
+        raise
+    return caches, cores
+
+
+def _decode_main(conn: Connection, side: Side, device: str, port: int, config: dict[str, Any]) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    cores: list[ConnectorCore] = []
+    try:
+        caches, cores = _start(side, device, port, config)
         conn.send("up")
         while True:
             command = conn.recv()
@@ -46,6 +68,20 @@ def _decode_main(conn: Connection, side: Side, device: str, port: int, config: d
                 leaks = [{k: v for k, v in core.leaks().items() if v} for core in cores]
                 conn.send(("stopped", leaks))
                 return
+            if command[0] == "counters":
+                conn.send(("counters", [core._running().call(lambda e: dict(e.counters)) for core in cores]))
+                continue
+            if command[0] == "side":
+                _, side, config = command
+                for core in cores:
+                    core.close()
+                cores = []
+                caches = []  # the old caches are freed before the new ones are allocated
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+                caches, cores = _start(side, device, port, config)
+                conn.send("up")
+                continue
             _, requests, bootstrap, check_bytes = command
             for core in cores:
                 for r in requests:
@@ -93,6 +129,7 @@ class DecodeProcess:
     def __init__(self, side: Side, device: str, port: int, **config: Any) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        self.side = side
         self._proc = ctx.Process(
             target=_decode_main,
             args=(child, side, device, port, {"heartbeat_interval": 5.0, **config}),
@@ -121,6 +158,19 @@ class DecodeProcess:
         """(load errors, decode ranks with wrong bytes or -1, monotonic ns of the last report)."""
         _, errors, wrong, loaded_ns = self._expect("done", timeout)
         return errors, wrong, loaded_ns
+
+    def counters(self) -> list[dict[str, int]]:
+        """Each decode rank's engine counters, totals since its cores started."""
+        self._conn.send(("counters",))
+        _, counters = self._expect("counters", 30)
+        return list(counters)
+
+    def reset(self, side: Side, **config: Any) -> None:
+        """Close the decode cores and start new ones over fresh caches of ``side``, with ``config``
+        (EngineConfig fields, as given to the constructor); their counters start at zero."""
+        self._conn.send(("side", side, {"heartbeat_interval": 5.0, **config}))
+        self._expect("up", START_S)
+        self.side = side
 
     def stop(self) -> list[dict[str, int]]:
         """Close the cores; returns each decode rank's non-zero leak counters."""

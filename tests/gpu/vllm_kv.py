@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -96,11 +97,20 @@ def global_heads(side: Side, rank: int) -> torch.Tensor:
     return torch.arange(rank * side.heads_local, (rank + 1) * side.heads_local, dtype=torch.int64)
 
 
-def expected(request: int, layer: int, tokens: int, heads: torch.Tensor, content_bytes: int) -> torch.Tensor:
-    """``[tokens, len(heads), content_bytes]`` uint8, never zero (see the module docstring)."""
-    t = torch.arange(tokens, dtype=torch.int64)[:, None, None]
-    g = heads[None, :, None]
-    j = torch.arange(content_bytes, dtype=torch.int64)[None, None, :]
+def expected(
+    request: int,
+    layer: int,
+    tokens: int,
+    heads: torch.Tensor,
+    content_bytes: int,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """``[tokens, len(heads), content_bytes]`` uint8 on ``device``, never zero (see the module
+    docstring). Made where it is used: on a GPU, 16K tokens of a layer are 64M bytes, seconds of
+    int64 arithmetic on the host."""
+    t = torch.arange(tokens, dtype=torch.int64, device=device)[:, None, None]
+    g = heads.to(device)[None, :, None]
+    j = torch.arange(content_bytes, dtype=torch.int64, device=device)[None, None, :]
     return ((request * 131 + layer * 977 + g * 613 + t * 37 + j * 7) % 251 + 1).to(torch.uint8)
 
 
@@ -127,7 +137,7 @@ def layer_writes(
         u8 = cache.view(torch.uint8)
         page, n = _slots(cache, side, blocks, tokens)
         heads = global_heads(side, rank)
-        data = expected(request, layer, tokens, heads, u8.shape[3]).to(cache.device)
+        data = expected(request, layer, tokens, heads, u8.shape[3], cache.device)
         index = (page[:, None], torch.arange(len(heads), device=cache.device)[None, :], n[:, None])
         writes.append(lambda u8=u8, index=index, data=data: u8.index_put_(index, data))
     if torch.cuda.is_available():
@@ -153,8 +163,8 @@ def mismatches(
         page, n = _slots(cache, side, blocks, tokens)
         heads = global_heads(side, rank)
         got = u8[page[:, None], torch.arange(len(heads), device=cache.device)[None, :], n[:, None]]
-        want = expected(request, layer, start + tokens, heads, u8.shape[3])[start:]
-        bad += int((got.cpu() != want).sum())
+        want = expected(request, layer, start + tokens, heads, u8.shape[3], cache.device)[start:]
+        bad += int((got != want).sum())
     return bad
 
 
@@ -167,8 +177,18 @@ def written_bytes(caches: dict[str, torch.Tensor]) -> int:
 
 
 def make_core(
-    role: str, side: Side, rank: int, caches: dict[str, torch.Tensor], port: int, **config: object
+    role: str,
+    side: Side,
+    rank: int,
+    caches: dict[str, torch.Tensor],
+    port: int,
+    *,
+    transport: Any = None,
+    **config: object,
 ) -> ConnectorCore:
+    """A core (not started) over ``caches``; ``config`` overrides EngineConfig fields (``layers_per_write``
+    2 unless given). ``transport``: a fault-injecting wrapper around a real NIXL transport, whose agent
+    is named ``config["agent_name"]`` (None: the engine makes its own)."""
     cfg = EngineConfig(
         role=role,  # type: ignore[arg-type]
         tp_size=side.tp,
@@ -183,6 +203,7 @@ def make_core(
         block_size=side.block_size,
         head_size=None if side.mla else side.head_size,
         max_requests=8,
+        transport=transport,
     )
 
 
