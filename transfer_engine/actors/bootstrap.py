@@ -82,7 +82,10 @@ class Bootstrap:
             self._ctx.term()
 
     def handle(self, message: m.AnyMessage) -> m.Message | None:
-        """The answer to one message (pure: no I/O), or None for messages it does not serve."""
+        """The answer to one message (pure: no I/O), or None for messages it does not serve.
+
+        A DumpRequest is for an engine's introspection endpoint; one sent here (the wrong port) is
+        answered with the topology, so that ``transfer-engine dump`` can say what it reached."""
         match message:
             case m.RegisterRank(rank=rank, tp_size=tp_size, endpoint=endpoint, compat=compat):
                 if self.tp_size is None:
@@ -97,7 +100,7 @@ class Bootstrap:
                     log.info("bootstrap: prefill rank %d re-registered at %s", rank, endpoint)
                 self.ranks[rank] = endpoint
                 return m.RegisterAck(ok=True)
-            case m.TopologyQuery():
+            case m.TopologyQuery() | m.DumpRequest():
                 ranks = [m.RankInfo(r, e) for r, e in sorted(self.ranks.items())]
                 tp = self.tp_size or 0
                 return m.Topology(tp_size=tp, ranks=ranks, complete=tp > 0 and len(ranks) == tp)

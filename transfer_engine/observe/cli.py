@@ -4,9 +4,14 @@
     transfer-engine dump --endpoint ... --json                      # the Snapshot as JSON
     transfer-engine dump --endpoint ... --watch [--interval 2]      # refresh until Ctrl-C
     transfer-engine dump --endpoint ... --room 42                   # one room's progress and history
+    transfer-engine dump --endpoint ... --room cmpl-8e1f...         # the same, by request id
 
 ``--endpoint`` is a rank's introspection endpoint (``engine.introspect_endpoint``; the examples print
-it at start). ``--json`` prints :class:`transfer_engine.observe.Snapshot` as JSON, one document
+it at start). ``--room`` takes a room number, or a serving system's request id, which names the
+room the integrations give it (:func:`transfer_engine.room_id` of it: vLLM's ``transfer_id``, the
+prefill's request id unless a router set one); ``--request-id`` hashes even an id of digits only.
+An endpoint that is a prefill instance's bootstrap server, not an introspection endpoint, is named
+as such (exit status 2). ``--json`` prints :class:`transfer_engine.observe.Snapshot` as JSON, one document
 per line with ``--watch``; read it back with ``msgspec.json.decode(line, type=Snapshot)``. An endpoint
 that does not answer within ``--timeout`` seconds is reported on stderr with exit status 1 (2 for a
 usage error). With CURVE on the control plane, pass the deployment's certificate files.
@@ -25,8 +30,9 @@ import zmq
 from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransferError
 from transfer_engine.observe import Snapshot, decode_snapshot, has_room, render_table
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.room_ids import room_id
 
-__all__ = ["CurveKeys", "fetch_snapshot", "main"]
+__all__ = ["CurveKeys", "NotIntrospectionError", "fetch_snapshot", "main", "parse_room"]
 
 PROG = "transfer-engine"
 
@@ -34,6 +40,30 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 """The endpoint did not answer, answered something that is not a snapshot, or lacks ``--room``."""
 EXIT_USAGE = 2
+"""A usage error: bad flags, or an endpoint that is not an introspection endpoint."""
+
+
+class NotIntrospectionError(RemoteProtocolError):
+    """Raised by :func:`fetch_snapshot` when the endpoint is a bootstrap server, not an introspection endpoint."""
+
+    def __init__(self, endpoint: str, topology: m.Topology) -> None:
+        self.endpoint = endpoint
+        self.topology = topology
+        ranks = ", ".join(f"rank {r.rank} {r.endpoint}" for r in topology.ranks) or "none registered yet"
+        super().__init__(
+            f"{endpoint} is the bootstrap server of a prefill instance (TP {topology.tp_size}; control "
+            f"sockets: {ranks}), not an introspection endpoint: each engine logs its own at start "
+            f"('transfer-engine dump --endpoint tcp://...'), and engine.introspect_endpoint names it"
+        )
+
+
+def parse_room(text: str, *, request_id: bool = False) -> int:
+    """The room ``--room`` names: digits are a room number, anything else a request id (hashed by
+    :func:`~transfer_engine.room_id`, as the integrations do); ``request_id`` hashes digits too."""
+    text = text.strip()
+    if not request_id and text.isdigit():
+        return int(text)
+    return room_id(text)
 
 
 class CurveKeys(msgspec.Struct, frozen=True):
@@ -64,7 +94,8 @@ def fetch_snapshot(
     """Ask ``endpoint`` for a snapshot (of one room with ``room``). Blocking; for tools and tests.
 
     Raises PeerUnreachableError when no answer comes within ``timeout`` seconds (or the endpoint is
-    not a valid ZMQ address), RemoteProtocolError when the answer is not a snapshot.
+    not a valid ZMQ address), NotIntrospectionError when a bootstrap server answered,
+    RemoteProtocolError when the answer is not a snapshot.
     """
     ctx = zmq.Context()
     try:
@@ -89,6 +120,8 @@ def fetch_snapshot(
             sock.close(linger=0)
     finally:
         ctx.term()
+    if isinstance(reply, m.Topology):
+        raise NotIntrospectionError(endpoint, reply)
     if not isinstance(reply, m.DumpReply):
         raise RemoteProtocolError(f"{endpoint} answered {type(reply).__name__}, not DumpReply")
     return decode_snapshot(reply.snapshot)
@@ -105,8 +138,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     dump.add_argument("--endpoint", required=True, help="the rank's introspection endpoint, tcp://HOST:PORT")
     dump.add_argument("--json", action="store_true", help="print the snapshot as JSON (one line per refresh)")
-    dump.add_argument(
-        "--room", type=int, default=None, metavar="N", help="show room N's progress and history"
+    which = dump.add_mutually_exclusive_group()
+    which.add_argument(
+        "--room",
+        default=None,
+        metavar="ROOM",
+        help="show one room's progress and history: a room number, or a serving system's request id",
+    )
+    which.add_argument(
+        "--request-id", default=None, metavar="ID", help="as --room, for a request id of digits only"
     )
     dump.add_argument("--watch", action="store_true", help="refresh until interrupted")
     dump.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between refreshes")
@@ -137,6 +177,12 @@ def main(argv: list[str] | None = None, *, stdout: TextIO | None = None, stderr:
     except SystemExit as exc:  # argparse printed the usage error (to sys.stderr)
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     problem = _check(args)
+    args.named = args.room if args.request_id is None else args.request_id  # None: no room asked
+    if not problem and args.named is not None:
+        try:
+            args.room = parse_room(args.named, request_id=args.request_id is not None)
+        except TransferError as exc:
+            problem = f"--room: {exc}"
     if problem:
         err.write(f"{PROG} dump: {problem}\n")
         return EXIT_USAGE
@@ -181,6 +227,10 @@ def _dump(args: argparse.Namespace, curve: CurveKeys | None, out: TextIO, err: T
 def _dump_once(args: argparse.Namespace, curve: CurveKeys | None, out: TextIO, err: TextIO) -> int:
     try:
         snapshot = fetch_snapshot(args.endpoint, room=args.room, timeout=args.timeout, curve=curve)
+    except NotIntrospectionError as exc:
+        err.write(f"{PROG} dump: {exc}\n")
+        err.flush()
+        return EXIT_USAGE
     except (PeerUnreachableError, RemoteProtocolError) as exc:
         err.write(f"{PROG} dump: {exc}\n")
         err.flush()
@@ -190,6 +240,8 @@ def _dump_once(args: argparse.Namespace, curve: CurveKeys | None, out: TextIO, e
     else:
         if args.watch and out.isatty():
             out.write("\x1b[H\x1b[2J")  # home and clear: redraw in place
+        if args.named is not None and str(args.room) != args.named.strip():
+            out.write(f"request id {args.named.strip()!r} is room {args.room}\n")
         out.write(render_table(snapshot, room=args.room))
         if args.watch:
             out.write(f"\n(every {args.interval:g} s; Ctrl-C to stop)\n")

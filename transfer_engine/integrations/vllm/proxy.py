@@ -502,7 +502,17 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(exc))
     logging.basicConfig(level=logging.INFO)
     app = make_app([(u, b) for u, b in args.prefill], args.decode, costs)
-    web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+    prefill = ", ".join(f"{url} ({bootstrap})" for url, bootstrap in args.prefill)
+
+    def listening(_: str) -> None:  # aiohttp calls it once the socket is bound
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        log.info(
+            "router listening on http://%s:%d; prefill %s; decode %s%s",
+            host, args.port, prefill, ", ".join(args.decode),
+            "; routing by transfer cost" if costs is not None else "",
+        )  # fmt: skip
+
+    web.run_app(app, host=args.host, port=args.port, print=listening, handler_cancellation=True)
 
 
 if __name__ == "__main__":
