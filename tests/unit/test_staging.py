@@ -13,7 +13,7 @@ from transfer_engine.protocol.staging import (
     BufferLeases,
     RegionLayout,
     RingAllocator,
-    Watermark,
+    RingMark,
     WatermarkTracker,
     admits,
     grant_with_request,
@@ -87,7 +87,7 @@ def _a(alloc: Allocation) -> tuple[int, int, int, int]:
 
 def test_ring_walkthrough_with_wrap() -> None:
     ring = RingAllocator(100)
-    assert (ring.size, ring.round, ring.head, ring.live, ring.watermark) == (100, 0, 0, 0, Watermark(0, 0))
+    assert (ring.size, ring.round, ring.head, ring.live, ring.watermark) == (100, 0, 0, 0, RingMark(0, 0))
     a = ring.assign(40)
     b = ring.assign(40)
     c = ring.assign(30)  # does not fit after head=80: new round at 0, overlapping a
@@ -96,14 +96,14 @@ def test_ring_walkthrough_with_wrap() -> None:
     assert (ring.round, ring.head, ring.live) == (1, 30, 3)
     assert ring.allocations() == (a, b, c)
     wm = ring.watermark
-    assert wm == Watermark(0, 0)
+    assert wm == RingMark(0, 0)
     assert (admits(wm, a), admits(wm, b), admits(wm, c)) == (True, True, False)
 
-    assert ring.free(a.alloc_id) == Watermark(0, 40)
+    assert ring.free(a.alloc_id) == RingMark(0, 40)
     assert admits(ring.watermark, c)
-    assert ring.free(b.alloc_id) == Watermark(1, 0)
+    assert ring.free(b.alloc_id) == RingMark(1, 0)
     assert ring.allocations() == (c,)
-    assert ring.free(c.alloc_id) == Watermark(2, 0)  # empty: ring restarts in round 2
+    assert ring.free(c.alloc_id) == RingMark(2, 0)  # empty: ring restarts in round 2
     assert (ring.round, ring.head, ring.live, ring.allocations()) == (2, 0, 0, ())
 
     d = ring.assign(100)
@@ -116,14 +116,14 @@ def test_free_of_a_younger_allocation_does_not_move_the_watermark() -> None:
     a, b, c = ring.assign(16), ring.assign(16), ring.assign(16)
     assert ring.free(b.alloc_id) is None
     assert ring.free(c.alloc_id) is None
-    assert ring.watermark == Watermark(0, 0)
-    assert ring.free(a.alloc_id) == Watermark(1, 0)
+    assert ring.watermark == RingMark(0, 0)
+    assert ring.free(a.alloc_id) == RingMark(1, 0)
 
 
 def test_empty_ring_admits_a_wrapped_allocation_at_once() -> None:
     ring = RingAllocator(100)
     a = ring.assign(60)
-    assert ring.free(a.alloc_id) == Watermark(1, 0)
+    assert ring.free(a.alloc_id) == RingMark(1, 0)
     b = ring.assign(60)
     assert _a(b) == (1, 1, 0, 60)
     assert admits(ring.watermark, b)
@@ -135,7 +135,7 @@ def test_wrapped_allocation_proceeds_once_the_old_round_is_freed() -> None:
     b = ring.assign(60)  # wraps over a
     assert _a(b) == (1, 1, 0, 60)
     assert not admits(ring.watermark, b)
-    assert ring.free(a.alloc_id) == Watermark(1, 0)
+    assert ring.free(a.alloc_id) == RingMark(1, 0)
     assert admits(ring.watermark, b)
 
 
@@ -198,7 +198,7 @@ def test_free_unknown_or_twice_names_the_id() -> None:
     ],
 )
 def test_admits_table(watermark: tuple[int, int], allocation: tuple[int, int, int], expected: bool) -> None:
-    assert admits(Watermark(*watermark), Allocation(0, *allocation)) is expected
+    assert admits(RingMark(*watermark), Allocation(0, *allocation)) is expected
 
 
 # ---------------------------------------------------------------- granted with the request
@@ -253,20 +253,20 @@ def test_peek_is_what_assign_does_next() -> None:
 
 
 def test_watermark_orders_lexicographically() -> None:
-    assert Watermark(0, 99) < Watermark(1, 0) < Watermark(1, 1)
-    assert max(Watermark(2, 0), Watermark(1, 50)) == Watermark(2, 0)
+    assert RingMark(0, 99) < RingMark(1, 0) < RingMark(1, 1)
+    assert max(RingMark(2, 0), RingMark(1, 50)) == RingMark(2, 0)
 
 
 def test_watermark_tracker_keeps_the_max() -> None:
     tracker = WatermarkTracker()
-    assert tracker.current == Watermark(0, 0)
-    assert tracker.update(Watermark(0, 0)) is False
-    assert tracker.update(Watermark(0, 5)) is True
-    assert tracker.update(Watermark(0, 5)) is False
-    assert tracker.update(Watermark(0, 3)) is False
-    assert tracker.update(Watermark(1, 0)) is True
-    assert tracker.update(Watermark(0, 80)) is False
-    assert tracker.current == Watermark(1, 0)
+    assert tracker.current == RingMark(0, 0)
+    assert tracker.update(RingMark(0, 0)) is False
+    assert tracker.update(RingMark(0, 5)) is True
+    assert tracker.update(RingMark(0, 5)) is False
+    assert tracker.update(RingMark(0, 3)) is False
+    assert tracker.update(RingMark(1, 0)) is True
+    assert tracker.update(RingMark(0, 80)) is False
+    assert tracker.current == RingMark(1, 0)
     assert tracker.admits(Allocation(0, 2, 0, 1)) is False
     assert tracker.admits(Allocation(0, 1, 0, 1)) is True
 
@@ -296,7 +296,7 @@ class _Sim:
     def __init__(self, size: int) -> None:
         self.ring = RingAllocator(size)
         self.tracker = WatermarkTracker()
-        self.in_flight: list[Watermark] = []  # broadcast, not yet delivered
+        self.in_flight: list[RingMark] = []  # broadcast, not yet delivered
         self.parked: list[Allocation] = []  # assigned, writer not yet allowed to write
         self.writing: list[Allocation] = []  # admitted, not yet freed
         self.last_wm = self.ring.watermark
@@ -309,9 +309,9 @@ class _Sim:
         assert len(live) == self.ring.live
         assert [(a.round, a.offset) for a in live] == sorted((a.round, a.offset) for a in live)
         if live:
-            assert wm == Watermark(live[0].round, live[0].offset)
+            assert wm == RingMark(live[0].round, live[0].offset)
         else:
-            assert wm == Watermark(self.ring.round, 0)
+            assert wm == RingMark(self.ring.round, 0)
         for a in live:
             assert 0 <= a.offset < a.end <= self.ring.size
 
@@ -384,7 +384,7 @@ def test_ring_property_admitted_regions_never_overlap(size: int, ops: list[Op], 
     sim.drain(choices)
     # After everything was freed, any fresh allocation is admitted at once.
     fresh = sim.ring.assign(size)
-    assert sim.ring.watermark == Watermark(sim.ring.round, 0)
+    assert sim.ring.watermark == RingMark(sim.ring.round, 0)
     assert admits(sim.ring.watermark, fresh)
     assert sim.tracker.admits(fresh)
 

@@ -23,7 +23,7 @@ from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol.layers import LayerChunks
 from transfer_engine.protocol.polling import polled
 from transfer_engine.protocol.rooms import RoomStatus
-from transfer_engine.runtime.completion import recorded
+from transfer_engine.runtime.events import recorded
 from transfer_engine.runtime.mail import (
     LayersReady,
     LocalAbort,

@@ -36,20 +36,13 @@ from transfer_engine.memory.layout import KVPool
 from transfer_engine.memory.staging import head_counts
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_tensors
+from transfer_engine.runtime.events import Completion, reached, recorded
 
 __all__ = ["Completion", "PoolChecksums", "Seal", "Sum"]
-
-Completion = torch.cuda.Event | threading.Event
-"""What a sum's readiness is: its stream's event (CUDA) or an Event its thread sets (CPU)."""
 
 WAIT_CHECK_S = 0.05
 """How often the checksum thread, waiting for the bytes' ``threading.Event`` s, looks whether its
 pool's checksums were closed (a room cancelled before its KV was written never sets them)."""
-
-
-def is_reached(done: Completion) -> bool:
-    """Whether ``done`` has completed (never blocks)."""
-    return done.is_set() if isinstance(done, threading.Event) else bool(done.query())
 
 
 class Sum:
@@ -81,7 +74,7 @@ class Sum:
     def value(self) -> int:
         """The checksum (raises what taking it raised). Waits for ``done`` if it has not completed:
         the callers wait for it first, so that no thread of theirs blocks here."""
-        if not is_reached(self.done):
+        if not reached(self.done):
             if isinstance(self.done, threading.Event):
                 self.done.wait()
             else:
@@ -218,8 +211,7 @@ class PoolChecksums:
             index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
             out = torch.empty(1, dtype=torch.int64, pin_memory=True)
             checksum_heads(self._table(layers), index, head_start, num_heads, stream=on, out=out)
-            done = torch.cuda.Event()
-            done.record(on)
+            done = recorded(on)
             return Sum(done, lambda: checksum_value(out))
         finished = threading.Event()
         box: list[int | _Failed] = []
@@ -327,7 +319,7 @@ class Seal:
     @property
     def ready(self) -> bool:
         """Whether reading the seal now waits for nothing: its sum is known (or was never started)."""
-        return self.sum is None or is_reached(self.sum.done)
+        return self.sum is None or reached(self.sum.done)
 
     def __call__(self) -> bytes:
         value = self._take() if self.sum is None else self.sum.value()

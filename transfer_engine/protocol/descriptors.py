@@ -37,6 +37,7 @@ __all__ = [
     "slice_pieces_per_page",
     "slots_of",
     "strided_descriptors",
+    "strides_table",
 ]
 
 U64Array = npt.NDArray[np.uint64]
@@ -242,7 +243,8 @@ def contiguous_strides(num_tensors: int, heads_local: int, head_bytes: int, page
     return table
 
 
-def _strides_table(strides: npt.ArrayLike, name: str) -> I64Array:
+def strides_table(strides: npt.ArrayLike, name: str) -> I64Array:
+    """``strides`` as an int64 ``(num_tensors, len(STRIDE_FIELDS))`` table, or ConfigError naming ``name``."""
     table = np.asarray(strides)
     if table.ndim != 2 or table.shape[1] != len(STRIDE_FIELDS) or not np.issubdtype(table.dtype, np.integer):
         raise ConfigError(
@@ -328,8 +330,8 @@ def strided_descriptors(
     for side, bases, lengths in (("src", src_b, src_len), ("dst", dst_b, dst_len)):
         if bases.size != lengths.size:
             raise ConfigError(f"{side}_bases has {bases.size} regions but {side}_lengths has {lengths.size}")
-    src_t = _strides_table(src_strides, "src_strides")
-    dst_t = _strides_table(dst_strides, "dst_strides")
+    src_t = strides_table(src_strides, "src_strides")
+    dst_t = strides_table(dst_strides, "dst_strides")
     if src_t.shape[0] != dst_t.shape[0]:
         raise ConfigError(f"src_strides describes {src_t.shape[0]} tensors but dst_strides {dst_t.shape[0]}")
     src_s = _index_array(src_slots, "src_slots")
@@ -386,8 +388,8 @@ def slice_pieces_per_page(
     to vLLM CPU with a TP-2 head slice one per layer (K and V merge), while FlashAttention NHD to
     HND needs one per (tensor, token, head). Pure; ConfigError as for :func:`strided_descriptors`.
     """
-    src_t = _strides_table(src_strides, "src_strides")
-    dst_t = _strides_table(dst_strides, "dst_strides")
+    src_t = strides_table(src_strides, "src_strides")
+    dst_t = strides_table(dst_strides, "dst_strides")
     _check_at_least("src_page_size", src_page_size, 1)
     _check_at_least("dst_page_size", dst_page_size, 1)
     tokens = int(np.lcm(src_page_size, dst_page_size))

@@ -8,7 +8,7 @@ Ring: :class:`RingAllocator` hands out regions of one decode rank's ring in *rou
 regions are disjoint and increase in offset; a region that does not fit after ``head`` starts the
 next round at offset 0. Assignment never blocks and may overcommit: a region of round ``r + 1`` may
 overlap a still-live region of an older round. What keeps bytes safe is the writer's admission check,
-:func:`admits`, against the ring's :class:`Watermark` — ``(round, offset)`` of the oldest live
+:func:`admits`, against the ring's :class:`RingMark` — ``(round, offset)`` of the oldest live
 region, which the decode side broadcasts and the prefill side tracks with :class:`WatermarkTracker`.
 
 Granted with the request: when a staged room opens, the decode ring may place the region of the
@@ -35,7 +35,7 @@ __all__ = [
     "BufferLeases",
     "RegionLayout",
     "RingAllocator",
-    "Watermark",
+    "RingMark",
     "WatermarkTracker",
     "admits",
     "grant_with_request",
@@ -126,7 +126,7 @@ def region_layout(
 
 
 @dataclass(frozen=True, slots=True, order=True)
-class Watermark:
+class RingMark:
     """How far a decode ring has been freed: ``(round, tail)``, compared lexicographically.
 
     While regions are live it is the ``(round, offset)`` of the oldest one; with none live it is
@@ -152,7 +152,7 @@ class Allocation:
         return self.offset + self.length
 
 
-def admits(watermark: Watermark, allocation: Allocation) -> bool:
+def admits(watermark: RingMark, allocation: Allocation) -> bool:
     """Whether a writer that knows ``watermark`` may write into ``allocation`` now.
 
     True iff the allocation is in round 0, or every region of the previous round has been freed
@@ -187,7 +187,7 @@ class RingAllocator:
         self._next_id = 0
         # Insertion order is (round, offset) order, so the first entry is the oldest live region.
         self._live: dict[int, Allocation] = {}
-        self._watermark = Watermark(0, 0)
+        self._watermark = RingMark(0, 0)
 
     @property
     def round(self) -> int:
@@ -205,7 +205,7 @@ class RingAllocator:
         return len(self._live)
 
     @property
-    def watermark(self) -> Watermark:
+    def watermark(self) -> RingMark:
         """``(round, offset)`` of the oldest live allocation, or ``(round, 0)`` when none is live.
 
         Starts at ``(0, 0)`` and never moves backward.
@@ -246,7 +246,7 @@ class RingAllocator:
         self._live[allocation.alloc_id] = allocation
         return allocation
 
-    def free(self, alloc_id: int) -> Watermark | None:
+    def free(self, alloc_id: int) -> RingMark | None:
         """Release allocation ``alloc_id``; return the new watermark if it moved, else ``None``.
 
         Freeing the last live allocation restarts the ring: ``round += 1``, ``head = 0``, and the
@@ -261,11 +261,11 @@ class RingAllocator:
             ) from None
         if self._live:
             oldest = next(iter(self._live.values()))
-            new = Watermark(oldest.round, oldest.offset)
+            new = RingMark(oldest.round, oldest.offset)
         else:
             self._round += 1
             self._head = 0
-            new = Watermark(self._round, 0)
+            new = RingMark(self._round, 0)
         if new > self._watermark:
             self._watermark = new
             return new
@@ -299,14 +299,14 @@ class WatermarkTracker:
     __slots__ = ("_current",)
 
     def __init__(self) -> None:
-        self._current = Watermark(0, 0)
+        self._current = RingMark(0, 0)
 
     @property
-    def current(self) -> Watermark:
+    def current(self) -> RingMark:
         """The newest watermark received; ``(0, 0)`` before any."""
         return self._current
 
-    def update(self, wm: Watermark) -> bool:
+    def update(self, wm: RingMark) -> bool:
         """Record ``wm``; return True iff it is newer than :attr:`current` (parked chunks may retry)."""
         if wm > self._current:
             self._current = wm

@@ -65,7 +65,7 @@ import numpy as np
 import numpy.typing as npt
 
 from transfer_engine.errors import ConfigError
-from transfer_engine.protocol.descriptors import STRIDE_FIELDS
+from transfer_engine.protocol.descriptors import strides_table
 
 __all__ = [
     "Side",
@@ -93,19 +93,6 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or int(value) < minimum:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
     return int(value)
-
-
-def _strides_table(strides: npt.ArrayLike, name: str) -> I64Array:
-    table = np.asarray(strides)
-    if table.ndim != 2 or table.shape[1] != len(STRIDE_FIELDS) or not np.issubdtype(table.dtype, np.integer):
-        raise ConfigError(
-            f"{name} must be an integer table of shape (num_tensors, {len(STRIDE_FIELDS)}), got "
-            f"{table.dtype} {table.shape}"
-        )
-    if table.size and int(table.min()) < 0:
-        row, col = np.argwhere(table < 0)[0]
-        raise ConfigError(f"{name}[{row}].{STRIDE_FIELDS[col]}={int(table[row, col])} must be >= 0")
-    return table.astype(np.int64, copy=False)
 
 
 def _pages(values: npt.ArrayLike, name: str) -> I64Array:
@@ -305,8 +292,8 @@ def decide_table(
     Called once per pair at handshake (a few ms at most). Raises :class:`ConfigError` naming the
     value: tables of other sizes or shapes, a head slice outside a side's heads, a bound below 1.
     """
-    src_t = _strides_table(src_strides, "src_strides")
-    dst_t = _strides_table(dst_strides, "dst_strides")
+    src_t = strides_table(src_strides, "src_strides")
+    dst_t = strides_table(dst_strides, "dst_strides")
     if src_t.shape[0] != dst_t.shape[0]:
         raise ConfigError(f"src_strides describes {src_t.shape[0]} tensors but dst_strides {dst_t.shape[0]}")
     count = src_t.shape[0]
@@ -415,7 +402,7 @@ def side_entries(
             raise ConfigError(f"{name} must be >= 0, got {int(array.min())}")
     if base.size != length.size:
         raise ConfigError(f"{side}_bases has {base.size} regions but {side}_lengths has {length.size}")
-    table = _strides_table(strides, f"{side}_strides")
+    table = strides_table(strides, f"{side}_strides")
     if table.shape[0] != spec.num_tensors:
         raise ConfigError(f"{side}_strides describes {table.shape[0]} tensors, the spec {spec.num_tensors}")
     num_pages = _check_int("num_pages", num_pages, 1)

@@ -36,14 +36,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from transfer_engine.runtime import ticker
+from transfer_engine.runtime.events import Completion, reached, recorded
 
 log = logging.getLogger(__name__)
 
-Completion = torch.cuda.Event | threading.Event
-"""What a waiter waits for: a recorded CUDA event, or an Event a CPU thread sets."""
+__all__ = ["Completion", "CompletionWaiter", "poll_reached", "reached", "recorded"]
 
 POLL_S = 0.0001
 """Poll period of :func:`poll_reached`, the path without an asyncio loop."""
@@ -55,33 +53,10 @@ STOP_CHECK_S = 0.05
 """How often a thread blocked on a ``threading.Event`` looks whether its waiter is closing."""
 
 
-def reached(done: Completion) -> bool:
-    """Whether ``done`` has completed (never blocks)."""
-    if isinstance(done, threading.Event):
-        return done.is_set()
-    return bool(done.query())
-
-
 async def poll_reached(done: Completion, poll_s: float = POLL_S) -> None:
     """Return once ``done`` completed, querying it every ``poll_s`` on the loop's fine timers."""
     while not reached(done):  # noqa: ASYNC110 - nothing of ours is told when it completes
         await ticker.sleep(poll_s)
-
-
-def recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """An event recorded on ``stream`` now: reached once everything enqueued there so far has run.
-
-    The package's one helper for "the work queued so far on a stream is done": the KV of a chunk or
-    a layer group on the caller's current stream (the engine's handles, the vLLM core through
-    ``transfer_engine.facade``), a worker's gather, the scatter's copy. Each such event may end up
-    waited on by a thread, a :class:`CompletionWaiter` blocked in ``synchronize()``; the event is
-    made blocking (``torch.cuda.Event(blocking=True)``) so that the wait sleeps in the driver
-    instead of spinning a CPU core. Querying it (:func:`reached`) and ordering another stream after
-    it (``Stream.wait_event``) are the same as for any event.
-    """
-    done = torch.cuda.Event(blocking=True)
-    done.record(stream)
-    return done
 
 
 @dataclass(slots=True)

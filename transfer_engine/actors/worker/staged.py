@@ -36,7 +36,7 @@ from transfer_engine.protocol.layers import group_tensors
 from transfer_engine.protocol.staging import (
     Allocation,
     BufferLeases,
-    Watermark,
+    RingMark,
     WatermarkTracker,
     writer_block_bytes,
 )
@@ -306,7 +306,7 @@ class StagedPath:
 
     async def on_watermark(self, mark: m.Watermark) -> None:
         """A decode rank's ring moved on: start the parked chunks to it that it now admits."""
-        if self._watermarks[mark.agent].update(Watermark(mark.round, mark.tail)):
+        if self._watermarks[mark.agent].update(RingMark(mark.round, mark.tail)):
             await self.progress(mark.agent)
 
     async def on_lease_ended(self, lease: Lease, ok: bool, detail: str) -> None:
