@@ -19,11 +19,11 @@ import torch
 from transfer_engine.actors.room import ReceiverRoomActor, RoomActor, SenderRoomActor
 from transfer_engine.engine.checks import check_pages, pages_array
 from transfer_engine.errors import ConfigError, FailureReason, LocalProtocolError, TransferFailed
+from transfer_engine.events import recorded
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol.layers import LayerChunks
 from transfer_engine.protocol.polling import polled
 from transfer_engine.protocol.rooms import RoomStatus
-from transfer_engine.runtime.events import recorded
 from transfer_engine.runtime.mail import (
     LayersReady,
     LocalAbort,

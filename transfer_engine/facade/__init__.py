@@ -8,13 +8,13 @@
 - :class:`BootstrapServer`: the prefill instance's bootstrap registry on a LoopThread
   (:mod:`transfer_engine.facade.bootstrap`);
 - :func:`recorded`: a CUDA event recorded on a stream now (the caller's: the work it queued so far),
-  for a ``ready`` a caller hands over (:func:`transfer_engine.runtime.events.recorded`).
+  for a ``ready`` a caller hands over (:func:`transfer_engine.events.recorded`).
 """
 
+from transfer_engine.events import recorded
 from transfer_engine.facade.blocking import BlockingEngine, BlockingReceiver, BlockingSender
 from transfer_engine.facade.bootstrap import BootstrapServer
 from transfer_engine.facade.bridge import LoopThread
-from transfer_engine.runtime.events import recorded
 
 __all__ = [
     "BlockingEngine",

@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 from transfer_engine.errors import ConfigError
+from transfer_engine.events import Completion, reached, recorded
 from transfer_engine.kernels import KVTable, as_kv_table, gather_heads
 from transfer_engine.kernels.checksum import WORD, checksum_heads, checksum_value
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.memory.staging import head_counts
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_tensors
-from transfer_engine.runtime.events import Completion, reached, recorded
 
 __all__ = ["Completion", "PoolChecksums", "Seal", "Sum"]
 

@@ -36,8 +36,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from transfer_engine.events import Completion, reached, recorded
 from transfer_engine.runtime import ticker
-from transfer_engine.runtime.events import Completion, reached, recorded
 
 log = logging.getLogger(__name__)
 

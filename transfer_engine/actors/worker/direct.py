@@ -20,7 +20,7 @@ import numpy as np
 
 from transfer_engine.errors import FailureReason, TransferError
 from transfer_engine.memory.layout import KVPool
-from transfer_engine.runtime.events import Completion
+from transfer_engine.events import Completion
 from transfer_engine.runtime.mail import WriteJob
 from transfer_engine.runtime.ports import RoomBoard, WritePort
 from transfer_engine.runtime.steptrace import StepTrace

@@ -1,6 +1,6 @@
 """Completions: what a thread or the loop waits for before it may touch the bytes of a chunk.
 
-The lowest of the runtime's modules (it imports only torch), so that every part that orders work
+Below every module that uses it (it imports only torch), so that every part that orders work
 after the GPU or after another thread (the completion waiter, the pool's checksums, the engine's
 handles, the vLLM core through ``transfer_engine.facade``) shares one definition of a completion,
 one way to ask whether it was reached, and one way to make one.
