@@ -54,6 +54,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ``direct``, ``slice``, ``staged`` and ``host`` force one."""
     staging_memory: StagingMemory = "device"
     """Where staging buffers and the decode's ring live on the staged paths."""
+    kernel_path: bool = True
+    """Under ``path="auto"``, rooms between ranks of one host take the kernel path: the decode exports
+    its pool at the handshake, each prefill rank maps it and copies chunks with one indexed copy
+    (docs/DECISIONS.md, "One kernel between the GPUs of a host"). False: never offered nor mapped."""
     nixl_backend: str = "UCX"
     max_rooms: int = 4096
     """Rooms live at once on this rank; ``sender()``/``receiver()`` raise RoomLimitError beyond it.
@@ -274,7 +278,7 @@ USER_FIELDS: tuple[str, ...] = (
     "role", "tp_size", "tp_rank",
     "host", "control_port", "bootstrap_host", "bootstrap_port", "host_bootstrap", "introspect_port",
     "metrics_port", "agent_name",
-    "path", "staging_memory", "nixl_backend", "max_rooms", "integrity",
+    "path", "staging_memory", "kernel_path", "nixl_backend", "max_rooms", "integrity",
     "bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "room_lease",
     "connect_timeout", "curve_secret_key_file", "curve_public_keys_dir",
 )  # fmt: skip

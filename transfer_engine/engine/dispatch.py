@@ -112,6 +112,11 @@ class Dispatch:
             case m.RoomFailed(room=room) | m.AbortAck(room=room):
                 if not await self.board.deliver(room, message):
                     self.counters["late_messages"] += 1
+            case m.ChunkLanded(room=room) | m.AuxLanded(room=room) if self.config.role == "decode":
+                # the kernel path's notification (actors/worker/kernel.py): handled as NIXL's would be
+                self.counters["kernel_notifs"] += 1
+                if not await self.board.deliver(room, message):
+                    self.counters["notifs_unrouted"] += 1
             case m.Heartbeat(agent=agent):
                 peer = self.peers.get(agent)
                 if peer is not None:

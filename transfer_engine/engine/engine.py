@@ -152,6 +152,7 @@ class TransferEngine:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self._supervisor.close(exc_type, exc, tb)
+        self._handshake.close()  # the workers are gone: no copy into a mapped pool is in flight
 
     def _forget_instances(self, peer: Peer) -> None:
         """``peer`` died: forget the prefill instances it is a rank of, and what was measured of them."""

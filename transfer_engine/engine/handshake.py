@@ -12,6 +12,7 @@ import anyio
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine.started import Started
 from transfer_engine.errors import LayoutError, PeerUnreachableError, RemoteProtocolError, TransferError
+from transfer_engine.memory.ipc import MappedPool, ShareError, export_pool, map_pool
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import handshake, heads
 from transfer_engine.protocol import messages as m
@@ -47,13 +48,25 @@ class Handshake:
         self.instances: dict[str, PrefillInstance] = {}
         """Decode: the prefill instances this rank connected to, by bootstrap address."""
         self._connecting: dict[str, anyio.Event] = {}
+        self._share: tuple[m.PoolShare | None, str] | None = None
+        """Decode: this rank's pool exported for the kernel path, or why not (made once, at the first
+        handshake: :meth:`_exported`)."""
 
     def forget(self, peer: Peer) -> list[str]:
-        """Drop the instances ``peer`` is a rank of (it died); their bootstrap addresses."""
+        """Drop the instances ``peer`` is a rank of (it died); their bootstrap addresses. A prefill
+        rank's mapping of the dead decode's pool closes once no copy into it is in flight."""
+        if isinstance(peer.mapping, MappedPool):
+            peer.mapping.close_when_idle()
         gone = [bootstrap for bootstrap, inst in self.instances.items() if peer in inst.ranks]
         for bootstrap in gone:
             del self.instances[bootstrap]
         return gone
+
+    def close(self) -> None:
+        """At the engine's end, its workers stopped: close every peer's mapping (prefill)."""
+        for peer in self.peers.values():
+            if isinstance(peer.mapping, MappedPool):
+                peer.mapping.close_when_idle()
 
     async def instance(self, bootstrap: str) -> PrefillInstance:
         """The prefill instance behind ``bootstrap``, connecting (once, shared by callers) if needed."""
@@ -94,6 +107,7 @@ class Handshake:
             await anyio.sleep(0.05)
         if not self.pool.layout.mla:
             heads.validate_split(self.pool.layout.num_heads, topo.tp_size, cfg.tp_size)
+        share, unshared = self._exported()
         hello = m.PeerHello(
             rank=cfg.tp_rank,
             tp_size=cfg.tp_size,
@@ -107,6 +121,8 @@ class Handshake:
             ring_mem_type="" if ring is None else ring.memory.mem_type,
             layout=self._info,
             compat=self._compat,
+            share=share,
+            unshared=unshared,
         )
         peers: list[Peer] = []
         for info in topo.ranks:
@@ -122,6 +138,7 @@ class Handshake:
             peer = Peer(
                 ack.agent_name, info.endpoint, info.rank, ack.tp_size, ack.layout, last_seen=time.monotonic()
             )
+            peer.mapped, peer.unmapped = ack.mapped, ack.unmapped
             poller.add_peer(RemotePeer(peer.agent_name, "DRAM", []), ack.agent_metadata)
             self.peers[peer.agent_name] = peer
             peers.append(peer)
@@ -132,9 +149,41 @@ class Handshake:
         )
         return PrefillInstance(bootstrap, topo.tp_size, peers)
 
+    def _exported(self) -> tuple[m.PoolShare | None, str]:
+        """Decode: this rank's pool exported for the kernel path (``memory/ipc.py``), once, or None and
+        why not (logged once)."""
+        if self._share is None:
+            if not self.config.kernel_path or self.config.path != "auto":
+                self._share = (None, "kernel path off on the decode (kernel_path, or a path other than auto)")
+            else:
+                try:
+                    self._share = (export_pool(self.pool.regions(), self.pool.device), "")
+                except ShareError as exc:
+                    self._share = (None, str(exc))
+                    log.info(
+                        "decode rank %d: pool not exported for the kernel path: %s", self.config.tp_rank, exc
+                    )
+        return self._share
+
+    def _map(self, hello: m.PeerHello) -> tuple[MappedPool | None, str]:
+        """Prefill: the decode's pool mapped for the kernel path, or None and why not (logged)."""
+        if not self.config.kernel_path:
+            return None, f"kernel path off on prefill rank {self.config.tp_rank}"
+        if hello.share is None:
+            return None, hello.unshared or "the decode exported no pool"
+        try:
+            return map_pool(hello.share, hello.regions, self.pool.device), ""
+        except ShareError as exc:
+            log.info("prefill rank %d: pool of %s not mapped for the kernel path: %s",
+                     self.config.tp_rank, hello.agent_name, exc)  # fmt: skip
+            return None, str(exc)
+
     def on_peer_hello(self, hello: m.PeerHello) -> m.PeerHelloAck:
-        """Prefill side of the handshake: validate, load the peer's agent and memory, answer."""
+        """Prefill side of the handshake: validate, load the peer's agent and memory, map its pool for
+        the kernel path when it offers it, answer."""
         refuse = handshake.refusal(hello, self._info, self._compat, self.config.tp_size)
+        mapping: MappedPool | None = None
+        unmapped = ""
         if refuse is None:
             try:
                 peer = Peer(
@@ -153,9 +202,16 @@ class Handshake:
                 old = self.peers.get(hello.agent_name)
                 if old is not None and old.endpoint != hello.endpoint:
                     self._started.control.forget(old.endpoint)
+                mapping, unmapped = self._map(hello)
+                peer.mapping = mapping
+                if old is not None and isinstance(old.mapping, MappedPool):
+                    old.mapping.close_when_idle()
                 self.peers[hello.agent_name] = peer
             except TransferError as exc:
                 refuse = str(exc)
+                if mapping is not None:
+                    mapping.close_when_idle()
+                    mapping = None
         if refuse is not None:
             log.warning("refused PeerHello from %s: %s", hello.agent_name, refuse)
             return m.PeerHelloAck(ok=False, detail=refuse, rank=self.config.tp_rank, tp_size=self.config.tp_size,
@@ -169,4 +225,5 @@ class Handshake:
         )
         return m.PeerHelloAck(ok=True, detail="", rank=self.config.tp_rank, tp_size=self.config.tp_size,
                               agent_name=self.agent_name, agent_metadata=self._started.poller.metadata(), layout=self._info,
-                              compat=self._compat)  # fmt: skip
+                              compat=self._compat, mapped="" if mapping is None else mapping.how,
+                              unmapped=unmapped)  # fmt: skip

@@ -5,6 +5,8 @@ they are known).
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from transfer_engine.config import EngineConfig
@@ -15,11 +17,14 @@ from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol.paths import (
     CPU_CROSSOVER,
     GPU_CROSSOVER,
+    choose_kernel,
     choose_path,
     direct_descriptors_at_least,
     is_staged,
 )
 from transfer_engine.runtime.peers import PrefillInstance
+
+log = logging.getLogger("transfer_engine.engine")
 
 
 class PathPolicy:
@@ -32,10 +37,13 @@ class PathPolicy:
         self._started = started
         self._slice_pieces_of: dict[str, float] = {}
         """Per prefill bootstrap: the slice path's descriptors per page (see :meth:`_slice_pieces`)."""
+        self._kernel_told: set[str] = set()
+        """Prefill bootstraps whose kernel-path fallback was logged (once each)."""
 
     def forget(self, bootstrap: str) -> None:
         """Drop what was measured of the instance behind ``bootstrap`` (one of its ranks died)."""
         self._slice_pieces_of.pop(bootstrap, None)
+        self._kernel_told.discard(bootstrap)
 
     def choose(self, instance: PrefillInstance, pages: np.ndarray | None = None) -> tuple[str, str]:
         """The path of a room with ``instance``, and why. ``pages``: the room's pages on this rank,
@@ -47,6 +55,14 @@ class PathPolicy:
         equal = instance.tp_size == self.config.tp_size or layout.mla
         staged = "host" if host_staging(self.config) else "staged"
         if policy == "auto":
+            kernel, why_kernel = choose_kernel(
+                enabled=self.config.kernel_path, mapped=[(p.mapped, p.unmapped) for p in instance.ranks]
+            )
+            if kernel:
+                return "kernel", why_kernel
+            if self.config.kernel_path and instance.bootstrap not in self._kernel_told:
+                self._kernel_told.add(instance.bootstrap)
+                log.info("rooms with %s fall back to NIXL: %s", instance.bootstrap, why_kernel)
             has_ring = self._started.ring is not None
             pieces = self._slice_pieces(instance) if has_ring and not (equal and same_pages) else float("inf")
             tensors = layout.num_kv_tensors

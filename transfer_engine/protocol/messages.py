@@ -103,6 +103,44 @@ class SliceSpec(_Base, frozen=True):
     num_heads: int
 
 
+class SharedMemory(_Base, frozen=True):
+    """One allocation a decode rank's pool lives in, exported for the kernel path (``memory/ipc.py``):
+    a CUDA IPC handle of a device allocation, or a shared-memory file of a host one."""
+
+    handle: Annotated[bytes, msgspec.Meta(max_length=64)]
+    """CUDA: the allocation's 64-byte ``CUipcMemHandle``; host memory: empty."""
+    path: Annotated[str, msgspec.Meta(max_length=4096)]
+    """Host memory: a path the peer opens to map the file (``/dev/shm/...``, ``/proc/<pid>/fd/<n>``); CUDA: empty."""
+    size: U63
+    """Bytes of the allocation (CUDA) or of the file (host)."""
+    file_id: tuple[int, int] = (0, 0)
+    """Host memory: the file's ``(st_dev, st_ino)``, checked by the peer after opening ``path``."""
+
+
+class SharedRegion(_Base, frozen=True):
+    """Where one registered region (``PeerHello.regions[i]``) lies in an exported allocation."""
+
+    memory: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+    """Index into ``PoolShare.memories``."""
+    offset: U63
+
+
+class PoolShare(_Base, frozen=True):
+    """A decode rank's pool exported once at the handshake, for a prefill rank of the same host to map
+    and copy into with one kernel (docs/DECISIONS.md, "One kernel between the GPUs of a host")."""
+
+    kind: str
+    """``cuda_ipc`` or ``shm``."""
+    host: Annotated[str, msgspec.Meta(max_length=512)]
+    """The exporter's host: hostname and boot id (``memory.ipc.host_id``)."""
+    pid: int
+    device: Annotated[bytes, msgspec.Meta(max_length=16)]
+    """CUDA: the UUID of the GPU the pool is on; host memory: empty."""
+    memories: list[SharedMemory]
+    regions: list[SharedRegion]
+    """One per ``PeerHello.regions`` entry, in order."""
+
+
 class Message(msgspec.Struct, frozen=True, tag=True, array_like=True, kw_only=True):
     """Base of every message; ``v`` is the protocol version and travels last."""
 
@@ -162,6 +200,10 @@ class PeerHello(Message, frozen=True):
     """NIXL memory type of the ring: "VRAM", or "DRAM" for host staging."""
     layout: LayoutInfo
     compat: int
+    share: PoolShare | None = None
+    """The pool exported for the kernel path (``memory/ipc.py``); None when not offered, see ``unshared``."""
+    unshared: str = ""
+    """Why the pool is not exported (the kernel path is off, or its memory cannot be shared)."""
 
 
 class PeerHelloAck(Message, frozen=True):
@@ -175,6 +217,11 @@ class PeerHelloAck(Message, frozen=True):
     agent_metadata: bytes
     layout: LayoutInfo | None
     compat: int
+    mapped: str = ""
+    """How this prefill rank mapped the decode's exported pool (``cuda_ipc``, ``shm``, ``process``): the
+    kernel path is open to it; empty: not mapped, see ``unmapped``."""
+    unmapped: str = ""
+    """Why the pool was not mapped (another host, no peer access, the mapping failed...)."""
 
 
 # --- per room -------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 
 import numpy.typing as npt
 
@@ -26,6 +27,9 @@ class TransferPath(str, enum.Enum):
     """Gather into a staging buffer, one WRITE into the decode ring, scatter there."""
     HOST = "host"
     """``STAGED`` with the staging buffers and ring in pinned host memory."""
+    KERNEL = "kernel"
+    """One host: the writer maps the reader's pool and copies each chunk or layer group with one indexed
+    copy (a Triton kernel on CUDA), then tells the reader as a WRITE's notification would."""
 
     @property
     def staged(self) -> bool:
@@ -197,3 +201,23 @@ def direct_descriptors_at_least(dst_pages: npt.ArrayLike, num_tensors: int) -> i
     if num_tensors < 1:
         raise ConfigError(f"num_tensors={num_tensors} must be >= 1")
     return int(len(page_runs(dst_pages, dst_pages))) * num_tensors
+
+
+def choose_kernel(*, enabled: bool, mapped: Sequence[tuple[str, str]]) -> tuple[bool, str]:
+    """Whether a decode room takes the kernel path with a prefill instance, and why (the dump's reason).
+
+    ``enabled``: ``EngineConfig.kernel_path`` under ``path="auto"``; ``mapped``: for each prefill rank
+    of the instance, ``(how, why_not)`` from its ``PeerHelloAck`` (``how`` empty: that rank did not map
+    this rank's pool, for ``why_not``). Taken only when every rank mapped it: one rank that cannot
+    copy would leave its heads to NIXL, and a room has one path. Pure.
+    """
+    if not enabled:
+        return False, "kernel path off"
+    if not mapped:
+        return False, "no prefill rank"
+    missing = [(rank, why) for rank, (how, why) in enumerate(mapped) if not how]
+    if missing:
+        rank, why = missing[0]
+        return False, f"kernel path: prefill rank {rank} did not map this pool: {why or 'no reason given'}"
+    hows = sorted({how for how, _ in mapped})
+    return True, f"one host: every prefill rank mapped this pool ({', '.join(hows)})"

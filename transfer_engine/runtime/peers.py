@@ -25,6 +25,14 @@ class Peer:
     ring: MemRegion | None = None
     last_seen: float = 0.0
     alive: bool = True
+    mapped: str = ""
+    """Decode: how this prefill rank mapped this rank's pool for the kernel path (``PeerHelloAck.mapped``:
+    ``cuda_ipc``, ``shm``, ``process``); empty: it did not, for ``unmapped``."""
+    unmapped: str = "not offered"
+    """Decode: why this prefill rank did not map this rank's pool (``PeerHelloAck.unmapped``)."""
+    mapping: object | None = None
+    """Prefill: this decode rank's pool mapped into this process (a ``memory.ipc.MappedPool``), the
+    kernel path's target; None when not mapped."""
 
     @cached_property
     def bases(self) -> np.ndarray:

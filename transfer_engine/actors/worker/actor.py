@@ -19,6 +19,7 @@ from ..base import Actor
 from .core import Made, OwnInbox, Sealer, WorkerMail, answer
 from .direct import DirectPath
 from .held import HeldJobs
+from .kernel import KernelPath
 from .layerwise import StagedGroups
 from .plan import is_staged_job
 from .staged import Lease, StagedPath
@@ -76,6 +77,10 @@ class TransferWorker(Actor[WorkerMail]):
             pool, outbox, self.staged, self.held, done,
             agent_name=me.agent_name, trace=trace, counters=self.counters,
         )  # fmt: skip
+        self.kernel = KernelPath(
+            index, pool, outbox, self._own, self.completions, done, self._through_nixl,
+            lambda: self._sealer.checksums is not None, trace=trace, counters=self.counters,
+        )  # fmt: skip
 
     # --- what the engine and the snapshot read (observe, the leak check) ----------------------------
 
@@ -102,7 +107,7 @@ class TransferWorker(Actor[WorkerMail]):
     def layer_jobs(self) -> int:
         """Jobs held until their KV is written (layer groups, direct chunks), and layer-wise regions held
         (0 when idle)."""
-        return self.held.held_jobs + self.staged_groups.regions
+        return self.held.held_jobs + self.staged_groups.regions + self.kernel.held_jobs
 
     @property
     def parked(self) -> int:
@@ -133,10 +138,13 @@ class TransferWorker(Actor[WorkerMail]):
             self.held.let_go_all()
             self.staged.let_go_gathering()
             self.direct.close_all_lists()
+            self.kernel.close()  # after the waiter: no copy's callback can come any more
 
     async def handle(self, mail: WorkerMail) -> None:
         self.me.trace.mark_mail("worker", mail)
         match mail:
+            case WriteJob() if self.kernel.takes(mail):
+                await self.kernel.execute(mail)
             case WriteJob(group=group) if group is not None and is_staged_job(mail):
                 await self.staged_groups.layer_group(mail)
             case WriteJob(group=group) if group is not None:
@@ -165,6 +173,7 @@ class TransferWorker(Actor[WorkerMail]):
                 await self.cancel(room)
             case Reached():
                 self._own.woken()
+                await self.kernel.on_reached()
                 await self.held.answer_failed_starts()
                 for job, made in self.held.take_ready():
                     await self._start_held(job, made)
@@ -182,9 +191,17 @@ class TransferWorker(Actor[WorkerMail]):
         else:
             await self.direct.execute(job, made)
 
+    async def _through_nixl(self, job: WriteJob) -> None:
+        """A kernel-path job the kernel part hands back (no mapping): the direct part's WRITE of its slice."""
+        if job.group is not None:
+            await self.direct.layer_group(job)
+        else:
+            await self.direct.execute(job)
+
     async def cancel(self, room: int) -> None:
         """End every chunk of ``room`` not posted yet: waiting for its KV or a grant, or parked."""
         await self.held.cancel(room)
+        await self.kernel.cancel(room)
         self.direct.close_lists(room)
         await self.staged_groups.cancel(room)
         await self.staged.cancel(room)
