@@ -268,5 +268,3 @@ def test_another_host_is_refused() -> None:
     with pytest.raises(ipc.ShareError, match="not the file"):
         ipc.map_pool(wrong, pool.regions(), torch.device("cpu"))
     assert ipc.open_mappings() == 0
-
-

@@ -1,0 +1,110 @@
+"""The kernel path between two real processes of this host (issue 40 item 2): the decode's pool in
+shared memory, mapped by the prefill through ``/dev/shm`` (``tests/integration/kernel_rank.py``), the
+copy bit-exact, the notification over the control channel, and a killed peer: the survivor's rooms fail
+PEER_DEAD, its mapping of a dead decode is closed, and nothing is left held or mapped.
+
+On a GPU machine ``TE_TEST_DEVICE=cuda`` runs the same cases over CUDA IPC (tests/gpu runs them).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tests.chaos.rank_process import HEARTBEAT, RankProcess, expect_peer_dead
+from transfer_engine.testing.cluster import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+DEVICE = os.environ.get("TE_TEST_DEVICE", "cpu")
+
+
+def start(role: str, port: int) -> RankProcess:
+    argv = [sys.executable, "-m", "tests.integration.kernel_rank", "--role", role, "--bootstrap-port", str(port),
+            "--heartbeat", str(HEARTBEAT), "--device", DEVICE]  # fmt: skip
+    rank = RankProcess(role, argv)
+    rank.expect("up")
+    return rank
+
+
+def quit_rank(rank: RankProcess) -> dict[str, object]:
+    rank.send(cmd="quit")
+    got = rank.expect("leaks")
+    assert rank.proc.wait(30) == 0, "".join(rank.stderr[-20:])
+    return got
+
+
+def test_rooms_copy_between_two_processes() -> None:
+    """Three rooms, whole and layer-wise chunks: bytes exact, path kernel (the reason says so), the
+    prefill's copies counted, and at the end nothing held, in flight or mapped on either side."""
+    port = free_port()
+    prefill = start("prefill", port)
+    decode = start("decode", port)
+    try:
+        rooms = {1: (0, False), 2: (8, True), 3: (16, False)}
+        for room, (first, layers) in rooms.items():
+            pages = list(range(first, first + 4))
+            decode.send(cmd="recv", room=room, pages=pages)
+            decode.expect("opened", room=room)
+            prefill.send(cmd="send", room=room, pages=pages, chunks=[2, 2], hold=False, layers=layers)
+            prefill.expect("opened", room=room)
+        for room in rooms:
+            got = decode.expect("room", room=room)
+            assert got["ok"], got
+            assert got["path"] == "kernel" and "one host" in got["why"], got
+            assert prefill.expect("room", room=room)["ok"]
+        done_d, done_p = quit_rank(decode), quit_rank(prefill)
+        assert not any(done_d["leaks"].values()) and not any(done_p["leaks"].values()), (done_d, done_p)
+        assert done_d["mapped"] == ["shm" if DEVICE == "cpu" else "cuda_ipc"], done_d
+        assert done_p["counters"]["kernel_copies"] >= 3 * 2, done_p
+        assert done_p["counters"].get("kernel_fallbacks", 0) == 0, done_p
+        assert done_p["mappings"] == 0 and done_d["mappings"] == 0
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_killed_mid_room_closes_the_mapping() -> None:
+    """A decode killed while a kernel-path room waits between two layers: the prefill's room fails
+    PEER_DEAD within the heartbeat bound, its mapping of the dead decode's pool is closed (no copy in
+    flight), and it leaks nothing."""
+    port = free_port()
+    prefill = start("prefill", port)
+    decode = start("decode", port)
+    try:
+        pages = list(range(4))
+        decode.send(cmd="recv", room=5, pages=pages)
+        decode.expect("opened", room=5)
+        prefill.send(cmd="send", room=5, pages=pages, chunks=[2, 2], hold=True, layers=True)
+        prefill.expect("opened", room=5)
+        killed_at = decode.kill()
+        expect_peer_dead(prefill, [5], killed_at)
+        done = quit_rank(prefill)
+        assert not any(done["leaks"].values()), done
+        assert done["mappings"] == 0, done
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_prefill_killed_mid_room_fails_the_decode_room() -> None:
+    """A prefill killed mid-room (it mapped the decode's pool): the decode's room fails PEER_DEAD, and
+    the decode ends with nothing held; its pool was never freed under a live copy (the copier is gone)."""
+    port = free_port()
+    prefill = start("prefill", port)
+    decode = start("decode", port)
+    try:
+        pages = list(range(4))
+        decode.send(cmd="recv", room=6, pages=pages)
+        decode.expect("opened", room=6)
+        prefill.send(cmd="send", room=6, pages=pages, chunks=[2, 2], hold=True, layers=False)
+        prefill.expect("opened", room=6)
+        killed_at = prefill.kill()
+        expect_peer_dead(decode, [6], killed_at)
+        done = quit_rank(decode)
+        assert not any(done["leaks"].values()), done
+    finally:
+        prefill.close()
+        decode.close()
