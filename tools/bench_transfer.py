@@ -1,6 +1,6 @@
 """Engine transfer throughput and added latency against raw NIXL, between processes, in one run.
 
-    python tools/bench_transfer.py [--path direct|staged|host|slice] [--prefill-tp 1 --decode-tp 1]
+    python tools/bench_transfer.py [--path direct|staged|host|slice|kernel] [--prefill-tp 1 --decode-tp 1]
                                    [--rooms 24] [--device cpu|cuda]
                                    [--page-table contiguous|scattered|realistic]
 
@@ -228,11 +228,13 @@ def _config(args: argparse.Namespace, role: str, rank: int, port: int) -> Engine
         tp_size=tp,
         tp_rank=rank,
         bootstrap_port=port,
-        path=args.path,
+        path="auto" if args.path == "kernel" else args.path,  # kernel: auto, which takes it on one host
         staging_chunk_pages=_chunk_pages(args),
         transfer_timeout=600.0,
         heartbeat_interval=args.heartbeat_interval,
         trace_steps=TRACE_CAPACITY if args.trace else 0,
+        # --ab integrity switches the engines' checksums off in its odd halves: they must exist first
+        integrity=True if args.ab == "integrity" else None,
     )
 
 
@@ -507,6 +509,16 @@ async def _decode(
             posted, prefill_marks, post_ns, prefill_gc, round_writes = await anyio.to_thread.run_sync(
                 conn.recv
             )
+            if args.ab == "integrity":  # what decode rank 0 judged over the run, warm-up included
+                result["integrity_counters"] = {
+                    k: engine.counters[k]
+                    for k in (
+                        "integrity_match",
+                        "integrity_mismatch",
+                        "integrity_unchecked",
+                        "failed_integrity",
+                    )
+                }
             if "ab" in result:  # WRITEs prefill rank 0 posted per room of each half (a cut room posts more)
                 for k, half in ((0, "on"), (1, "off")):
                     rooms_of = sum(len(_round_rooms(args, r)) for r in range(k, args.rounds, 2))
@@ -595,7 +607,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--path", default="direct", choices=["auto", "direct", "staged", "host", "slice"])
+    parser.add_argument(
+        "--path",
+        default="direct",
+        choices=["auto", "direct", "staged", "host", "slice", "kernel"],
+        help="kernel: auto between the two processes of this host, where the kernel path is taken "
+        '(docs/DECISIONS.md, "One kernel between the GPUs of a host"); the result line names the path rooms took',
+    )
     parser.add_argument("--prefill-tp", type=int, default=1)
     parser.add_argument("--decode-tp", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -649,7 +667,8 @@ def main() -> int:
         choices=["none", "grant", "integrity", "cut"],
         help="even rounds and small-room samples with this on, odd ones with it off; prints both halves "
         "(use an even --rounds). grant: chunk 0's ring region granted with the request (staged paths); "
-        "integrity: chunks checksummed and verified (docs/INTEGRITY.md); cut: whole chunks written as layer "
+        "integrity: chunks checksummed and verified (docs/INTEGRITY.md; the engines start with it on, "
+        "whatever TE_INTEGRITY says); cut: whole chunks written as layer "
         "groups as TE_STAGED_PIPELINE_LAYERS / TE_HOST_PIPELINE_LAYERS say, against whole",
     )
     args = parser.parse_args()
@@ -737,6 +756,8 @@ def main() -> int:
                 f"p50 {got['room_p50_ms']} ms, WRITEs/room {got['writes_per_room']}, small room "
                 f"p50 {got['small_p50_ms']} ms, added {got['added_ms']} ms (median of its pairs)"
             )
+    if "integrity_counters" in r:
+        print(f"  --ab integrity: decode rank 0's checks {r['integrity_counters']}")
     if args.trace:
         print(f"prefill rank 0, post_write per WRITE (us): {r['post_us']}")
     for key, what in (("trace_rooms", "rooms of the rounds"), ("trace_small", "small rooms")):
