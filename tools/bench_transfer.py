@@ -385,6 +385,9 @@ async def _decode(
         torch.cuda.set_device(device)
     pages_per_room = math.ceil(args.tokens / args.page_size)
     pool = KVPool.allocate(layout, args.decode_tp, rank, _pool_pages(args), device=device)
+    if args.path == "kernel" and device.type == "cpu":  # host memory the prefill can map: shared
+        for t in pool.tensors:
+            t.share_memory_()
     # The whole room: decode rank 0 receives 1/D of it (non-MLA), and every decode rank the same share.
     room_bytes = pool.page_bytes * pages_per_room * layout.num_kv_tensors * args.decode_tp
     result: dict[str, Any] = {}
