@@ -3,6 +3,7 @@
 # the test plugins). Usage, from the project root:
 #   tools/gpu_e2e.sh tests          # the whole suite with CUDA: gpu kernel tests + integration on CUDA pools
 #   tools/gpu_e2e.sh cuda           # EVERY CUDA-only test, one line of counts each (< 8 min): the first call of a round
+#   tools/gpu_e2e.sh integrity      # ONE GPU: integrity on/off A/B rows (cost %), the vLLM core's false failures (< 4 min)
 #   tools/gpu_e2e.sh bench 1:1 2:1  # tools/bench_transfer.py sweeps for the listed P:D scenarios
 #   tools/gpu_e2e.sh strided        # paged KV layouts: compiled kernel tests, CUDA matrix, bench_kernels by layout
 #   tools/gpu_e2e.sh percall        # per-room overhead on one GPU: direct/staged c1/c8 with --trace (< 8 min)
@@ -10,6 +11,7 @@
 #   tools/gpu_e2e.sh goals          # the docs/PERF.md goals on TWO GPUs: the last group's steps, then the c1/c8 table (< 8 min)
 #   tools/gpu_e2e.sh pagetables     # TWO GPUs: the goal table's rows over realistic/scattered/contiguous page tables (< 8 min)
 #   tools/gpu_e2e.sh pipeline       # TWO GPUs: staged chunks cut in 8/16/32-layer groups, A/B against whole, c1 and c8 (< 5 min)
+#   tools/gpu_e2e.sh kernelpath     # ONE GPU is enough: the kernel path's CUDA tests, then its bench against raw NIXL (< 3 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -256,10 +258,56 @@ if [ "$phase" = percall ]; then  # per-room overhead on ONE GPU (both processes 
   done
   exit 0
 fi
+if [ "$phase" = kernelpath ]; then  # issue 40 item 2, one call (< 3 min; BUDGET s, default 170)
+  # 1. every CUDA test of the kernel path: the copy kernel (gpu-marked), CUDA IPC between two processes
+  #    (bytes, kills), the in-process protocol on CUDA pools; counts and failing node ids.
+  # 2. bench_transfer --path kernel against raw NIXL of the same run (Qwen3-32B-shaped 1.07 GB rooms,
+  #    realistic page tables, 1 and 8 in flight; page size 1 at 8 in flight), one line each.
+  # 3. the layer-wise tail with auto (which takes the kernel path on one host), 1K and 16K tokens.
+  # Logs in $OUT/kp-*.log, summary in $OUT/kernelpath.txt. (KP_ARGS / KP_LAYERWISE / KP_TESTS replace
+  # the sizes, device and test selection: a dry run on CPU with small rooms.)
+  start=$SECONDS
+  budget=${BUDGET:-170}
+  : >"$OUT/kernelpath.txt"
+  left() { echo $((budget - (SECONDS - start))); }
+  KP_TESTS=${KP_TESTS:-"-m gpu tests/kernels/test_copy.py tests/gpu/test_kernel_path_gpu.py tests/integration/test_kernel_path.py"}
+  t0=$SECONDS
+  # shellcheck disable=SC2086
+  TE_TEST_DEVICE=${KP_DEVICE:-cuda} timeout 75 python3 -m pytest -q -p no:cacheprovider -rfE $KP_TESTS >"$OUT/kp-tests.log" 2>&1
+  rc=$?
+  counts=$(grep -v "NIXL INFO" "$OUT/kp-tests.log" | grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected)" | tail -1)
+  echo "tests: rc $rc, ${counts:-no summary (see kp-tests.log)}, $((SECONDS - t0)) s" | tee -a "$OUT/kernelpath.txt"
+  grep -E "^(FAILED|ERROR) " "$OUT/kp-tests.log" | cut -c1-200 | head -15 | tee -a "$OUT/kernelpath.txt"
+  QWEN=${KP_ARGS:-"--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"}
+  for row in "1 16 6" "8 16 16" "8 1 16"; do  # concurrency, page size, rooms
+    set -- $row
+    [ "$(left)" -lt 25 ] && { echo "bench c$1 page $2: skipped, the phase's $budget s were spent" | tee -a "$OUT/kernelpath.txt"; continue; }
+    lim=$(left); [ "$lim" -gt 45 ] && lim=45
+    # shellcheck disable=SC2086
+    timeout "$lim" python3 tools/bench_transfer.py $QWEN --page-size "$2" --path kernel --page-table realistic \
+      --concurrency "$1" --rooms "$3" --rounds 2 --lat-rooms 10 --json >"$OUT/kp-bench-c$1-p$2.log" 2>&1
+    echo "bench kernel c$1 page $2: rc $?" | tee -a "$OUT/kernelpath.txt"
+    grep -v "NIXL INFO" "$OUT/kp-bench-c$1-p$2.log" | grep -E "^path=|Error|Traceback" | cut -c1-400 | tee -a "$OUT/kernelpath.txt"
+  done
+  if [ "$(left)" -gt 30 ]; then
+    lim=$(left); [ "$lim" -gt 60 ] && lim=60
+    # shellcheck disable=SC2086
+    timeout "$lim" python3 tools/bench_layerwise.py ${KP_LAYERWISE:-"--device cuda --tokens 1024,16384"} --path auto \
+      --page-table realistic --per-write 1 --reps 3 --room-timeout 20 >"$OUT/kp-layerwise.log" 2>&1
+    echo "bench_layerwise auto (kernel on one host): rc $?" | tee -a "$OUT/kernelpath.txt"
+    grep -v "NIXL INFO" "$OUT/kp-layerwise.log" | tail -8 | tee -a "$OUT/kernelpath.txt"
+  else
+    echo "bench_layerwise: skipped, the phase's $budget s were spent" | tee -a "$OUT/kernelpath.txt"
+  fi
+  echo "kernelpath: $((SECONDS - start)) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/kernelpath.txt"
+  exit 0
+fi
 if [ "$phase" = cuda ]; then  # every CUDA-only test CI cannot run, in one call (< 8 min), most telling first:
   # the gpu-marked kernel and unit tests (integrity's ordering among them), the integration suites on
-  # CUDA pools (integrity, its order and the busy-decode race first), the vLLM core on CUDA caches,
-  # then the vLLM core bench with integrity on (false INTEGRITY failures show as failed requests).
+  # CUDA pools (integrity, its order and the busy-decode race first), the chaos integrity tests on
+  # CUDA pools (a bit flipped in flight), the vLLM core on CUDA caches (every layout with integrity
+  # on at 1K/4K/16K tokens, a flipped bit), the other integration suites, then the vLLM core bench
+  # with integrity on (false INTEGRITY failures counted per length).
   # One line per step: its counts and seconds, then its failing node ids; logs in $OUT/cuda-*.log.
   start=$SECONDS
   budget=${BUDGET:-450}
@@ -285,21 +333,95 @@ if [ "$phase" = cuda ]; then  # every CUDA-only test CI cannot run, in one call 
   step kernels 170 $PYT -m gpu tests/kernels tests/unit
   step integrity 150 env TE_TEST_DEVICE=cuda $PYT tests/integration/test_integrity_race.py \
     tests/integration/test_integrity_order.py tests/integration/test_integrity.py
+  step chaos-integrity 90 env TE_TEST_DEVICE=cuda $PYT tests/chaos/test_integrity.py
+  step vllm-gpu 300 env TE_TEST_DEVICE=cuda $PYT tests/gpu/test_vllm_gpu.py
   step integration 150 env TE_TEST_DEVICE=cuda $PYT tests/integration/test_matrix.py \
     tests/integration/test_staged.py tests/integration/test_failures.py tests/integration/test_matrix_strided.py
-  step vllm-gpu 200 env TE_TEST_DEVICE=cuda $PYT tests/gpu/test_vllm_gpu.py
   left=$((budget - (SECONDS - start)))
   if [ "$left" -gt 40 ]; then  # the vLLM core with integrity on, 1K/4K/16K tokens (the issue's race)
     timeout $((left < 120 ? left : 120)) python3 tools/bench_vllm_core.py --integrity on --tokens 1024,4096,16384 \
       --reps ${REPS:-3} >"$OUT/cuda-bench-vllm.log" 2>&1
     echo "bench_vllm_core --integrity on: rc $?" | tee -a "$OUT/cuda.txt"
-    grep -v "NIXL INFO" "$OUT/cuda-bench-vllm.log" | grep -iE "INTEGRITY|error|fail|Traceback" | cut -c1-200 \
+    grep -v "NIXL INFO" "$OUT/cuda-bench-vllm.log" | grep -iE "INTEGRITY:|error|Traceback" | cut -c1-200 \
       | sort | uniq -c | head -8 | tee -a "$OUT/cuda.txt"
-    grep -v "NIXL INFO" "$OUT/cuda-bench-vllm.log" | tail -4 | tee -a "$OUT/cuda.txt"
+    grep -E "^integrity=" "$OUT/cuda-bench-vllm.log" | tee -a "$OUT/cuda.txt"
   else
     echo "bench_vllm_core --integrity on: skipped, the phase's $budget s were spent" | tee -a "$OUT/cuda.txt"
   fi
   echo "cuda: $((SECONDS - start)) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/cuda.txt"
+  exit 0
+fi
+if [ "$phase" = integrity ]; then  # integrity's cost and false failures on ONE GPU (both processes on cuda:0), < 4 min
+  # 1. The A/B rows of issue 42's goals: Qwen3-32B-shaped 1.07 GB rooms (one chunk each, contiguous
+  #    page tables), direct 1 and 8 in flight, staged 8 in flight, each ONE bench_transfer run with
+  #    --ab integrity (even rounds and small-room samples with the checksums on, odd ones off, in the
+  #    same processes, each round against the raw NIXL ceiling taken just before it). One line per
+  #    row: ratio to raw on / off, the cost (1 - on/off), the small room's added time on / off, the
+  #    decode's checks (a mismatch or failed_integrity there is a false failure) and wrong bytes.
+  # 2. The vLLM core with integrity on over every layout (tests/gpu/vllm_kv.py caches, vLLM 0.32's),
+  #    1K/4K/16K tokens x (REPS + 1 warm-up) requests: every request counted, one summary line.
+  # Lines in $OUT/integrity.txt, the runs' JSON in $OUT/integrity.jsonl, logs as $OUT/iv-*.log.
+  # (IV_ARGS / IV_CORE_ARGS replace the sizes and device: a dry run on CPU with small rooms;
+  #  IV_ROWS picks rows, IV_LAYERS the vLLM core's layers: 16 by default, 64 is Qwen3-32B's.)
+  QWEN=${IV_ARGS:-"--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"}
+  QWEN="$QWEN --json --page-table contiguous --ab integrity"
+  export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
+  start=$SECONDS
+  budget=${BUDGET:-230}
+  : >"$OUT/integrity.txt"
+  for row in ${IV_ROWS:-direct:1 direct:8 staged:8}; do
+    IFS=: read -r path conc <<<"$row"
+    name=$path-c$conc
+    if [ $((budget - (SECONDS - start))) -lt 60 ]; then
+      echo "$name: skipped, the phase's $budget s were spent" | tee -a "$OUT/integrity.txt"
+      continue
+    fi
+    runs="--concurrency $conc --rooms $((conc == 1 ? 16 : conc * 16)) --rounds 8 --lat-rooms 60"
+    t0=$SECONDS
+    timeout ${IV_ROW_S:-75} python3 tools/bench_transfer.py $QWEN --path $path $runs >"$OUT/iv-$name.log" 2>&1
+    rc=$?
+    grep -o '{"room_bytes".*' "$OUT/iv-$name.log" >>"$OUT/integrity.jsonl"
+    python3 - "$name" "$rc" "$OUT/iv-$name.log" "$((SECONDS - t0))" <<'EOF' | tee -a "$OUT/integrity.txt"
+import json, sys
+name, rc, log, took = sys.argv[1:]
+lines = [line[line.index('{"room_bytes"'):] for line in open(log) if '{"room_bytes"' in line]
+if not lines:
+    tail = [line.strip() for line in open(log) if "NIXL INFO" not in line][-3:]
+    print(f"{name}: failed, rc {rc}: {' / '.join(tail)}")
+    sys.exit(0)
+r = json.loads(lines[-1])
+on, off = r["ab"]["on"], r["ab"]["off"]
+cost = f"{(1 - on['ratio'] / off['ratio']) * 100:.1f}%" if on["ratio"] and off["ratio"] else "-"
+added = (
+    f"{on['added_ms']:.3f} / {off['added_ms']:.3f} ms ({on['added_ms'] - off['added_ms']:+.3f})"
+    if on["added_ms"] is not None and off["added_ms"] is not None
+    else "-"
+)
+c = r.get("integrity_counters", {})
+print(
+    f"{name}: ratio on {on['ratio']} / off {off['ratio']}, cost {cost}; small room added on / off {added};"
+    f" checks match {c.get('integrity_match')} mismatch {c.get('integrity_mismatch')} unchecked"
+    f" {c.get('integrity_unchecked')} failed_integrity {c.get('failed_integrity')}; wrong bytes {r['mismatches']}"
+    f" | path {r['engine_path']}, rooms {r['room_bytes'] / 1e6:.0f} MB, raw {r['raw_gbps']:.0f} GB/s, rounds"
+    f" {on['rounds']} / {off['rounds']}; rc {rc}, {took} s"
+)
+EOF
+  done
+  left=$((budget - (SECONDS - start)))
+  if [ "$left" -gt 40 ]; then
+    timeout $((left + 20)) python3 tools/bench_vllm_core.py --integrity on --layouts all --tokens 1024,4096,16384 \
+      --reps ${REPS:-10} --layers ${IV_LAYERS:-16} --budget $((left - 30)) ${IV_CORE_ARGS:-} >"$OUT/iv-vllm-core.log" 2>&1
+    rc=$?
+    grep -v "NIXL INFO" "$OUT/iv-vllm-core.log" | grep -E "^tokens=" | sed -E 's/ prefill=.*decode reported loaded: / tail /' \
+      | cut -c1-260 | tee -a "$OUT/integrity.txt"
+    grep -v "NIXL INFO" "$OUT/iv-vllm-core.log" | grep -iE "INTEGRITY:|skipped|Traceback|Error" | cut -c1-200 \
+      | sort | uniq -c | head -8 | tee -a "$OUT/integrity.txt"
+    echo "vllm core, every layout: rc $rc; $(grep -E '^integrity=' "$OUT/iv-vllm-core.log" || echo 'no summary (see iv-vllm-core.log)')" \
+      | tee -a "$OUT/integrity.txt"
+  else
+    echo "vllm core, every layout: skipped, the phase's $budget s were spent" | tee -a "$OUT/integrity.txt"
+  fi
+  echo "integrity: $((SECONDS - start)) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/integrity.txt"
   exit 0
 fi
 if [ "$phase" = tests ]; then
