@@ -17,6 +17,7 @@ have to know which library failed.
     │   ├── PeerUnreachableError a bootstrap or peer endpoint could not be reached
     │   ├── BindError            a socket of this process could not bind its own address
     │   │   └── AddressInUseError    ... because another socket holds it
+    │   ├── SlowLinkError        a peer pair's link is below its floor, or TCP where it may not be
     │   └── AddressRangeError    a WRITE aimed outside the peer's registered regions
     ├── TransferFailed         a room ended in Failed (carries reason and detail)
     │   ├── TransferAborted    ... because a side aborted it (cancelled, not broken)
@@ -42,6 +43,7 @@ __all__ = [
     "RemoteProtocolError",
     "RoomInUseError",
     "RoomLimitError",
+    "SlowLinkError",
     "StagingError",
     "TransferAborted",
     "TransferError",
@@ -153,6 +155,16 @@ class BindError(TransportError):
 
 class AddressInUseError(BindError):
     """Raised when the address to bind is held by another socket: another engine or process listens there."""
+
+
+class SlowLinkError(TransportError):
+    """Raised when the link probe of a peer pair measured less than ``min_link_gbps``, or TCP where refused."""
+
+    def __init__(self, peer: str, transport: str, gbps: float, detail: str) -> None:
+        self.peer = peer
+        self.transport = transport
+        self.gbps = gbps
+        super().__init__(f"link to {peer}: {gbps:.3g} GB/s over {transport}, {detail}")
 
 
 class AddressRangeError(TransportError):

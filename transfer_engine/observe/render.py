@@ -192,6 +192,15 @@ def _engine_sections(s: Snapshot) -> list[str]:
                 for p in s.peers
             ],
         )
+    if s.links:
+        lines += ["", f"links ({len(s.links)}, probed at connection)"]
+        lines += _table(
+            ["PEER", "TRANSPORT", "DEVICES", "GB/S", "LATENCY", "PROBE"],
+            [
+                [k.peer, k.transport, k.devices, f"{k.gbps:.3g}", _secs(k.latency_s), _bytes(k.nbytes)]
+                for k in s.links
+            ],
+        )
     c = s.counters
     lines += [
         "",

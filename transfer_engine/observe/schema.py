@@ -184,6 +184,25 @@ class PeerCostSnapshot(_Struct, frozen=True):
     """Seconds until a new room's bytes would start moving: the queued and in-flight bytes at the rate."""
 
 
+class LinkReport(_Struct, frozen=True):
+    """The link probe of one peer pair, taken when the two engines first connected
+    (``transfer_engine.transport.probe``)."""
+
+    peer: str
+    """The peer's NIXL agent."""
+    transport: str
+    """What carried the probe's WRITE: ``tcp`` (observed on this process's TCP sockets), else
+    ``cuda_ipc``, ``shm`` or ``rdma`` by where the peer is and the memory."""
+    devices: str
+    """The network devices UCX was given (``NET_DEVICES``), or ``all``."""
+    nbytes: int
+    latency_s: float
+    """From posting the probe's WRITE to its DONE."""
+    gbps: float
+    tcp_bytes: int = 0
+    """Bytes on this process's TCP sockets while the probe's WRITE was out."""
+
+
 class Snapshot(_Struct, frozen=True):
     """The state of one rank's engine at ``taken_at``: what ``transfer-engine dump`` shows."""
 
@@ -209,6 +228,8 @@ class Snapshot(_Struct, frozen=True):
     counters: Counters
     costs: list[PeerCostSnapshot] = msgspec.field(default_factory=list)
     """Decode: per prefill instance, the cost a new room would have now."""
+    links: list[LinkReport] = msgspec.field(default_factory=list)
+    """Per peer pair probed, what its link measured (the link probe)."""
     version: int = SNAPSHOT_VERSION
 
 
