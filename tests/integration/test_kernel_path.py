@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.integration.harness import make_pool, run_room, shuffled_pages, small_layout
+from tests.integration.harness import DEVICE, make_pool, run_room, shuffled_pages, small_layout
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine import TransferEngine
 from transfer_engine.engine.snapshot import build_snapshot
@@ -105,6 +105,7 @@ async def test_rooms_take_the_kernel_path_bit_exact(
 
 
 @pytest.mark.anyio
+@pytest.mark.skipif(DEVICE != "cpu", reason="CUDA pools are always exportable")
 async def test_private_pool_falls_back_with_the_reason() -> None:
     """A decode pool not in shared memory is not exported: rooms take NIXL's paths, the fallback's
     reason is in the prefill's ack (``unmapped``) and the decode's log, and bytes land as before."""

@@ -3,12 +3,12 @@ shared memory, mapped by the prefill through ``/dev/shm`` (``tests/integration/k
 copy bit-exact, the notification over the control channel, and a killed peer: the survivor's rooms fail
 PEER_DEAD, its mapping of a dead decode is closed, and nothing is left held or mapped.
 
-On a GPU machine ``TE_TEST_DEVICE=cuda`` runs the same cases over CUDA IPC (tests/gpu runs them).
+The cases are functions of the device: ``tests/gpu/test_kernel_path_gpu.py`` runs them on CUDA pools,
+where the prefill maps the decode's pool through CUDA IPC.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -18,12 +18,10 @@ from transfer_engine.testing.cluster import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
-DEVICE = os.environ.get("TE_TEST_DEVICE", "cpu")
 
-
-def start(role: str, port: int) -> RankProcess:
+def start(role: str, port: int, device: str) -> RankProcess:
     argv = [sys.executable, "-m", "tests.integration.kernel_rank", "--role", role, "--bootstrap-port", str(port),
-            "--heartbeat", str(HEARTBEAT), "--device", DEVICE]  # fmt: skip
+            "--heartbeat", str(HEARTBEAT), "--device", device]  # fmt: skip
     rank = RankProcess(role, argv)
     rank.expect("up")
     return rank
@@ -36,12 +34,12 @@ def quit_rank(rank: RankProcess) -> dict[str, object]:
     return got
 
 
-def test_rooms_copy_between_two_processes() -> None:
+def test_rooms_copy_between_two_processes(device: str = "cpu") -> None:
     """Three rooms, whole and layer-wise chunks: bytes exact, path kernel (the reason says so), the
     prefill's copies counted, and at the end nothing held, in flight or mapped on either side."""
     port = free_port()
-    prefill = start("prefill", port)
-    decode = start("decode", port)
+    prefill = start("prefill", port, device)
+    decode = start("decode", port, device)
     try:
         rooms = {1: (0, False), 2: (8, True), 3: (16, False)}
         for room, (first, layers) in rooms.items():
@@ -57,7 +55,7 @@ def test_rooms_copy_between_two_processes() -> None:
             assert prefill.expect("room", room=room)["ok"]
         done_d, done_p = quit_rank(decode), quit_rank(prefill)
         assert not any(done_d["leaks"].values()) and not any(done_p["leaks"].values()), (done_d, done_p)
-        assert done_d["mapped"] == ["shm" if DEVICE == "cpu" else "cuda_ipc"], done_d
+        assert done_d["mapped"] == ["shm" if device == "cpu" else "cuda_ipc"], done_d
         assert done_p["counters"]["kernel_copies"] >= 3 * 2, done_p
         assert done_p["counters"].get("kernel_fallbacks", 0) == 0, done_p
         assert done_p["mappings"] == 0 and done_d["mappings"] == 0
@@ -66,13 +64,13 @@ def test_rooms_copy_between_two_processes() -> None:
         decode.close()
 
 
-def test_decode_killed_mid_room_closes_the_mapping() -> None:
+def test_decode_killed_mid_room_closes_the_mapping(device: str = "cpu") -> None:
     """A decode killed while a kernel-path room waits between two layers: the prefill's room fails
     PEER_DEAD within the heartbeat bound, its mapping of the dead decode's pool is closed (no copy in
     flight), and it leaks nothing."""
     port = free_port()
-    prefill = start("prefill", port)
-    decode = start("decode", port)
+    prefill = start("prefill", port, device)
+    decode = start("decode", port, device)
     try:
         pages = list(range(4))
         decode.send(cmd="recv", room=5, pages=pages)
@@ -89,12 +87,12 @@ def test_decode_killed_mid_room_closes_the_mapping() -> None:
         decode.close()
 
 
-def test_prefill_killed_mid_room_fails_the_decode_room() -> None:
+def test_prefill_killed_mid_room_fails_the_decode_room(device: str = "cpu") -> None:
     """A prefill killed mid-room (it mapped the decode's pool): the decode's room fails PEER_DEAD, and
     the decode ends with nothing held; its pool was never freed under a live copy (the copier is gone)."""
     port = free_port()
-    prefill = start("prefill", port)
-    decode = start("decode", port)
+    prefill = start("prefill", port, device)
+    decode = start("decode", port, device)
     try:
         pages = list(range(4))
         decode.send(cmd="recv", room=6, pages=pages)
