@@ -116,6 +116,8 @@ def run_layout(
                 data = torch.randint(
                     1, 256, (tokens, side.heads_local, width), dtype=torch.uint8, device=p_dev, generator=gen
                 )
+                if cuda:  # made on the current stream, read on the forward's: done before the clock starts
+                    torch.cuda.current_stream().synchronize()
                 decoder.ask([request], core.bootstrap, check=check)
                 writes = layer_writes(caches, side, 0, request.number, p_blocks, tokens) if check else []
                 begin = time.monotonic_ns()
