@@ -120,6 +120,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     pipeline_min_bytes: int = 64 << 20
     """The smallest chunk (bytes of KV on this rank) that ``host_pipeline_layers`` and
     ``staged_pipeline_layers`` cut."""
+    table_max_descriptors: int = 1 << 25
+    """A prefill worker prepares descriptor tables once per decode rank (both whole pools) and makes
+    every direct or slice WRITE from two index arrays into them (docs/DECISIONS.md, "Descriptor tables
+    made once per peer"); a pair whose table would hand NIXL more descriptors than this a side keeps
+    planning and preparing each WRITE's own lists. NIXL 1.5 takes a table as strided rows (a few
+    hundred for any pool, no memory per entry), so only a NIXL that needs every entry listed (about
+    50 bytes each, counting ours and NIXL's) reaches the default, at 32M entries (about 1.6 GB)."""
     # --- what tuners set: poll cadences ---------------------------------------------------------
     poll_interval: float = 0.0002
     """Sleep between NIXL polls while WRITEs or rooms are live: a quarter of it just after activity,
@@ -195,6 +202,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"poll_spin={self.poll_spin} must be >= 0")
         if self.poll_relaxed <= 0:
             raise ConfigError(f"poll_relaxed={self.poll_relaxed} must be > 0 (the period of a relaxed look)")
+        if self.table_max_descriptors < 1:
+            raise ConfigError(f"table_max_descriptors={self.table_max_descriptors} must be >= 1")
         if self.early_drive < 0:
             raise ConfigError(f"early_drive={self.early_drive} must be >= 0")
         if self.gil_switch_interval < 0:
@@ -287,6 +296,7 @@ USER_FIELDS: tuple[str, ...] = (
 TUNER_FIELDS: tuple[str, ...] = (
     "num_workers", "staging_chunk_pages", "ring_bytes", "staging_bytes", "grant_with_request",
     "layers_per_write", "host_pipeline_layers", "staged_pipeline_layers", "pipeline_min_bytes",
+    "table_max_descriptors",
     "poll_interval", "poll_spin", "poll_relaxed", "early_drive",
     "gil_switch_interval", "nixl_params", "nixl_progress_thread", "trace_steps", "stall_traceback",
 )  # fmt: skip

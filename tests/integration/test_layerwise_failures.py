@@ -185,16 +185,16 @@ async def test_group_whose_layers_complete_while_its_write_is_made_is_started() 
         receivers = [await e.receiver(62, c.bootstrap, pages) for e in c.decode]
         sender = prefill.sender(62)
         later = threading.Event()
-        make = prefill.poller.prepare_indexed  # a direct layer group is made from its chunk's lists
+        make = prefill.poller.prepare_from_table  # a direct layer group is made from its pair's tables
         made: list[int] = []
 
-        def make_then_complete(lists, index, spec):  # the real make, then the layers complete
-            handle = make(lists, index, spec)
+        def make_then_complete(table, src_index, dst_index, spec):  # the real make, then the layers complete
+            handle = make(table, src_index, dst_index, spec)
             made.append(handle)
             later.set()
             return handle
 
-        prefill.poller.prepare_indexed = make_then_complete  # type: ignore[method-assign]
+        prefill.poller.prepare_from_table = make_then_complete  # type: ignore[method-assign]
         await sender.begin_chunk(pages, last=True)
         await sender.layers_ready(0, 3, ready=later)
         with anyio.fail_after(10):

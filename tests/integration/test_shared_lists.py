@@ -104,7 +104,9 @@ async def test_writes_made_from_an_index_move_those_descriptors_and_release_the_
 async def test_a_layerwise_room_prepares_lists_once_per_chunk_and_decode_rank(
     path: str, P: int, D: int
 ) -> None:
-    async with cluster(small_layout(), P, D, path=path, layers_per_write=1) as c:
+    """Without descriptor tables (a cap of one descriptor refuses every pair's: the per-WRITE planning
+    they fall back to)."""
+    async with cluster(small_layout(), P, D, path=path, layers_per_write=1, table_max_descriptors=1) as c:
         rng = np.random.default_rng(7)
         src, dst = rng.permutation(64)[:6], rng.permutation(64)[:6]
         await run_room(c, 71, src, dst, [2, 4], layers=1)  # two chunks of three one-layer groups
@@ -113,7 +115,36 @@ async def test_a_layerwise_room_prepares_lists_once_per_chunk_and_decode_rank(
         # one set of lists per chunk and decode rank written to, each made into its 3 one-layer groups
         assert lists >= 2 and lists % 2 == 0
         assert posted == 3 * lists
+        assert sum(e.poller.counters["tables_prepared"] for e in c.prefill) == 0
+        assert all(
+            w.counters["tables_refused"] >= 1 for e in c.prefill for w in e.workers if w.direct.tables.reasons
+        )
         c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("path", "P", "D"), [("direct", 1, 1), ("direct", 2, 2), ("slice", 1, 2), ("slice", 2, 1)]
+)
+async def test_a_layerwise_room_is_made_from_tables_prepared_once_per_decode_rank(
+    path: str, P: int, D: int
+) -> None:
+    """With descriptor tables (the default): no chunk prepares lists of its own; each (prefill rank,
+    decode rank) pair written to prepares its tables once, for both rooms' every group."""
+    async with cluster(small_layout(), P, D, path=path, layers_per_write=1) as c:
+        rng = np.random.default_rng(7)
+        for room in (74, 75):
+            src, dst = rng.permutation(64)[:6], rng.permutation(64)[:6]
+            await run_room(c, room, src, dst, [2, 4], layers=1)  # two chunks of three one-layer groups
+        posted = sum(e.poller.counters["writes_posted"] for e in c.prefill)
+        pairs = sum(e.poller.transport.table_stats["prepared"] for e in c.prefill)
+        assert sum(e.poller.counters["lists_prepared"] for e in c.prefill) == 0
+        assert sum(e.poller.counters["tables_prepared"] for e in c.prefill) == pairs
+        assert pairs == sum(e.poller.transport.live_tables() for e in c.prefill)
+        assert pairs >= max(P, D)  # every prefill rank writes to some decode rank, every decode rank hears
+        assert posted == 2 * 2 * 3 * pairs  # two rooms of two chunks of three groups, per pair
+        c.assert_no_leaks()
+    assert all(e.poller.transport.live_tables() == 0 for e in c.prefill)
 
 
 @pytest.mark.anyio

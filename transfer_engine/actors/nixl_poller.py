@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,7 @@ from transfer_engine.runtime.mail import Drained, Mailbox, WriteEnded
 from transfer_engine.runtime.ports import RoomBoard
 from transfer_engine.runtime.steptrace import StepTrace
 from transfer_engine.runtime.ticker import fine_timers
-from transfer_engine.transport.interface import RemotePeer, Transport, WriteSpec, XferState
+from transfer_engine.transport.interface import RemotePeer, TableRows, Transport, WriteSpec, XferState
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,39 @@ class NixlPoller:
         except Exception as exc:
             self.transport.release(handle)
             raise TransportError(f"the notification of WRITE {handle} could not be sealed: {exc}") from exc
+
+    def table(self, peer: str, key: Hashable) -> int | None:
+        """The id of ``peer``'s descriptor tables prepared under ``key``, if they are (and still open)."""
+        return self.transport.table(peer, key)
+
+    def prepare_table(
+        self,
+        peer: str,
+        key: Hashable,
+        local: TableRows,
+        remote: TableRows,
+        local_mem: str,
+        local_device: int,
+        max_descriptors: int,
+    ) -> int:
+        """Prepare ``peer``'s descriptor tables under ``key`` once (the transport's ``prepare_table``);
+        they live until the peer is removed. Raises as :meth:`prepare_write`."""
+        table = self._counted(
+            lambda: self.transport.prepare_table(
+                peer, key, local, remote, local_mem, local_device, max_descriptors
+            )
+        )
+        self.counters["tables_prepared"] += 1
+        return table
+
+    def prepare_from_table(
+        self, table: int, src_index: np.ndarray, dst_index: np.ndarray, spec: WriteSpec
+    ) -> int:
+        """Make the WRITE ``spec`` of the entries ``src_index`` of ``table`` to its entries ``dst_index``,
+        without starting it; as :meth:`prepare_write` otherwise."""
+        return self._sealing(
+            self._counted(lambda: self.transport.prepare_from_table(table, src_index, dst_index, spec)), spec
+        )
 
     def close_lists(self, lists: int) -> None:
         """No more WRITEs from ``lists``; released once the WRITEs made from them are."""

@@ -259,6 +259,7 @@ class Supervisor:
                     i, self.me, self.pool, self.poller, self.board, self.control,
                     staging_bytes=staging_bytes, capacity=ACTOR_MAILBOX, reserve=(JOBS_PER_ROOM + 1) * cfg.max_rooms,
                     early_drive=cfg.early_drive, checksums=self.checksums,
+                    table_max_descriptors=cfg.table_max_descriptors,
                 )  # fmt: skip
                 self.workers.append(worker)
                 await tg.start(worker.run)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ from transfer_engine.protocol.messages import MemRegion
 from transfer_engine.runtime.mail import Mailbox, RegionGranted, RingMail, RoomMail, RoomOpened, ScatterJob
 from transfer_engine.runtime.peers import Peer
 from transfer_engine.runtime.steptrace import StepTrace
+from transfer_engine.transport.interface import TableRows
 from transfer_engine.transport.nixl import WriteSpec
 
 JOBS_PER_ROOM = 32
@@ -100,6 +101,34 @@ class WritePort(Protocol):
 
     def close_lists(self, lists: int) -> None:
         """No more WRITEs from ``lists`` (released with the last WRITE made from them)."""
+        ...
+
+    def table(self, peer: str, key: Hashable) -> int | None:
+        """The id of ``peer``'s descriptor tables prepared under ``key`` (:meth:`prepare_table`), while
+        the peer is known; None before, and after it was removed."""
+        ...
+
+    def prepare_table(
+        self,
+        peer: str,
+        key: Hashable,
+        local: TableRows,
+        remote: TableRows,
+        local_mem: str,
+        local_device: int,
+        max_descriptors: int,
+    ) -> int:
+        """Prepare both sides' descriptor tables of (``peer``, ``key``) once, for every WRITE between
+        them (:meth:`prepare_from_table`); released when the peer is removed or the transport closes.
+        TransportError (its text the reason) when they cannot be: more than ``max_descriptors`` a side,
+        NIXL refusing, a remote row outside the peer's regions (AddressRangeError)."""
+        ...
+
+    def prepare_from_table(
+        self, table: int, src_index: np.ndarray, dst_index: np.ndarray, spec: WriteSpec
+    ) -> int:
+        """Make the WRITE ``spec``, entries ``src_index`` of ``table``'s local side to entries
+        ``dst_index`` of its remote side, without starting it; as :meth:`prepare_write` otherwise."""
         ...
 
     def start_write(

@@ -186,6 +186,12 @@ class FaultyTransport:
         made on its own from ``spec`` by the real transport, which refuses or posts it as it would."""
         return self._make(spec, lambda made: self.inner.prepare_indexed(lists, index, made))
 
+    def prepare_from_table(
+        self, table: int, src_index: np.ndarray, dst_index: np.ndarray, spec: WriteSpec
+    ) -> int:
+        """As :meth:`prepare_indexed`: a WRITE made from descriptor tables."""
+        return self._make(spec, lambda made: self.inner.prepare_from_table(table, src_index, dst_index, made))
+
     def prepare_write(self, spec: WriteSpec) -> int:
         """The WRITE rules apply here, when the WRITE is made (a prepared one may be started later)."""
         return self._make(spec, self.inner.prepare_write)

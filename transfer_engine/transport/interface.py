@@ -1,6 +1,8 @@
 """The narrow interface the engine uses to talk to NIXL: what a WRITE is (:class:`WriteSpec`), what a
 peer registered (:class:`RemotePeer`, which range-checks a WRITE's remote side before it is posted),
-a posted WRITE's state (:class:`XferState`) and the calls the NixlPoller makes (:class:`Transport`).
+a posted WRITE's state (:class:`XferState`), one side's descriptor table (:class:`TableRows`, prepared
+once per peer: docs/DECISIONS.md, "Descriptor tables made once per peer") and the calls the NixlPoller
+makes (:class:`Transport`).
 
 :class:`~transfer_engine.transport.nixl.NixlTransport` is its one implementation; the fault-injecting
 wrapper of the chaos tests (:mod:`transfer_engine.transport.faults`) wraps it. No NIXL import here.
@@ -9,7 +11,7 @@ wrapper of the chaos tests (:mod:`transfer_engine.transport.faults`) wraps it. N
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,6 +51,49 @@ class WriteSpec:
     @property
     def nbytes(self) -> int:
         return int(self.length.sum())
+
+
+@dataclass(frozen=True, slots=True)
+class TableRows:
+    """One side's descriptor table as rows of evenly spaced entries: row ``r`` holds ``count``
+    entries of ``length`` bytes, entry ``i`` at ``addr[r] + i * stride[r]``; the entry's index in the
+    table is ``r * count + i``. NIXL (1.5) prepares such a row as one strided descriptor (an Nx5
+    list), however many entries it holds; :meth:`flat` lists every entry for a NIXL that does not.
+    ``addr`` and ``stride`` are uint64 arrays of one value per row."""
+
+    addr: np.ndarray
+    stride: np.ndarray
+    count: int
+    length: int
+
+    @property
+    def rows(self) -> int:
+        return len(self.addr)
+
+    @property
+    def entries(self) -> int:
+        """Entries in the table: the bound of its indices."""
+        return self.rows * self.count
+
+    def spans(self) -> np.ndarray:
+        """Bytes from each row's first entry to the end of its last (uint64)."""
+        return (self.stride * np.uint64(self.count - 1) + np.uint64(self.length)).astype(np.uint64)
+
+    def strided(self, devices: np.ndarray | int) -> np.ndarray:
+        """The Nx5 ``(addr, length, device, stride, count)`` rows NIXL's ``prep_xfer_dlist`` takes."""
+        out = np.empty((self.rows, 5), dtype=np.uint64)
+        out[:, 0] = self.addr
+        out[:, 1] = self.length
+        out[:, 2] = devices
+        # a one-entry row's stride is never used; NIXL wants it no shorter than the entry
+        out[:, 3] = self.stride if self.count > 1 else np.uint64(self.length)
+        out[:, 4] = self.count
+        return out
+
+    def flat(self) -> np.ndarray:
+        """Every entry's address, in index order (uint64, :attr:`entries` long)."""
+        steps = np.arange(self.count, dtype=np.uint64)
+        return (self.addr[:, None] + self.stride[:, None] * steps[None, :]).reshape(-1)
 
 
 @dataclass
@@ -124,6 +169,21 @@ class Transport(Protocol):
     def prepare_lists(self, spec: WriteSpec) -> int: ...
     def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int: ...
     def close_lists(self, lists: int) -> None: ...
+    def table(self, peer: str, key: Hashable) -> int | None: ...
+    def prepare_table(
+        self,
+        peer: str,
+        key: Hashable,
+        local: TableRows,
+        remote: TableRows,
+        local_mem: str,
+        local_device: int,
+        max_descriptors: int,
+    ) -> int: ...
+    def prepare_from_table(
+        self, table: int, src_index: np.ndarray, dst_index: np.ndarray, spec: WriteSpec
+    ) -> int: ...
+    def live_tables(self) -> int: ...
     def start_write(self, handle: int, notif: bytes = b"") -> int: ...
     def state(self, handle: int) -> XferState: ...
     def release(self, handle: int) -> None: ...

@@ -16,6 +16,13 @@ layer-wise chunk share lists prepared once for the whole chunk (:meth:`NixlTrans
 each group's WRITE is made from an index into them, with no range check or list preparation of its
 own. Remote ranges are checked against the regions the peer registered *before* posting
 (:class:`~transfer_engine.errors.AddressRangeError`).
+
+Descriptor tables (:meth:`NixlTransport.prepare_table`): both sides' tables of one (peer, key) pair
+prepared once, as NIXL's strided rows (:class:`~transfer_engine.transport.interface.TableRows`), and
+every WRITE between them made from two index arrays (:meth:`NixlTransport.prepare_from_table`). They
+live as long as the peer: :meth:`~NixlTransport.remove_peer` and :meth:`~NixlTransport.close` give
+them up, and each is released once the last WRITE made from it is (docs/DECISIONS.md, "Descriptor
+tables made once per peer").
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -35,7 +42,7 @@ import numpy as np
 from transfer_engine.errors import TransportError
 from transfer_engine.protocol.messages import MemRegion
 from transfer_engine.transport.binding import bound_params
-from transfer_engine.transport.interface import RemotePeer, Transport, WriteSpec, XferState
+from transfer_engine.transport.interface import RemotePeer, TableRows, Transport, WriteSpec, XferState
 from transfer_engine.transport.posting import default_params, host_pieces, spread
 
 __all__ = ["NixlTransport", "RemotePeer", "Transport", "WriteSpec", "XferState", "default_params"]
@@ -72,6 +79,14 @@ class _SharedLists:
     """WRITEs made from them and not released."""
     open: bool = True
     """More WRITEs may be made from them (until ``close_lists``)."""
+    remote_count: int = -1
+    """Descriptors of the remote list when it differs from ``count`` (a table's); -1: ``count``."""
+    table: tuple[str, Hashable] | None = None
+    """A descriptor table's (peer, key) (:meth:`NixlTransport.prepare_table`); None: a chunk's lists."""
+
+    @property
+    def remote_size(self) -> int:
+        return self.count if self.remote_count < 0 else self.remote_count
 
 
 def _descs(addr: np.ndarray, length: np.ndarray, devices: np.ndarray | int) -> np.ndarray:
@@ -125,6 +140,13 @@ class NixlTransport:
         (none when it was made from shared lists: see ``_made_from``)."""
         self._lists: dict[int, _SharedLists] = {}
         """Descriptor lists prepared once for several WRITEs (:meth:`prepare_lists`)."""
+        self._tables: dict[tuple[str, Hashable], int] = {}
+        """(peer, key) -> the id in ``_lists`` of that pair's open descriptor tables (:meth:`prepare_table`)."""
+        self._strided_tables = True
+        """NIXL takes a table's rows as strided descriptors (Nx5); False once it refused them: listed flat."""
+        self.table_stats: Counter[str] = Counter()
+        """Descriptor tables ``prepared`` (pairs, each both sides), ``released``, ``refused``, and the
+        descriptors NIXL was given for them (``descriptors``: rows when strided, entries when flat)."""
         self._made_from: dict[int, int] = {}
         """WRITE handle -> the id of the shared lists it was made from (:meth:`prepare_indexed`)."""
         self._peer_of: dict[int, tuple[str, int]] = {}
@@ -176,6 +198,10 @@ class NixlTransport:
 
     @_serialized
     def remove_peer(self, agent_name: str) -> None:
+        """Forget ``agent_name``: its descriptor tables are given up (each released once no WRITE made
+        from it is left), then its agent is removed."""
+        for key in [k for k in self._tables if k[0] == agent_name]:
+            self.close_lists(self._tables.pop(key))
         if self._peers.pop(agent_name, None) is not None:
             try:
                 self._agent.remove_remote_agent(agent_name)
@@ -308,6 +334,147 @@ class NixlTransport:
         return hid
 
     @_serialized
+    def table(self, peer: str, key: Hashable) -> int | None:
+        """The id of ``peer``'s open descriptor tables prepared under ``key``, if there are any."""
+        return self._tables.get((peer, key))
+
+    @_serialized
+    def prepare_table(
+        self,
+        peer: str,
+        key: Hashable,
+        local: TableRows,
+        remote: TableRows,
+        local_mem: str,
+        local_device: int,
+        max_descriptors: int,
+    ) -> int:
+        """Prepare both sides' descriptor tables of the pair (``peer``, ``key``) once: ``local`` over this
+        agent's memory, ``remote`` over the peer's, for every WRITE between them
+        (:meth:`prepare_from_table`); returns their id, which :meth:`table` finds until the peer is
+        removed (:meth:`remove_peer`) or the transport closed. Each row is one strided NIXL descriptor;
+        a NIXL that refuses strided lists gets every entry listed (once, for every table after).
+
+        Every remote row is checked against the peer's registered regions (AddressRangeError); NIXL
+        checks the local rows when it prepares them. TransportError, nothing prepared, when NIXL
+        refuses, when either side would hand NIXL more than ``max_descriptors`` descriptors
+        (``EngineConfig.table_max_descriptors``), or for DRAM memory that this agent spreads over its
+        posting threads (:func:`~transfer_engine.transport.posting.spread` cuts each WRITE's own
+        descriptors; an index names a table's). The error's text is the reason the caller logs."""
+        if (peer, key) in self._tables:
+            raise TransportError(f"tables {key!r} for {peer} are prepared already")
+        remote_peer = self._peers.get(peer)
+        if remote_peer is None:
+            raise TransportError(f"no NIXL peer named {peer!r}")
+        if local_mem == "DRAM" and self._host_pieces:
+            raise TransportError(
+                f"DRAM WRITEs are spread over NIXL's {self._host_pieces} posting pieces: made per WRITE"
+            )
+        if local.length != remote.length:
+            raise TransportError(f"table entries of {local.length} and {remote.length} bytes differ")
+        for name, rows in (("local", local), ("remote", remote)):
+            if rows.entries >= 2**31:
+                raise TransportError(f"{name} table of {rows.entries} entries exceeds NIXL's int32 indices")
+            given = rows.rows if self._strided_tables else rows.entries
+            if given > max_descriptors:
+                raise TransportError(
+                    f"{name} table of {given} descriptors ({rows.entries} entries) is over the cap of "
+                    f"{max_descriptors} (EngineConfig.table_max_descriptors)"
+                )
+        remote_devices, remote_mem = remote_peer.check(remote.addr, remote.spans())
+        lists: list[Any] = []
+        try:
+            for target, rows, devices, mem in (
+                ("NIXL_INIT_AGENT", local, local_device, local_mem),
+                (peer, remote, remote_devices, remote_mem),
+            ):
+                lists.append(self._prep_rows(target, rows, devices, mem))
+        except TransportError:
+            self._release_lists(lists)
+            self.table_stats["refused"] += 1
+            raise
+        lid = next(self._ids)
+        self._lists[lid] = _SharedLists(
+            peer, lists[0], lists[1], local.entries, remote_count=remote.entries, table=(peer, key)
+        )
+        self._tables[(peer, key)] = lid
+        self.table_stats["prepared"] += 1
+        self.table_stats["descriptors"] += (
+            local.rows + remote.rows if self._strided_tables else local.entries + remote.entries
+        )
+        return lid
+
+    def _prep_rows(self, target: str, rows: TableRows, devices: np.ndarray | int, mem: str) -> Any:
+        """One side's table as a prepared NIXL list: strided rows, or every entry where NIXL refuses those."""
+        if self._strided_tables:
+            try:
+                return self._agent.prep_xfer_dlist(target, rows.strided(devices), mem)
+            except (TypeError, ValueError) as exc:  # a NIXL without strided lists: it cannot parse them
+                log.warning(
+                    "NIXL refused strided descriptor lists (%s); tables are listed entry by entry", exc
+                )
+                self._strided_tables = False
+            except Exception as exc:
+                raise TransportError(
+                    f"cannot prepare a table of {rows.rows} rows for {target}: {exc}"
+                ) from exc
+        per_entry = np.repeat(devices, rows.count) if isinstance(devices, np.ndarray) else devices
+        try:
+            return self._agent.prep_xfer_dlist(
+                target,
+                self._agent.get_xfer_descs(
+                    _descs(rows.flat(), np.full(rows.entries, rows.length, dtype=np.uint64), per_entry), mem
+                ),
+            )
+        except Exception as exc:
+            raise TransportError(
+                f"cannot prepare a table of {rows.entries} entries for {target}: {exc}"
+            ) from exc
+
+    @_serialized
+    def prepare_from_table(
+        self, table: int, src_index: np.ndarray, dst_index: np.ndarray, spec: WriteSpec
+    ) -> int:
+        """Make the WRITE ``spec`` of the entries ``src_index`` of ``table``'s local side to the entries
+        ``dst_index`` of its remote side (equal lengths, int32 or int64), with ``spec.notif``; ``spec``
+        is what those entries move (its peer must be the table's). Returns a handle as
+        :meth:`prepare_write` does. TransportError when an index is outside its side or NIXL refuses;
+        nothing is made then."""
+        shared = self._lists.get(table)
+        if shared is None or shared.table is None or not shared.open:
+            raise TransportError(f"no open descriptor tables {table} (never prepared, or their peer is gone)")
+        if shared.peer != spec.peer:
+            raise TransportError(f"tables {table} were prepared for {shared.peer!r}, not {spec.peer!r}")
+        if len(src_index) != len(dst_index) or len(src_index) == 0:
+            raise TransportError(f"index arrays of {len(src_index)} and {len(dst_index)} entries")
+        for name, index, size in (("src", src_index, shared.count), ("dst", dst_index, shared.remote_size)):
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= size:
+                raise TransportError(f"{name} index [{low}, {high}] outside tables {table} of {size} entries")
+        t0 = time.perf_counter_ns()
+        try:
+            handle = self._agent.make_prepped_xfer(
+                "WRITE", shared.local, src_index, shared.remote, dst_index, spec.notif
+            )
+        except Exception as exc:
+            raise TransportError(
+                f"cannot create WRITE to {spec.peer} ({len(src_index)} table entries): {exc}"
+            ) from exc
+        hid = next(self._ids)
+        self._handles[hid] = (handle, [])
+        self._peer_of[hid] = (spec.peer, len(src_index))
+        self._made_from[hid] = table
+        shared.users += 1
+        self.post_ns["make"] += time.perf_counter_ns() - t0
+        return hid
+
+    @_serialized
+    def live_tables(self) -> int:
+        """Descriptor tables not released: open ones (one per peer and key) and those given up whose
+        WRITEs have not all been released (0 after the transport closed: the leak check)."""
+        return sum(1 for shared in self._lists.values() if shared.table is not None)
+
+    @_serialized
     def close_lists(self, lists: int) -> None:
         """Make no more WRITEs from ``lists``; they are released with the last WRITE made from them."""
         shared = self._lists[lists]
@@ -318,6 +485,8 @@ class NixlTransport:
         if not shared.open and shared.users == 0:
             del self._lists[lid]
             self._release_lists([shared.local, shared.remote])
+            if shared.table is not None:
+                self.table_stats["released"] += 1
 
     def start_write(self, handle: int, notif: bytes = b"") -> int:
         """Start a WRITE made by :meth:`prepare_write`; returns ``handle``. On TransportError the
@@ -397,13 +566,15 @@ class NixlTransport:
 
     @_serialized
     def live_handles(self) -> int:
-        """WRITEs made and not released, and shared lists not released (0 when idle: the leak check)."""
-        return len(self._handles) + len(self._lists)
+        """WRITEs made and not released, and a chunk's shared lists not released (0 when idle: the leak
+        check). Descriptor tables live as long as their peer: :meth:`live_tables`."""
+        return len(self._handles) + sum(1 for shared in self._lists.values() if shared.table is None)
 
     @_serialized
     def close(self) -> None:
         for hid in list(self._handles):
             self.release(hid)
+        self._tables.clear()
         for lid in list(self._lists):
             self.close_lists(lid)
         for name in list(self._peers):

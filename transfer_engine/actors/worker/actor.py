@@ -17,7 +17,7 @@ from transfer_engine.runtime.ports import Outbox, RankIdentity, RoomBoard, Write
 
 from ..base import Actor
 from .core import Made, OwnInbox, Sealer, WorkerMail, answer
-from .direct import DirectPath
+from .direct import TABLE_MAX_DESCRIPTORS, DirectPath
 from .held import HeldJobs
 from .kernel import KernelPath
 from .layerwise import StagedGroups
@@ -49,6 +49,7 @@ class TransferWorker(Actor[WorkerMail]):
         reserve: int = 0,
         early_drive: float = 0.0,
         checksums: PoolChecksums | None = None,
+        table_max_descriptors: int = TABLE_MAX_DESCRIPTORS,
     ) -> None:
         super().__init__(capacity, reserve)
         self.index = index
@@ -66,8 +67,9 @@ class TransferWorker(Actor[WorkerMail]):
             trace=trace, counters=self.counters, early_drive=early_drive,
         )  # fmt: skip
         self.direct = DirectPath(
-            index, pool, poller, rooms, self.held, self._sealer.sealed, done, trace=trace
-        )
+            index, pool, poller, rooms, self.held, self._sealer.sealed, done,
+            trace=trace, counters=self.counters, table_max_descriptors=table_max_descriptors,
+        )  # fmt: skip
         self.staged = StagedPath(
             index, pool, poller, outbox, self.held, self._own, self.completions, self._sealer.sealed,
             done, agent_name=me.agent_name, trace=trace, counters=self.counters,

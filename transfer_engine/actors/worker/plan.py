@@ -4,19 +4,30 @@ The worker (:mod:`transfer_engine.actors.worker`) asks these which path a job ta
 slots a staged chunk gathers, which descriptors a direct or slice WRITE carries (a whole chunk, or
 one layer group's tensors, which are rows of the chunk's: :func:`group_index`) and the notification
 that rides on it. No I/O, no state: tested without sockets (``tests/unit/test_descriptors.py``).
+
+A direct or slice WRITE is made from descriptor tables where its pair has them (docs/DECISIONS.md,
+"Descriptor tables made once per peer"): :func:`table_spec` decides a pair's entry once,
+:func:`side_table` lays each side's table out as NIXL's strided rows, and per WRITE
+:func:`table_chunk_groups` (once per chunk) and :func:`table_indices` give both sides' index arrays
+and addresses (``tests/unit/test_table_plan.py``).
 """
 
 from __future__ import annotations
 
-import numpy as np
+import math
+from dataclasses import dataclass
 
-from transfer_engine.errors import TransferError
+import numpy as np
+import numpy.typing as npt
+
+from transfer_engine.errors import AddressRangeError, ConfigError, TransferError
 from transfer_engine.memory.layout import KVPool, stride_rows_of
-from transfer_engine.protocol import descriptors
+from transfer_engine.protocol import descriptors, tables
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import group_tensors
 from transfer_engine.protocol.paths import is_staged
 from transfer_engine.runtime.mail import WriteJob
+from transfer_engine.transport.interface import TableRows
 
 
 def is_staged_job(job: WriteJob) -> bool:
@@ -187,3 +198,173 @@ def _strided_write(
         pool.heads_local,
         peer.heads_local,
     )
+
+
+# --- descriptor tables: one per (decode agent, TableSpec), made once; each WRITE is two index arrays --
+
+
+@dataclass(frozen=True, slots=True)
+class SideTable:
+    """One side's descriptor table for a :class:`~transfer_engine.protocol.tables.TableSpec`, over
+    that side's whole pool, as NIXL's strided rows (:class:`~transfer_engine.transport.interface.TableRows`).
+
+    Rows are the entries of page 0 in ``protocol.tables``' order (token group, unit, head group), each
+    stepping over the pages (``token_groups`` = the spec's groups per page, ``count`` = pages); where
+    a unit's pages follow each other token for token (``block == page_size * token``: contiguous
+    pools, vLLM's NHD caches), one row per (unit, head group) steps over every token group of the
+    pool instead (``token_groups`` = 1), so a run of consecutive pages stays one run of entries, which
+    NIXL merges into one descriptor. Entry ``(slot group s, unit u, head group h)`` has index
+    ``((s % G * U + u) * H + h) * count + s // G`` (``G`` = ``token_groups``)."""
+
+    rows: TableRows
+    token_groups: int
+    units: int
+    heads: int
+    unit_stride: np.ndarray
+    """uint64, one per unit: the step of that unit's rows."""
+    slot_groups: int
+    """Slot groups of the pool (``num_pages * groups_per_page``): the bound of a WRITE's slot groups."""
+
+
+def group_layers_of(job: WriteJob) -> int | None:
+    """The ``group_layers`` a job's table is decided with (``tables.decide_table``): None for a whole
+    chunk; for a layer group ``[start, end)``, the layers that divide both its start and its size, so
+    that every entry unit lies inside it."""
+    group = job.group
+    return None if group is None else math.gcd(group.start, group.end - group.start)
+
+
+def table_spec(job: WriteJob, pool: KVPool) -> tables.TableSpec:
+    """The table spec of ``job``'s pair (this pool, the decode rank's), for its head slice and layer
+    group: ``tables.decide_table`` over both sides' strides tables. Raises ConfigError."""
+    peer, head = job.peer, job.request.slices[0]
+    return tables.decide_table(
+        pool.stride_rows,
+        stride_rows_of(peer.layout, peer.heads_local),
+        pool.head_bytes,
+        pool.layout.page_size,
+        peer.layout.page_size,
+        head.src_head_start,
+        head.dst_head_start,
+        head.num_heads,
+        pool.heads_local,
+        peer.heads_local,
+        mla=pool.layout.mla,
+        group_layers=group_layers_of(job),
+    )
+
+
+def side_table(
+    spec: tables.TableSpec,
+    side: tables.Side,
+    bases: npt.ArrayLike,
+    lengths: npt.ArrayLike,
+    strides: npt.ArrayLike,
+    num_pages: int,
+) -> SideTable:
+    """``side``'s table over its whole pool (arguments as ``tables.side_entries``'), as strided rows;
+    see :class:`SideTable`. Raises ConfigError naming the tensor when an entry leaves its region."""
+    first, _ = tables.side_entries(spec, side, bases, lengths, strides, 1)  # page 0's entries
+    table = np.asarray(strides, dtype=np.int64)
+    units, heads = spec.num_units, spec.head_groups
+    lead = np.array([spec.unit_rows(u)[0] for u in range(units)], dtype=np.int64)
+    block, token = table[lead, 2], table[lead, 4]
+    per_page, g = spec.groups_per_page(side), spec.tokens_per_entry
+    if per_page > 1 and bool((block == per_page * g * token).all()):  # slot rows: pages run token for token
+        addr, step, groups, count = first[: units * heads], token * g, 1, num_pages * per_page
+    else:
+        addr, step, groups, count = first, block, per_page, num_pages
+    unit_stride = step.astype(np.uint64)
+    stride = np.broadcast_to(unit_stride[None, :, None], (groups, units, heads)).reshape(-1)
+    rows = TableRows(addr, np.ascontiguousarray(stride), count, spec.entry_bytes)
+    # side_entries checked page 0; every row's last entry is its farthest (strides are >= 0)
+    region = np.broadcast_to(table[lead, 0][None, :, None], (groups, units, heads)).reshape(-1)
+    base = np.asarray(bases).astype(np.uint64)
+    end = rows.addr + rows.spans()
+    limit = base[region] + np.asarray(lengths).astype(np.uint64)[region]
+    bad = np.flatnonzero(end > limit)
+    if bad.size:
+        r = int(bad[0])
+        tensor = int(lead[(r // heads) % units])
+        raise ConfigError(
+            f"{side} tensor {tensor}: its last page's entry ends {int(end[r] - base[region[r]])} bytes into "
+            f"region {int(region[r])}, which has {int(limit[r] - base[region[r]])} bytes"
+        )
+    return SideTable(rows, groups, units, heads, unit_stride, num_pages * per_page)
+
+
+def table_chunk_groups(job: WriteJob, pool: KVPool, spec: tables.TableSpec) -> tuple[np.ndarray, np.ndarray]:
+    """The slot groups (``tables.chunk_groups``) of a chunk job on each side: the prefill's from its
+    pages, the decode's from the request's pages, the chunk clipped to the decode's capacity as
+    :func:`chunk_slots` clips it. Raises TransferError as :func:`chunk_descriptors` does, and
+    AddressRangeError for a page outside either side's pool (an index there would name another
+    tensor's entry)."""
+    req, peer, chunk = job.request, job.peer, job.chunk
+    assert chunk is not None
+    dst_pages = np.asarray(req.dst_pages, dtype=np.int64)
+    if req.path == "direct" and len(dst_pages[chunk.page_start : chunk.page_start + chunk.num_pages]) != len(
+        job.src_pages
+    ):
+        raise TransferError(
+            f"room {job.room}: chunk {chunk.chunk_id} covers request pages "
+            f"[{chunk.page_start}, {chunk.page_start + chunk.num_pages}) but decode rank "
+            f"{req.decode_rank} gave only {len(dst_pages)} pages"
+        )
+    src_ps, dst_ps = pool.layout.page_size, peer.layout.page_size
+    start = chunk.page_start * src_ps
+    tokens = descriptors.chunk_tokens(start, chunk.num_pages, src_ps, len(dst_pages) * dst_ps)
+    try:
+        src_g, dst_g = tables.chunk_groups(
+            spec, job.src_pages, dst_pages, dst_start_token=start, num_tokens=tokens
+        )
+    except ConfigError as exc:
+        raise TransferError(f"room {job.room}: chunk {chunk.chunk_id}: {exc}") from exc
+    sides: tuple[tuple[tables.Side, np.ndarray, int, str], ...] = (
+        ("src", src_g, pool.num_pages, "this rank's pool"),
+        ("dst", dst_g, peer.layout.num_pages, f"decode rank {req.decode_rank}'s pool"),
+    )
+    for side, got, pages, what in sides:
+        if got.size and int(got.max()) >= pages * spec.groups_per_page(side):
+            page = int(got.max()) // spec.groups_per_page(side)
+            raise AddressRangeError(
+                f"room {job.room}: chunk {chunk.chunk_id} names page {page}, outside {what} of {pages} pages"
+            )
+    return src_g, dst_g
+
+
+def table_indices(
+    side: SideTable, slot_groups: np.ndarray, units: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(index, addr)`` of one side's entries of a WRITE: int32 table indices and their uint64
+    addresses, ordered unit, then slot group (token order), then head group, as
+    ``tables.group_indices`` orders a WRITE. Outer sums over the slot groups and the units."""
+    U, H, C = side.units, side.heads, side.rows.count
+    s = slot_groups.astype(np.int64, copy=False)
+    if side.token_groups == 1:
+        pos, tg = s, None
+        slot_term = s
+    else:
+        pos, tg = np.divmod(s, side.token_groups)
+        slot_term = tg * (U * H * C) + pos
+    i32 = np.int32
+    row0 = (units.astype(np.int64) * H)[:, None] + np.arange(H, dtype=np.int64)[None, :]  # (units, H)
+    index = (row0 * C).astype(i32)[:, None, :] + slot_term.astype(i32)[None, :, None]
+    base = side.rows.addr.reshape(side.token_groups, U, H)[:, units, :]  # (G, units, H)
+    first = base[0][:, None, :] if tg is None else base[tg].transpose(1, 0, 2)  # (units, S or 1, H)
+    addr = first + pos.astype(np.uint64)[None, :, None] * side.unit_stride[units][:, None, None]
+    return index.reshape(-1), addr.reshape(-1)
+
+
+def merged_runs(src: np.ndarray, dst: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(src, dst, length)`` of entries of ``length`` bytes with neighbours that follow each other on
+    both sides merged into one descriptor each, as NIXL merges them when it makes the transfer: the
+    WRITE as NIXL posts it (its count, bytes, and ranges for the fault rules)."""
+    n = len(src)
+    step = np.uint64(length)
+    if n <= 1:
+        return src, dst, np.full(n, step, dtype=np.uint64)
+    follows = (src[1:] == src[:-1] + step) & (dst[1:] == dst[:-1] + step)
+    starts = np.flatnonzero(~follows) + 1
+    starts = np.concatenate((np.zeros(1, dtype=starts.dtype), starts))
+    counts = np.diff(np.append(starts, n)).astype(np.uint64)
+    return src[starts], dst[starts], counts * step
