@@ -12,7 +12,6 @@
 #   tools/gpu_e2e.sh pagetables     # TWO GPUs: the goal table's rows over realistic/scattered/contiguous page tables (< 8 min)
 #   tools/gpu_e2e.sh pipeline       # TWO GPUs: staged chunks cut in 8/16/32-layer groups, A/B against whole, c1 and c8 (< 5 min)
 #   tools/gpu_e2e.sh kernelpath     # ONE GPU is enough: the kernel path's CUDA tests, then its bench against raw NIXL (< 3 min)
-#   tools/gpu_e2e.sh kernelpath     # ONE GPU is enough: the kernel path's CUDA tests, then its bench against raw NIXL (< 3 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -257,50 +256,6 @@ if [ "$phase" = percall ]; then  # per-room overhead on ONE GPU (both processes 
       --rounds 4 --lat-rooms 40 --ab $ab --json 2>&1 | grep -v "NIXL INFO" | tee "$OUT/percall-$path-c$conc-$ab.txt" \
       | grep -E "^path=|--ab|post_write|granted|StagingGrant|gathered|posted|notif|Scattered|d.waited|Error|Traceback"
   done
-  exit 0
-fi
-if [ "$phase" = kernelpath ]; then  # issue 40 item 2, one call (< 3 min; BUDGET s, default 170)
-  # 1. every CUDA test of the kernel path: the copy kernel (gpu-marked), CUDA IPC between two processes
-  #    (bytes, kills), the in-process protocol on CUDA pools; counts and failing node ids.
-  # 2. bench_transfer --path kernel against raw NIXL of the same run (Qwen3-32B-shaped 1.07 GB rooms,
-  #    realistic page tables, 1 and 8 in flight; page size 1 at 8 in flight), one line each.
-  # 3. the layer-wise tail with auto (which takes the kernel path on one host), 1K and 16K tokens.
-  # Logs in $OUT/kp-*.log, summary in $OUT/kernelpath.txt. (KP_ARGS / KP_LAYERWISE / KP_TESTS replace
-  # the sizes, device and test selection: a dry run on CPU with small rooms.)
-  start=$SECONDS
-  budget=${BUDGET:-170}
-  : >"$OUT/kernelpath.txt"
-  left() { echo $((budget - (SECONDS - start))); }
-  KP_TESTS=${KP_TESTS:-"-m gpu tests/kernels/test_copy.py tests/gpu/test_kernel_path_gpu.py tests/integration/test_kernel_path.py"}
-  t0=$SECONDS
-  # shellcheck disable=SC2086
-  TE_TEST_DEVICE=${KP_DEVICE:-cuda} timeout 75 python3 -m pytest -q -p no:cacheprovider -rfE $KP_TESTS >"$OUT/kp-tests.log" 2>&1
-  rc=$?
-  counts=$(grep -v "NIXL INFO" "$OUT/kp-tests.log" | grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected)" | tail -1)
-  echo "tests: rc $rc, ${counts:-no summary (see kp-tests.log)}, $((SECONDS - t0)) s" | tee -a "$OUT/kernelpath.txt"
-  grep -E "^(FAILED|ERROR) " "$OUT/kp-tests.log" | cut -c1-200 | head -15 | tee -a "$OUT/kernelpath.txt"
-  QWEN=${KP_ARGS:-"--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"}
-  for row in "1 16 6" "8 16 16" "8 1 16"; do  # concurrency, page size, rooms
-    set -- $row
-    [ "$(left)" -lt 25 ] && { echo "bench c$1 page $2: skipped, the phase's $budget s were spent" | tee -a "$OUT/kernelpath.txt"; continue; }
-    lim=$(left); [ "$lim" -gt 45 ] && lim=45
-    # shellcheck disable=SC2086
-    timeout "$lim" python3 tools/bench_transfer.py $QWEN --page-size "$2" --path kernel --page-table realistic \
-      --concurrency "$1" --rooms "$3" --rounds 2 --lat-rooms 10 --json >"$OUT/kp-bench-c$1-p$2.log" 2>&1
-    echo "bench kernel c$1 page $2: rc $?" | tee -a "$OUT/kernelpath.txt"
-    grep -v "NIXL INFO" "$OUT/kp-bench-c$1-p$2.log" | grep -E "^path=|Error|Traceback" | cut -c1-400 | tee -a "$OUT/kernelpath.txt"
-  done
-  if [ "$(left)" -gt 30 ]; then
-    lim=$(left); [ "$lim" -gt 60 ] && lim=60
-    # shellcheck disable=SC2086
-    timeout "$lim" python3 tools/bench_layerwise.py ${KP_LAYERWISE:-"--device cuda --tokens 1024,16384"} --path auto \
-      --page-table realistic --per-write 1 --reps 3 --room-timeout 20 >"$OUT/kp-layerwise.log" 2>&1
-    echo "bench_layerwise auto (kernel on one host): rc $?" | tee -a "$OUT/kernelpath.txt"
-    grep -v "NIXL INFO" "$OUT/kp-layerwise.log" | tail -8 | tee -a "$OUT/kernelpath.txt"
-  else
-    echo "bench_layerwise: skipped, the phase's $budget s were spent" | tee -a "$OUT/kernelpath.txt"
-  fi
-  echo "kernelpath: $((SECONDS - start)) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/kernelpath.txt"
   exit 0
 fi
 if [ "$phase" = kernelpath ]; then  # issue 40 item 2, one call (< 3 min; BUDGET s, default 170)
