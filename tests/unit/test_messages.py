@@ -489,3 +489,47 @@ def test_messages_module_never_pickles() -> None:
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert "pickle" not in names
     assert "__reduce__" not in source
+
+
+# ---------------------------------------------------------------- a request's pages on the wire
+
+PAGES = 1 + TransferRequest.__struct_fields__.index("dst_pages")
+"""Where ``dst_pages`` is in a TransferRequest's array (the tag first)."""
+
+
+@given(pages=st.lists(st.integers(0, (1 << 31) - 1), max_size=300))
+def test_request_pages_travel_as_int32(pages: list[int]) -> None:
+    request = TransferRequest(
+        agent="d",
+        room=1,
+        decode_rank=0,
+        decode_tp=1,
+        path="direct",
+        dst_pages=pages,
+        aux_slot=None,
+        slices=[],
+    )
+    assert request.dst_pages == messages.pack_pages(pages) and len(request.dst_pages) == 4 * len(pages)
+    back = decode(encode(request))
+    assert isinstance(back, TransferRequest) and back == request
+    assert back.pages.tolist() == pages and back.pages.dtype == messages.PAGE_DTYPE
+
+
+def test_request_pages_of_a_partial_int32_are_refused() -> None:
+    raw = as_list(SAMPLES[[type(s) for s in SAMPLES].index(TransferRequest)])
+    raw[PAGES] = raw[PAGES] + b"\x01"  # one byte past the last whole page
+    error = expect_protocol_error(msgspec.msgpack.encode(raw))
+    assert "not a whole number of int32" in str(error)
+
+
+def test_request_pages_as_a_list_of_ints_are_refused() -> None:
+    """The encoding of protocol version 3 (a msgpack list) is malformed now, whatever version it says."""
+    raw = as_list(SAMPLES[[type(s) for s in SAMPLES].index(TransferRequest)])
+    raw[PAGES] = [5, 6, 9]
+    expect_protocol_error(msgspec.msgpack.encode(raw))
+
+
+@pytest.mark.parametrize("pages", [[1 << 31], [-(1 << 31) - 1], [[1, 2]], ["a"]])
+def test_pack_pages_refuses_what_int32_cannot_hold(pages: list[Any]) -> None:
+    with pytest.raises(ValueError, match="pages must"):
+        messages.pack_pages(pages)

@@ -57,6 +57,8 @@ def request(**changes: object) -> m.TransferRequest:
         ),
         (request(dst_pages=[0, 16]), ASKER, "decode page 16 outside [0, 16)"),
         (request(dst_pages=[-1]), ASKER, "decode page -1 outside"),
+        (request(dst_pages=[3, 15, 1 << 30, -5]), ASKER, "decode page 1073741824 outside"),
+        (request(dst_pages=[]), ASKER, None),
     ],
 )
 def test_check_request(req: m.TransferRequest, asker: Asker, error: str | None) -> None:

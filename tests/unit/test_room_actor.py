@@ -231,7 +231,7 @@ async def test_a_decode_room_sends_its_requests_once_it_has_its_pages(at_creatio
                 1,
                 "direct",
             )
-            assert req.dst_pages == [3, 1, 2] and req.decode_prefix_len == 8
+            assert req.pages.tolist() == [3, 1, 2] and req.decode_prefix_len == 8
             spec = (writer.prefill_rank, writer.src_head_start, writer.dst_head_start, writer.num_heads)
             assert req.slices == [m.SliceSpec(*spec)]
         assert [req.aux_slot for _, req in sent] == [5, None]

@@ -86,9 +86,10 @@ def check_request(req: m.TransferRequest, asker: Asker, writer: Writer) -> m.Sli
                 f"decode rank {req.decode_rank} granted {first} with the request: outside its ring of "
                 f"{asker.ring_bytes} bytes"
             )
-    bad = [p for p in req.dst_pages if not 0 <= p < asker.num_pages]
-    if bad:
-        raise ProtocolError(f"decode page {bad[0]} outside [0, {asker.num_pages})")
+    pages = req.pages
+    if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= asker.num_pages):
+        bad = pages[(pages < 0) | (pages >= asker.num_pages)]
+        raise ProtocolError(f"decode page {int(bad[0])} outside [0, {asker.num_pages})")
     return got
 
 

@@ -49,7 +49,7 @@ def chunk_slots(job: WriteJob, pool: KVPool, dst_pages: np.ndarray) -> tuple[np.
 
 def staged_slots(job: WriteJob, pool: KVPool) -> np.ndarray:
     """The prefill token slots a staged chunk gathers (clipped to the decode rank's capacity)."""
-    return chunk_slots(job, pool, np.asarray(job.request.dst_pages, dtype=np.int64))[0]
+    return chunk_slots(job, pool, job.request.pages.astype(np.int64))[0]
 
 
 def chunk_notification(job: WriteJob, region: int) -> bytes:
@@ -132,7 +132,7 @@ def chunk_descriptors(
     ``rows`` (one layer group's), or of every tensor when None. Pure; raises TransferError."""
     req, peer, chunk = job.request, job.peer, job.chunk
     assert chunk is not None
-    dst_pages_all = np.asarray(req.dst_pages, dtype=np.int64)
+    dst_pages_all = req.pages.astype(np.int64)
     spec = req.slices[0]
     if pool.strides is not None or peer.layout.strides is not None:
         return _strided_write(job, pool, bases, dst_pages_all, spec, rows)
@@ -301,7 +301,7 @@ def table_chunk_groups(job: WriteJob, pool: KVPool, spec: tables.TableSpec) -> t
     tensor's entry)."""
     req, peer, chunk = job.request, job.peer, job.chunk
     assert chunk is not None
-    dst_pages = np.asarray(req.dst_pages, dtype=np.int64)
+    dst_pages = req.pages.astype(np.int64)
     if req.path == "direct" and len(dst_pages[chunk.page_start : chunk.page_start + chunk.num_pages]) != len(
         job.src_pages
     ):
