@@ -13,6 +13,7 @@ message on, and is also where the endpoint records the drops its handler decides
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -20,6 +21,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
+import anyio
 import zmq
 import zmq.asyncio
 
@@ -168,8 +170,17 @@ class Inbox:
     async def _serve(self, router: zmq.asyncio.Socket, endpoint: str, handle: Handler) -> NoReturn:
         limit = router.getsockopt(zmq.MAXMSGSIZE)  # the endpoint's frame cap (bind_router)
         assert isinstance(limit, int) and limit > 0
+        # Read through a plain view of the socket, woken by the loop's reader on its ZMQ_FD and
+        # drained with non-blocking receives: no Future per message. A zmq.asyncio receive cost a
+        # request 60-80 us more on the CPU box (tools/bench_channels.py; docs/DECISIONS.md, "Per-room
+        # requests stay on the control ROUTER, read without zmq.asyncio").
+        sock: zmq.Socket[bytes] = zmq.Socket.shadow(router.underlying)
         while True:
-            frames = await router.recv_multipart(copy=True)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                await _readable(sock)
+                continue
             self.book.flush()  # any traffic writes the summaries of windows that are over
             source = source_of(endpoint, frames[0]) if frames else f"{endpoint}<-?"
             if len(frames) != 2:
@@ -181,3 +192,24 @@ class Inbox:
                 self.drop("malformed", source, str(exc))
                 continue
             await handle(message, frames[0], source)
+
+
+async def _readable(sock: zmq.Socket[bytes]) -> None:
+    """Return once ``sock`` may have a message to read.
+
+    ZMQ_FD is edge-like: it turns readable when the socket's state may have changed, and asking for
+    ZMQ_EVENTS resets it. So EVENTS is asked first (a message may be waiting already, the FD quiet),
+    and the loop's reader is added only around the wait, with no await in between: a zmq.asyncio
+    view of the same socket (its replies) may register its own reader on the FD meanwhile, which
+    this one then replaces for as long as it waits.
+    """
+    if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        return
+    loop = asyncio.get_running_loop()
+    fd = int(sock.getsockopt(zmq.FD))
+    woken = anyio.Event()
+    loop.add_reader(fd, woken.set)
+    try:
+        await woken.wait()
+    finally:
+        loop.remove_reader(fd)
