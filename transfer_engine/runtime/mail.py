@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -62,6 +62,12 @@ class Mailbox(Generic[T]):
         self._writable = anyio.Event()
         self.high_water = 0
         """The most items it ever held (tests check bounds with it)."""
+        self.taker: Callable[[T], bool] | None = None
+        """Set by a receiver that can apply mail in the sender's own call (a room actor waiting on
+        its empty mailbox): :meth:`send` hands it the mail first, and queues it only when the taker
+        says False. Never called while items are queued, so the order of mail is kept."""
+        self.waiting = False
+        """The receiver waits in :meth:`next` (on an empty mailbox) right now."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -86,6 +92,13 @@ class Mailbox(Generic[T]):
             )
         self._put(mail)
 
+    def offer(self, mail: T) -> None:
+        """:meth:`post`, but hand ``mail`` to the :attr:`taker` first when there is one and nothing is
+        queued (as :meth:`send` does)."""
+        if self.taker is not None and not self._items and not self._closed and self.taker(mail):
+            return
+        self.post(mail)
+
     def send_nowait(self, mail: T) -> None:
         """Queue ``mail`` if it is under ``capacity``; ``anyio.WouldBlock`` otherwise."""
         if self._closed:
@@ -95,7 +108,10 @@ class Mailbox(Generic[T]):
         self._put(mail)
 
     async def send(self, mail: T) -> None:
-        """Queue ``mail``, waiting while the mailbox holds ``capacity`` items or more."""
+        """Queue ``mail``, waiting while the mailbox holds ``capacity`` items or more; or hand it to
+        the :attr:`taker`, when there is one and nothing is queued."""
+        if self.taker is not None and not self._items and not self._closed and self.taker(mail):
+            return
         while True:
             if self._closed:
                 raise anyio.ClosedResourceError
@@ -134,7 +150,11 @@ class Mailbox(Generic[T]):
                     return None
                 if self._readable.is_set():
                     self._readable = anyio.Event()
-                await self._readable.wait()
+                self.waiting = True
+                try:
+                    await self._readable.wait()
+                finally:
+                    self.waiting = False
 
     async def receive(self) -> T:
         """The oldest item, waiting for one; ``anyio.EndOfStream`` once closed and drained. A

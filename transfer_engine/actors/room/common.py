@@ -9,11 +9,17 @@ import time
 import anyio
 
 from transfer_engine.errors import FailureReason, ProtocolError, TransferFailed, failure_error
+from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.rooms import Room, RoomStatus
-from transfer_engine.runtime.mail import Drained, LeaseRenewed, Mailbox, RoomMail
+from transfer_engine.runtime.mail import Drained, LeaseRenewed, Mailbox, RoomMail, WriteDone, WriteEnded
 from transfer_engine.runtime.ports import ROOM_MAILBOX, ROOM_RESERVE, RoomPorts
 
 log = logging.getLogger("transfer_engine.room")
+
+TAKEN_NOW: frozenset[type] = frozenset({m.TransferRequest, m.ChunkLanded, m.AuxLanded, WriteEnded, WriteDone})
+"""The mail a waiting room applies in the sender's call (:meth:`RoomActor._take`): what moves a room
+along its latency path (a request in, a WRITE started, its end, the notification of its landing).
+The rest (the user's chunks, replies of the ring and the scatter actor, timers) is queued as ever."""
 
 
 class RoomActor:
@@ -27,12 +33,20 @@ class RoomActor:
         self.ports = ports
         self.room = room
         self.inbox: Mailbox[RoomMail] = Mailbox(ROOM_MAILBOX, ROOM_RESERVE)
+        self.inbox.taker = self._take
         self.done = anyio.Event()
         self.status_changed = anyio.Event()
         """Set when a mail changed the room's status, or the room ended; replaced by a fresh one
         after each change (a waiter looks at ``status`` again and waits on the new one)."""
         self.created = time.monotonic()
         self._drain_asked = False
+        self._waiting = False
+        """The room's task waits on its empty mailbox: mail sent now may be applied in the sender's call."""
+        self._ended = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed: float | None = None
+        self._wake: float | None = None
+        self._deadline: float | None = None
 
     @property
     def status(self) -> RoomStatus:
@@ -48,10 +62,10 @@ class RoomActor:
             return True
         return False
 
-    async def handle(self, mail: RoomMail) -> None:
+    def handle(self, mail: RoomMail) -> None:
         raise NotImplementedError
 
-    async def finish(self) -> None:
+    def finish(self) -> None:
         """Runs once, when the room is final and quiescent, before it leaves the engine."""
 
     async def started(self) -> None:
@@ -72,30 +86,30 @@ class RoomActor:
         after every notification that had arrived was applied. The deadline moves with the room's
         progress and its lease (``Deadlines.due``): the engine mails a waiting room
         :class:`LeaseRenewed` as its peer's heartbeats list it, and the timer is armed afresh.
+
+        While the task waits on an empty mailbox, mail that another actor ``send``s is applied in
+        that actor's call (:meth:`_take`): the same checks and transitions, one loop turn sooner;
+        a room that ends so ends there too (docs/DECISIONS.md, "A room applies mail in the
+        sender's call when it waits").
         """
         log.debug("%s room %d: %s", self.side, self.room, self.core.status.name)
-        loop = asyncio.get_running_loop()
-        timer: asyncio.TimerHandle | None = None
-        armed: float | None = None
         try:
             await self.started()
             while not (self.core.status.final and self.core.quiescent):
-                deadline = None if self._drain_asked else self.core.deadline
-                wakes = [t for t in (deadline, self.repeat_at()) if t is not None]
-                wake = min(wakes) if wakes else None
-                if wake != armed:  # one timer nudges the inbox at the next wake, re-armed only when it moves
-                    if timer is not None:
-                        timer.cancel()
-                    timer = (
-                        None if wake is None else loop.call_later(wake - time.monotonic(), self.inbox.nudge)
-                    )
-                    armed = wake
-                mail = await self.inbox.next()
+                self._arm()
+                self._waiting = True
+                try:
+                    mail = await self.inbox.next()
+                except anyio.EndOfStream:  # closed as the room ended in a sender's call (_take)
+                    return
+                finally:
+                    self._waiting = False
                 if mail is not None:
-                    await self._apply(mail)
+                    self._apply(mail)
                     continue
-                armed = None  # the timer fired (or a stale one did): the next turn arms it afresh
+                self._armed = None  # the timer fired (or a stale one did): the next turn arms it afresh
                 now = time.monotonic()
+                wake, deadline = self._wake, self._deadline
                 if wake is not None and now < wake:
                     continue  # early (the loop's clock) or stale: wait for the rest
                 repeat_at = self.repeat_at()
@@ -104,27 +118,74 @@ class RoomActor:
                 if deadline is not None and now >= deadline:
                     self._drain_asked = True
                     self.ports.drain.request_drain(self.room)
-            # Mail sent from now on finds the room gone, and the engine answers it (an Abort gets
-            # its AbortAck there); mail already queued is still applied, so no Abort is lost.
-            self.inbox.close()
-            while True:
-                try:
-                    mail = self.inbox.receive_nowait()
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
-                await self._apply(mail)
+            self._close_inbox()
         finally:
-            if timer is not None:
-                timer.cancel()
-            with anyio.CancelScope(shield=True):
-                await self.finish()
-                self.inbox.close()
-                self.ports.rooms.close(self.room, self.inbox)
-                self.done.set()
-                self.status_changed.set()
+            if not self._ended:
+                self._end()
+
+    def _arm(self) -> None:
+        """Arm the one timer that nudges the inbox at the room's next wake (its deadline, or its
+        next repeat); re-armed only when that time moved."""
+        deadline = None if self._drain_asked else self.core.deadline
+        wakes = [t for t in (deadline, self.repeat_at()) if t is not None]
+        wake = min(wakes) if wakes else None
+        self._wake, self._deadline = wake, deadline
+        if wake != self._armed:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = (
+                None
+                if wake is None
+                else asyncio.get_running_loop().call_later(wake - time.monotonic(), self.inbox.nudge)
+            )
+            self._armed = wake
+
+    def _take(self, mail: RoomMail) -> bool:
+        """The mailbox's taker: apply ``mail`` (one of :data:`TAKEN_NOW`) now, in the sender's call, if
+        the room's task waits on its empty mailbox (False: queue it). A room that becomes final and
+        quiescent ends here."""
+        if not self._waiting or type(mail) not in TAKEN_NOW:
+            return False
+        self._waiting = False  # mail sent to this room while it applies this one is queued
+        try:
+            self._apply(mail)
+            if self.core.status.final and self.core.quiescent:
+                self._close_inbox()
+                self._end()
+            else:
+                self._arm()
+        finally:
+            self._waiting = not self._ended
+        return True
+
+    def _close_inbox(self) -> None:
+        # Mail sent from now on finds the room gone, and the engine answers it (an Abort gets
+        # its AbortAck there); mail already queued is still applied, so no Abort is lost.
+        self.inbox.close()
+        while True:
+            try:
+                mail = self.inbox.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+            self._apply(mail)
+
+    def _end(self) -> None:
+        """Once: the room leaves the engine (its cleanup, the board, ``done``)."""
+        self._ended = True
+        self._waiting = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            self.finish()
+        finally:
+            self.inbox.close()
+            self.ports.rooms.close(self.room, self.inbox)
+            self.done.set()
+            self.status_changed.set()
             log.debug("%s room %d ended %s", self.side, self.room, self.core.status.name)
 
-    async def _apply(self, mail: RoomMail) -> None:
+    def _apply(self, mail: RoomMail) -> None:
         before = self.core.status
         self.ports.me.trace.mark_mail("room", mail, self.room)
         try:
@@ -136,7 +197,7 @@ class RoomActor:
             elif isinstance(mail, LeaseRenewed):
                 self.core.hold(mail.at)
             else:
-                await self.handle(mail)
+                self.handle(mail)
         except ProtocolError as exc:
             self._fail(FailureReason.PROTOCOL, str(exc))
         if self.core.status is not before:
@@ -144,7 +205,7 @@ class RoomActor:
             log.debug("%s room %d: %s -> %s", self.side, self.room, before.name, self.core.status.name)
             changed, self.status_changed = self.status_changed, anyio.Event()
             changed.set()
-            await self.on_status_change(before)
+            self.on_status_change(before)
 
-    async def on_status_change(self, before: RoomStatus) -> None:
+    def on_status_change(self, before: RoomStatus) -> None:
         """Hook for side effects of a status change (telling peers about a failure, ...)."""

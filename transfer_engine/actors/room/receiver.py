@@ -190,7 +190,7 @@ class ReceiverRoomActor(ReceiverChecks, RoomActor):
         self.core.lease(time.monotonic())  # it waits on the prefill now: the prefill's heartbeats renew it
         me = self.ports.me
         by_rank = {w.prefill_rank: (i, w) for i, w in enumerate(self.slices)}
-        pages_list = mail.pages.tolist()
+        pages = m.pack_pages(mail.pages)  # once for every prefill rank
         for peer in self.everyone:
             index, w = by_rank.get(peer.rank, (-1, None))
             slices = (
@@ -204,7 +204,7 @@ class ReceiverRoomActor(ReceiverChecks, RoomActor):
                 decode_rank=me.rank,
                 decode_tp=me.tp_size,
                 path=self.path,
-                dst_pages=pages_list,
+                dst_pages=pages,
                 aux_slot=mail.aux_slot if peer.rank == aux_writer else None,
                 slices=slices,
                 decode_prefix_len=mail.decode_prefix_len,
@@ -256,7 +256,7 @@ class ReceiverRoomActor(ReceiverChecks, RoomActor):
 
     # --- mailbox -------------------------------------------------------------------------------
 
-    async def handle(self, mail: RoomMail) -> None:
+    def handle(self, mail: RoomMail) -> None:
         now = time.monotonic()
         match mail:
             case m.ChunkLanded(sender=sender, chunk_id=chunk_id) if chunk_id in self.core.landed.get(
@@ -418,7 +418,7 @@ class ReceiverRoomActor(ReceiverChecks, RoomActor):
             )  # fmt: skip
         )
 
-    async def on_status_change(self, before: RoomStatus) -> None:
+    def on_status_change(self, before: RoomStatus) -> None:
         if not self.core.status.final:
             return
         self.to_scatter.clear()
@@ -462,7 +462,7 @@ class ReceiverRoomActor(ReceiverChecks, RoomActor):
         self.ports.counters[f"repeated_{kind.value}"] += 1
         self.backoff.sent(now)
 
-    async def finish(self) -> None:
+    def finish(self) -> None:
         if not self.core.status.final:
             self._fail(FailureReason.SHUTDOWN, "room actor stopped")
             if self.staged and self.ports.ring is not None and self.opened is not None:

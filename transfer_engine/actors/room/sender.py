@@ -70,8 +70,10 @@ class SenderRoomActor(RoomActor):
         """Layer-wise chunks (``Sender.begin_chunk``): the groups ready so far and what each waits on."""
         self.written = LayerTally(ports.pool.layout.num_layers, LocalProtocolError)
         """Layer groups written per (chunk, decode rank); a chunk is done for a rank once they cover it."""
+        self._offer = False
+        """Jobs go to the workers by ``offer`` (a request came for chunks already sent), not ``post``."""
 
-    async def handle(self, mail: RoomMail) -> None:
+    def handle(self, mail: RoomMail) -> None:
         now = time.monotonic()
         match mail:
             case m.TransferRequest():
@@ -186,10 +188,17 @@ class SenderRoomActor(RoomActor):
         self.decode_prefix_len = req.decode_prefix_len
         self.requests[req.decode_rank] = req
         self.peers[req.decode_rank] = peer
-        for chunk in self.core.chunks:
-            self._schedule(chunk.chunk_id, req.decode_rank)
-        if self._aux_due() and req.decode_rank in self.core.aux_targets:
-            self._schedule_aux(req.decode_rank)
+        # The chunks sent before the request came are ready to go: their jobs are offered to the
+        # worker, which plans and starts them in this call if it waits on an empty inbox (the small
+        # room's latency path); jobs made later are posted and queue there as ever.
+        self._offer = True
+        try:
+            for chunk in self.core.chunks:
+                self._schedule(chunk.chunk_id, req.decode_rank)
+            if self._aux_due() and req.decode_rank in self.core.aux_targets:
+                self._schedule_aux(req.decode_rank)
+        finally:
+            self._offer = False
 
     def _aux_due(self) -> bool:
         """The last chunk is queued, and, when layer-wise, every layer of it is ready."""
@@ -272,10 +281,14 @@ class SenderRoomActor(RoomActor):
             job = self.backlog.popleft()
             self.core.job_started()
             self.worker_agents.add(job.peer.agent_name)
-            workers.for_agent(job.peer.agent_name).post(job)
             self.ports.me.trace.mark(self.room, "job_posted")
+            box = workers.for_agent(job.peer.agent_name)
+            if self._offer:
+                box.offer(job)
+            else:
+                box.post(job)
 
-    async def on_status_change(self, before: RoomStatus) -> None:
+    def on_status_change(self, before: RoomStatus) -> None:
         if self.core.status is not RoomStatus.FAILED:
             return
         self.backlog.clear()
@@ -301,7 +314,7 @@ class SenderRoomActor(RoomActor):
             ),
         )
 
-    async def finish(self) -> None:
+    def finish(self) -> None:
         if not self.core.status.final:
             self._fail(FailureReason.SHUTDOWN, "room actor stopped")
         self.backlog.clear()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections import defaultdict
 
 import anyio
 import anyio.abc
 
+from transfer_engine.errors import FailureReason, TransferError
 from transfer_engine.memory.integrity import PoolChecksums
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol import messages as m
@@ -18,11 +20,13 @@ from transfer_engine.runtime.ports import Outbox, RankIdentity, RoomBoard, Write
 from ..base import Actor
 from .core import Made, OwnInbox, Sealer, WorkerMail, answer
 from .direct import TABLE_MAX_DESCRIPTORS, DirectPath
-from .held import HeldJobs
+from .held import HeldJobs, is_ready
 from .kernel import KernelPath
 from .layerwise import StagedGroups
 from .plan import is_staged_job
 from .staged import Lease, StagedPath
+
+log = logging.getLogger(__name__)
 
 
 class TransferWorker(Actor[WorkerMail]):
@@ -61,6 +65,11 @@ class TransferWorker(Actor[WorkerMail]):
         self._own = OwnInbox(self.inbox)
         self._sealer = Sealer(pool, checksums)
         done = functools.partial(answer, rooms)
+        self._done = done
+        self._taking = False
+        self._refused: dict[int, TransferError] = {}
+        """Jobs (by id) whose WRITE :meth:`_take` tried and was refused, queued for their answer."""
+        self.inbox.taker = self._take
         trace = me.trace
         self.held = HeldJobs(
             index, poller, rooms, self._own, self.completions, done,
@@ -128,6 +137,34 @@ class TransferWorker(Actor[WorkerMail]):
 
     # --- the mailbox -----------------------------------------------------------------------------
 
+    def _take(self, mail: WorkerMail) -> bool:
+        """The inbox's taker (docs/DECISIONS.md, "A room applies mail in the sender's call when it
+        waits"): a direct WriteJob whose KV is written, posted while this worker waits on its empty
+        inbox, is planned, made and started in the poster's call (the room's), not one loop turn
+        later. False (queued as before) for anything else, and for a job whose WRITE was refused:
+        :meth:`handle` answers it with that refusal, without trying it again."""
+        if (
+            self._taking
+            or not self.inbox.waiting
+            or not isinstance(mail, WriteJob)
+            or mail.group is not None
+            or is_staged_job(mail)
+            or self.kernel.takes(mail)
+            or self._sealer.checksums is not None
+            or (mail.ready is not None and not is_ready(mail.ready))
+        ):
+            return False
+        self._taking = True
+        try:
+            self.me.trace.mark_mail("worker", mail)
+            self.direct.start_made(mail, self.direct._make_direct(mail))
+        except TransferError as exc:
+            self._refused[id(mail)] = exc
+            return False
+        finally:
+            self._taking = False
+        return True
+
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Handle mail until the inbox closes. Jobs whose KV is not written yet are held; the
         completion waiter's thread starts their WRITEs, and its callbacks post :class:`Reached` when
@@ -145,6 +182,10 @@ class TransferWorker(Actor[WorkerMail]):
     async def handle(self, mail: WorkerMail) -> None:
         self.me.trace.mark_mail("worker", mail)
         match mail:
+            case WriteJob() if id(mail) in self._refused:  # refused in the poster's call (_take)
+                exc = self._refused.pop(id(mail))
+                log.warning("worker %d: room %d: %s", self.index, mail.room, exc)
+                await self._done(mail, False, str(exc), FailureReason.TRANSPORT)
             case WriteJob() if self.kernel.takes(mail):
                 await self.kernel.execute(mail)
             case WriteJob(group=group) if group is not None and is_staged_job(mail):
