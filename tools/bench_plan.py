@@ -15,7 +15,12 @@ the writer's and the reader's from unrelated allocators). Per case, the first la
 - from tables (``protocol/tables.py``): ``write_indices`` for the group (the chunk's slot groups
   included); the tables themselves (``decide_table``, ``side_entries``) are made once per peer at
   handshake and timed apart, with their entries and memory over this pool, and last over a pool
-  of ``--big-pool`` pages (equal TP and the TP-2 writer).
+  of ``--big-pool`` pages (equal TP and the TP-2 writer);
+- as the worker makes it (``actors/worker/plan.py``): both sides' index arrays and addresses into
+  its strided-row tables (``table_indices``, the chunk's slot groups computed once per chunk and
+  shared by its groups, so not counted here), merged as NIXL merges them (``merged_runs``: the
+  descriptors NIXL posts); and each side's rows (``side_table``), made once per peer: rows a side
+  and their ms, over this pool and over the big pool (the rows do not grow with it).
 
 Cases: equal TP (the direct path), a TP-2 writer into a TP-1 reader (hetero-TP head slice), and
 an HND reader (NHD -> HND: the finest entries). Times are this thread's CPU time
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from transfer_engine.actors.worker.plan import side_table, table_write
 from transfer_engine.protocol import descriptors, tables
 from transfer_engine.protocol.layers import group_tensors
 from transfer_engine.testing.pagetables import pool_pages, room_tables, side_seed
@@ -122,6 +128,20 @@ def make_tables(
     return spec, src_addr.size + dst_addr.size, (time.thread_time_ns() - t0) / 1e6
 
 
+def worker_rows(src: Rank, dst: Rank, spec: tables.TableSpec, pages: int) -> tuple[tuple, float]:
+    """Both sides' strided-row tables (``plan.side_table``) over ``pages`` pages, and their thread CPU ms."""
+    t0 = time.thread_time_ns()
+    sides = tuple(
+        side_table(spec, side, r.bases, r.lengths, r.rows, pages) for side, r in (("src", src), ("dst", dst))
+    )
+    return sides, (time.thread_time_ns() - t0) / 1e6
+
+
+def plan_worker(spec, sides, groups, units) -> tuple[np.ndarray, ...]:  # noqa: ANN001
+    """One group's WRITE as the worker makes it from its tables, given the chunk's slot groups."""
+    return table_write(sides[0], sides[1], groups, units, spec.entry_bytes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -143,7 +163,8 @@ def main() -> None:
     )
     header = (
         "| case | tokens | old ms | old descriptors | new ms | new indices | of which chunk_groups ms "
-        "| entry | tables once: pool pages, entries (both sides), MiB, ms |"
+        "| entry | tables once: pool pages, entries (both sides), MiB, ms | worker ms | worker descriptors "
+        "| worker rows (both sides), ms |"
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -164,10 +185,14 @@ def main() -> None:
                 groups = functools.partial(tables.chunk_groups, spec, src_pages, dst_pages, num_tokens=tokens)
                 old_ms, new_ms = cpu_ms(old, args.old_reps), cpu_ms(new, args.new_reps)
                 groups_ms = cpu_ms(groups, args.new_reps)
+                sides, rows_ms = worker_rows(src, dst, spec, total)
+                worker = functools.partial(plan_worker, spec, sides, groups(), tables.units_of(spec, rows))
+                worker_ms = cpu_ms(worker, args.new_reps)
                 print(
                     f"| {case.name} ({shape}) | {tokens} | {old_ms:.2f} | {len(old()[0])} | {new_ms:.3f} | "
                     f"{len(new()[0])} | {groups_ms:.3f} | {spec.granularity} | {total}, {entries}, "
-                    f"{entries * 8 / 2**20:.1f}, {once_ms:.0f} |",
+                    f"{entries * 8 / 2**20:.1f}, {once_ms:.0f} | {worker_ms:.3f} | {len(worker()[2])} | "
+                    f"{sides[0].rows.rows + sides[1].rows.rows}, {rows_ms:.2f} |",
                     flush=True,
                 )
     big = args.big_pool
@@ -175,9 +200,11 @@ def main() -> None:
         src = vllm_rank("LBNHC", big, case.src_heads, 1 << 40)
         dst = vllm_rank(case.dst_order, big, case.dst_heads, 1 << 44)
         spec, entries, once_ms = make_tables(src, dst, case, big, args.layers_per_write)
+        sides, rows_ms = worker_rows(src, dst, spec, big)
         print(
             f"tables of {case.name} over {big} pages ({big * PAGE} tokens): {spec.granularity}, {entries} entries "
-            f"(both sides), {entries * 8 / 2**20:.0f} MiB of addresses, {once_ms:.0f} ms"
+            f"(both sides), {entries * 8 / 2**20:.0f} MiB of addresses, {once_ms:.0f} ms; the worker's strided "
+            f"rows: {sides[0].rows.rows + sides[1].rows.rows} (both sides), {rows_ms:.2f} ms"
         )
 
 

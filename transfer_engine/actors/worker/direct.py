@@ -43,13 +43,12 @@ from .plan import (
     group_layers_of,
     group_rows,
     is_staged_job,
-    merged_runs,
     plan_write,
     shares_lists,
     side_table,
     table_chunk_groups,
-    table_indices,
     table_spec,
+    table_write,
 )
 
 log = logging.getLogger(__name__)
@@ -348,11 +347,11 @@ class DirectPath:
             units = tables.units_of(spec, group_rows(job, self.pool))
         except ConfigError as exc:
             raise TransferError(f"room {job.room}: {exc}") from exc
-        src_index, src_addr = table_indices(pair.src, groups[0], units)
-        dst_index, dst_addr = table_indices(pair.dst, groups[1], units)
+        src_index, dst_index, src, dst, length = table_write(
+            pair.src, pair.dst, groups, units, spec.entry_bytes
+        )
         if len(src_index) == 0:
             raise TransferError(f"room {job.room}: empty WRITE")
-        src, dst, length = merged_runs(src_addr, dst_addr, spec.entry_bytes)
         write = WriteSpec(
             job.peer.agent_name, self.pool.mem_type, src, dst, length, self.pool.device_id,
             chunk_notification(job, region=-1),

@@ -221,9 +221,27 @@ class SideTable:
     units: int
     heads: int
     unit_stride: np.ndarray
-    """uint64, one per unit: the step of that unit's rows."""
+    """uint64, one per unit: the step of that unit's rows (one page, or one token group for slot rows)."""
+    group_stride: np.ndarray
+    """uint64, one per unit: from a token group's row to the next one's within a page (page rows)."""
     slot_groups: int
     """Slot groups of the pool (``num_pages * groups_per_page``): the bound of a WRITE's slot groups."""
+
+    @property
+    def uniform(self) -> bool:
+        """Every unit steps alike (the same layout per layer): a WRITE's addresses are one outer sum."""
+        return bool(
+            (self.unit_stride == self.unit_stride[0]).all()
+            and (self.group_stride == self.group_stride[0]).all()
+        )
+
+    @property
+    def runs(self) -> bool:
+        """Consecutive entries of one of its rows may follow each other in memory (one head group, one
+        row per unit over every slot group, stepping one entry): the only neighbours NIXL merges."""
+        return (
+            self.heads == 1 and self.token_groups == 1 and bool((self.unit_stride == self.rows.length).any())
+        )
 
 
 def group_layers_of(job: WriteJob) -> int | None:
@@ -275,6 +293,7 @@ def side_table(
     else:
         addr, step, groups, count = first, block, per_page, num_pages
     unit_stride = step.astype(np.uint64)
+    group_stride = (token * g).astype(np.uint64)
     stride = np.broadcast_to(unit_stride[None, :, None], (groups, units, heads)).reshape(-1)
     rows = TableRows(addr, np.ascontiguousarray(stride), count, spec.entry_bytes)
     # side_entries checked page 0; every row's last entry is its farthest (strides are >= 0)
@@ -290,7 +309,7 @@ def side_table(
             f"{side} tensor {tensor}: its last page's entry ends {int(end[r] - base[region[r]])} bytes into "
             f"region {int(region[r])}, which has {int(limit[r] - base[region[r]])} bytes"
         )
-    return SideTable(rows, groups, units, heads, unit_stride, num_pages * per_page)
+    return SideTable(rows, groups, units, heads, unit_stride, group_stride, num_pages * per_page)
 
 
 def table_chunk_groups(job: WriteJob, pool: KVPool, spec: tables.TableSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -337,33 +356,62 @@ def table_indices(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(index, addr)`` of one side's entries of a WRITE: int32 table indices and their uint64
     addresses, ordered unit, then slot group (token order), then head group, as
-    ``tables.group_indices`` orders a WRITE. Outer sums over the slot groups and the units."""
-    U, H, C = side.units, side.heads, side.rows.count
+    ``tables.group_indices`` orders a WRITE. Each is one outer sum of a per-(unit, head group) term
+    and a per-slot-group term (per unit as well where units step unlike each other)."""
+    U, H, C, G = side.units, side.heads, side.rows.count, side.token_groups
     s = slot_groups.astype(np.int64, copy=False)
-    if side.token_groups == 1:
+    if G == 1:
         pos, tg = s, None
-        slot_term = s
+        slot_index = s
     else:
-        pos, tg = np.divmod(s, side.token_groups)
-        slot_term = tg * (U * H * C) + pos
-    i32 = np.int32
+        pos, tg = np.divmod(s, G)
+        slot_index = tg * (U * H * C) + pos
     row0 = (units.astype(np.int64) * H)[:, None] + np.arange(H, dtype=np.int64)[None, :]  # (units, H)
-    index = (row0 * C).astype(i32)[:, None, :] + slot_term.astype(i32)[None, :, None]
-    base = side.rows.addr.reshape(side.token_groups, U, H)[:, units, :]  # (G, units, H)
-    first = base[0][:, None, :] if tg is None else base[tg].transpose(1, 0, 2)  # (units, S or 1, H)
-    addr = first + pos.astype(np.uint64)[None, :, None] * side.unit_stride[units][:, None, None]
+    index = (row0 * C).astype(np.int32)[:, None, :] + slot_index.astype(np.int32)[None, :, None]
+    first = side.rows.addr.reshape(G, U, H)[0][units]  # (units, H): token group 0's rows
+    pos64 = pos.astype(np.uint64)
+    if side.uniform:
+        slot_addr = pos64 * side.unit_stride[0]
+        if tg is not None:
+            slot_addr += tg.astype(np.uint64) * side.group_stride[0]
+        addr = first[:, None, :] + slot_addr[None, :, None]
+    else:
+        step = pos64[None, :] * side.unit_stride[units][:, None]  # (units, S)
+        if tg is not None:
+            step += tg.astype(np.uint64)[None, :] * side.group_stride[units][:, None]
+        addr = first[:, None, :] + step[:, :, None]
     return index.reshape(-1), addr.reshape(-1)
 
 
-def merged_runs(src: np.ndarray, dst: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def table_write(
+    src: SideTable, dst: SideTable, groups: tuple[np.ndarray, np.ndarray], units: np.ndarray, entry_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One WRITE from tables: ``(src_index, dst_index, src, dst, length)``, both sides' index arrays
+    (:func:`table_indices` of the chunk's slot groups ``groups`` and the ``units``) and the
+    descriptors NIXL posts for them: merged (:func:`merged_runs`) where runs of entries may follow
+    each other on both sides, else one per entry."""
+    src_index, src_addr = table_indices(src, groups[0], units)
+    dst_index, dst_addr = table_indices(dst, groups[1], units)
+    if src.runs and dst.runs:
+        merged = merged_runs(src_addr, dst_addr, entry_bytes, run=len(groups[0]))
+        return src_index, dst_index, *merged
+    return src_index, dst_index, src_addr, dst_addr, np.full(len(src_addr), entry_bytes, dtype=np.uint64)
+
+
+def merged_runs(
+    src: np.ndarray, dst: np.ndarray, length: int, *, run: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(src, dst, length)`` of entries of ``length`` bytes with neighbours that follow each other on
     both sides merged into one descriptor each, as NIXL merges them when it makes the transfer: the
-    WRITE as NIXL posts it (its count, bytes, and ranges for the fault rules)."""
+    WRITE as NIXL posts it (its count, bytes, and ranges for the fault rules). ``run``: no merge
+    across multiples of it (entries of one table row come ``run`` at a time; NIXL merges inside a row)."""
     n = len(src)
     step = np.uint64(length)
     if n <= 1:
         return src, dst, np.full(n, step, dtype=np.uint64)
     follows = (src[1:] == src[:-1] + step) & (dst[1:] == dst[:-1] + step)
+    if run is not None and 0 < run < n:
+        follows[run - 1 :: run] = False
     starts = np.flatnonzero(~follows) + 1
     starts = np.concatenate((np.zeros(1, dtype=starts.dtype), starts))
     counts = np.diff(np.append(starts, n)).astype(np.uint64)
