@@ -11,7 +11,7 @@ import anyio.lowlevel
 import pytest
 import zmq
 
-from transfer_engine.errors import LocalProtocolError, PeerUnreachableError
+from transfer_engine.errors import AddressInUseError, LocalProtocolError
 from transfer_engine.facade import BootstrapServer, LoopThread
 from transfer_engine.protocol import messages as m
 
@@ -148,6 +148,6 @@ def test_bootstrap_server_on_a_taken_port_raises_and_leaves_no_thread() -> None:
     with BootstrapServer("127.0.0.1", 0) as first:
         before = threading.active_count()
         second = BootstrapServer("127.0.0.1", first.port)
-        with pytest.raises(PeerUnreachableError, match=str(first.port)):
+        with pytest.raises(AddressInUseError, match=str(first.port)):
             second.start()
         assert threading.active_count() == before
