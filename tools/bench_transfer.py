@@ -3,6 +3,7 @@
     python tools/bench_transfer.py [--path direct|staged|host|slice|kernel] [--prefill-tp 1 --decode-tp 1]
                                    [--rooms 24] [--device cpu|cuda]
                                    [--page-table contiguous|scattered|realistic]
+                                   [--pool-layout tensors|page-major]
 
 One process per prefill rank and per decode rank (spawned, as in production). In the SAME processes
 as prefill rank 0 and decode rank 0 a second, raw NIXL agent pair is set up, and
@@ -23,7 +24,9 @@ as prefill rank 0 and decode rank 0 a second, raw NIXL agent pair is set up, and
 Each of the ``--concurrency`` room slots of a side holds one page table of ``--page-table``'s shape
 (``transfer_engine.testing.pagetables``: the prefill's and the decode's from unrelated allocators,
 so the direct path's descriptors are the runs consecutive on both sides); the pools are sized for
-that shape (at least 8 rooms for ``scattered`` and ``realistic``).
+that shape (at least 8 rooms for ``scattered`` and ``realistic``). ``--pool-layout page-major`` allocates
+both sides' pools page-major (``KVPool.allocate(page_major=True)``: a page holds every layer's K and
+V), so a run of pages consecutive on both sides is one descriptor.
 
 It prints the engine's figure, the raw ceiling and their ratio, and descriptors posted per room, and
 the CPython collections of prefill rank 0's and decode rank 0's processes over the timed phases
@@ -279,7 +282,14 @@ async def _prefill(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     pages_per_room = math.ceil(args.tokens / args.page_size)
-    pool = KVPool.allocate(layout, args.prefill_tp, rank, _pool_pages(args), device=device)
+    pool = KVPool.allocate(
+        layout,
+        args.prefill_tp,
+        rank,
+        _pool_pages(args),
+        device=device,
+        page_major=args.pool_layout == "page-major",
+    )
     cfg = _config(args, "prefill", rank, port)
     raw: RawPair | None = None
     peer = ""
@@ -384,7 +394,14 @@ async def _decode(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     pages_per_room = math.ceil(args.tokens / args.page_size)
-    pool = KVPool.allocate(layout, args.decode_tp, rank, _pool_pages(args), device=device)
+    pool = KVPool.allocate(
+        layout,
+        args.decode_tp,
+        rank,
+        _pool_pages(args),
+        device=device,
+        page_major=args.pool_layout == "page-major",
+    )
     if args.path == "kernel" and device.type == "cpu":  # host memory the prefill can map: shared
         for t in pool.tensors:
             t.share_memory_()
@@ -634,6 +651,14 @@ def main() -> int:
         help="how each room's pages lie in the pools (transfer_engine.testing.pagetables)",
     )
     parser.add_argument("--page-seed", type=int, default=0, help="seed of the page tables")
+    parser.add_argument(
+        "--pool-layout",
+        default="tensors",
+        choices=["tensors", "page-major"],
+        help="both sides' pools: one tensor per K and V of a layer (tensors), or one buffer where a page "
+        "holds every layer's K and V (page-major: KVPool.allocate(page_major=True), a run of pages one "
+        "descriptor)",
+    )
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--raw-reps", type=int, default=4, help="raw WRITEs of one room's bytes per round")
     parser.add_argument(
@@ -739,7 +764,7 @@ def main() -> int:
         else f", device copy {peer_copy:.1f} GB/s (ratio {r['engine_gbps'] / peer_copy:.2f})"
     )
     print(
-        f"path={args.path}({r['engine_path']}) page_table={args.page_table} P={args.prefill_tp} D={args.decode_tp} {args.device}{placement} "
+        f"path={args.path}({r['engine_path']}) page_table={args.page_table} pool={args.pool_layout} P={args.prefill_tp} D={args.decode_tp} {args.device}{placement} "
         f"room={r['room_bytes'] / 1e6:.1f} MB x{args.rooms} conc={args.concurrency} chunks={args.chunks}: "
         f"engine {r['engine_gbps']:.2f} GB/s, raw NIXL {r['raw_gbps']:.2f} GB/s, ratio "
         f"{r['throughput_ratio']:.2f} (rounds {r['round_ratios']}){copy}; {r['rooms_per_s']:.0f} rooms/s; room p50 {r['room_p50_ms']:.2f} ms p99 {r['room_p99_ms']:.2f} ms; "

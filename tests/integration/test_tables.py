@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from transfer_engine import EngineConfig, TransferEngine
-from transfer_engine.memory.layout import KVLayout
+from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.testing.cluster import Cluster, open_cluster
 
 from .harness import cluster, make_pool, run_room, shuffled_pages, small_layout
@@ -200,4 +200,80 @@ async def test_tables_listed_entry_by_entry_where_nixl_takes_no_strided_lists() 
         assert transport.table_stats["prepared"] == 1
         # every entry listed: (tensor, page) entries of 6 tensors over 64 pages, both sides
         assert transport.table_stats["descriptors"] == 2 * 6 * 64
+        c.assert_no_leaks()
+
+
+# --- page-major pools: a page holds every layer's K and V (KVPool.allocate(page_major=True)) --------
+
+
+def page_major_maker(
+    layout: KVLayout, P: int, D: int, kinds: tuple[bool, bool], num_pages: int = NUM_PAGES, **config: object
+):  # noqa: ANN201
+    """Engines whose pools are page-major (True) or one tensor per K and V (False), prefill then decode."""
+
+    def make(role: str, rank: int, port: int) -> TransferEngine:
+        tp = P if role == "prefill" else D
+        extra = {"num_workers": 2} if role == "prefill" else {}
+        cfg = EngineConfig(role=role, tp_size=tp, tp_rank=rank, bootstrap_port=port, **extra, **config)  # type: ignore[arg-type]
+        page_major = kinds[0] if role == "prefill" else kinds[1]
+        pool = KVPool.allocate(
+            layout, tp, rank, num_pages, aux_slots=8, aux_item_bytes=16, page_major=page_major
+        )
+        return TransferEngine(cfg, pool)
+
+    return make
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+async def test_page_major_pools_move_a_page_in_one_descriptor(mla: bool) -> None:
+    """Both pools page-major: the tables' entry is (every layer, page); a one-page room, and a room of
+    pages consecutive on both sides, is one WRITE of one descriptor; scattered pages one per run."""
+    layout = small_layout(mla=mla, page_size=16)
+    async with open_cluster(page_major_maker(layout, 1, 1, (True, True), path="direct"), 1, 1) as c:
+        poller = c.prefill[0].poller
+        cases = [(np.array([7]), np.array([30])), (np.arange(10, 14), np.arange(2, 6))]
+        cases.append((np.array([1, 2, 9, 20]), np.array([40, 41, 3, 4])))  # runs of 2, 1, 1
+        for room, (src, dst) in enumerate(cases):
+            before = poller.counters["descriptors_posted"], poller.counters["writes_posted"]
+            await run_room(c, 50 + room, src, dst, [len(src)])
+            posted = (
+                poller.counters["descriptors_posted"] - before[0],
+                poller.counters["writes_posted"] - before[1],
+            )
+            runs = 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
+            assert posted == (runs, 1), (src, dst, posted)
+        (worker,) = [w for w in c.prefill[0].workers if w.direct.tables._pairs]
+        (pair,) = [p for p in worker.direct.tables._pairs.values() if p is not None]
+        assert pair.spec.granularity == "(every layer, page)"
+        assert pair.src.rows.rows == pair.dst.rows.rows == 1  # one strided row a side: the whole pool
+        c.assert_no_leaks()
+
+
+PAGE_MAJOR_CASES = [
+    # (prefill page-major, decode page-major, P, D, path, layers)
+    (True, True, 1, 1, "direct", 1),  # layer groups: (1 layer, page) entries of the page-major pools
+    (True, True, 1, 1, "direct", 2),
+    (True, False, 1, 1, "direct", 0),  # page-major into one tensor per K and V
+    (False, True, 1, 1, "direct", 1),
+    (True, True, 2, 1, "slice", 0),  # hetero TP between page-major pools
+    (True, False, 1, 2, "slice", 1),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("src_pm", "dst_pm", "P", "D", "path", "layers"), PAGE_MAJOR_CASES)
+async def test_page_major_pools_are_bit_exact(
+    src_pm: bool, dst_pm: bool, P: int, D: int, path: str, layers: int
+) -> None:
+    rng = random.Random(f"{src_pm} {dst_pm} {P} {D} {layers}")
+    make = page_major_maker(small_layout(page_size=4), P, D, (src_pm, dst_pm), path=path)
+    async with open_cluster(make, P, D) as c:
+        for room in range(3):
+            src, dst = shuffled_pages(rng, NUM_PAGES, 5), shuffled_pages(rng, NUM_PAGES, 5)
+            await run_room(c, 60 + room, src, dst, [2, 3], aux_slot=room, layers=layers)
+            # nothing but the room's slots was written (and they are zero again for the next room)
+            assert_untouched_is_zero(c, [(dst, 5 * 4)])
+        prepared, refused = tables_used(c)
+        assert refused == 0 and prepared >= max(P, D)
         c.assert_no_leaks()

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from tests.unit.test_tables import (
     CASES,
@@ -27,9 +28,10 @@ from tests.unit.test_tables import (
 )
 from transfer_engine.actors.worker.plan import merged_runs, side_table, table_indices
 from transfer_engine.errors import ConfigError
+from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.protocol import descriptors
 from transfer_engine.protocol.layers import group_tensors
-from transfer_engine.protocol.tables import chunk_groups, side_entries, units_of, write_indices
+from transfer_engine.protocol.tables import chunk_groups, decide_table, side_entries, units_of, write_indices
 from transfer_engine.transport.interface import TableRows
 
 pytestmark = pytest.mark.timeout(60)
@@ -193,3 +195,26 @@ def test_merged_runs_merge_only_runs_that_follow_on_both_sides() -> None:
     assert s.tolist() == [0, 16, 40] and d.tolist() == [100, 200, 208] and n.tolist() == [16, 8, 16]
     empty = merged_runs(src[:0], dst[:0], 8)
     assert [len(a) for a in empty] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_a_page_major_pool_is_one_entry_per_page_of_every_layer(mla: bool) -> None:
+    """``KVPool.allocate(page_major=True)``: page ``p`` of every layer's K and V (or latent) is the
+    buffer's ``[p]``; the tables between two such pools take (every layer, page) entries, one row a
+    side, and groups of 2 layers (2 layers, page) entries."""
+    layout = KVLayout(num_layers=4, num_heads=4, head_dim=8, dtype=torch.float16, page_size=4, mla=mla)
+    pool = KVPool.allocate(layout, 1, 0, 6, page_major=True)
+    (memory,) = pool.tensors
+    for i, view in enumerate(pool.kv_views):
+        view.copy_(torch.full_like(view, i + 1))
+        view[3].copy_(torch.full_like(view[3], 100 + i))
+    page = memory[3].reshape(-1)
+    assert sorted(set(page.tolist())) == [100 + i for i in range(len(pool.kv_views))]  # page 3: every tensor
+    heads = pool.heads_local
+    args = (pool.stride_rows, pool.stride_rows, pool.head_bytes, 4, 4, 0, 0, heads, heads, heads)
+    spec = decide_table(*args, mla=mla)
+    assert spec.granularity == "(every layer, page)" and spec.entry_bytes == memory[0].numel() * 2
+    bases = np.array([memory.data_ptr()], dtype=np.uint64)
+    table = side_table(spec, "src", bases, pool.region_lengths, pool.stride_rows, 6)
+    assert table.rows.rows == 1 and table.rows.count == 6 and table.runs
+    assert decide_table(*args, mla=mla, group_layers=2).granularity == "(2 layers, page)"

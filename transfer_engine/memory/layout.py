@@ -284,9 +284,29 @@ class KVPool:
         device: str | torch.device = "cpu",
         aux_slots: int = 0,
         aux_item_bytes: int = 0,
+        page_major: bool = False,
     ) -> KVPool:
-        """A zeroed pool of ``num_pages`` pages, for the examples, tests and benchmarks."""
+        """A zeroed pool of ``num_pages`` pages, for the examples, tests and benchmarks.
+
+        ``page_major``: one buffer ``[num_pages, L, 2, page_size, heads_local, head_dim]`` (MLA:
+        ``[num_pages, L, page_size, 1, kv_dim]``) where a page holds every layer's K and V, as vLLM's
+        block-major cache layouts do (:func:`views_page_major`), instead of one tensor per K and V.
+        Between two such pools a run of pages is one contiguous range on each side: the descriptor
+        tables' entry is (every layer, page), and a one-page room is one WRITE of one descriptor
+        (docs/DECISIONS.md, "Descriptor tables made once per peer")."""
         heads_local = layout.heads_local(tp_size)
+        if page_major:
+            kv = 1 if layout.mla else 2
+            memory = torch.zeros(
+                num_pages, layout.num_layers, kv, layout.page_size, heads_local, layout.head_dim,
+                dtype=layout.dtype, device=device,
+            )  # fmt: skip
+            aux = (
+                torch.zeros(aux_slots, aux_item_bytes, dtype=torch.uint8, device=device)
+                if aux_slots
+                else None
+            )
+            return cls.from_views(layout, tp_size, tp_rank, views_page_major(memory), [memory], aux)
         slots = num_pages * layout.page_size
         tensors = [
             torch.zeros(slots, heads_local, layout.head_dim, dtype=layout.dtype, device=device)
@@ -365,6 +385,14 @@ def stride_rows_of(info: LayoutInfo, heads_local: int) -> np.ndarray:
         ).reshape(-1, len(descriptors.STRIDE_FIELDS))
     head_bytes = info.head_dim * dtype_of(info.dtype).itemsize
     return descriptors.contiguous_strides(info.num_kv_tensors, heads_local, head_bytes, info.page_size)
+
+
+def views_page_major(memory: torch.Tensor) -> list[torch.Tensor]:
+    """A page-major pool (``KVPool.allocate(page_major=True)``): one buffer ``[num_pages, L, kv,
+    page_size, heads_local, head_dim]``, ``kv`` 2 (K then V) or 1 (MLA's latent); page ``p`` of
+    layer ``l`` is ``memory[p, l]``. Memory: ``[memory]``."""
+    layers, kv = memory.shape[1], memory.shape[2]
+    return [memory[:, layer, k] for k in range(kv) for layer in range(layers)]
 
 
 def views_contiguous(
