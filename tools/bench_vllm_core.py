@@ -166,7 +166,7 @@ def run_layout(
             )
             print(
                 f"tokens={tokens} layers={side.num_layers} per_write={args.layers_per_write} layout={side.layout} "
-                f"integrity={args.integrity} "
+                f"integrity={args.integrity} path={args.path} table_max_descriptors={args.table_max_descriptors} "
                 f"prefill={p_dev} decode={d_dev} ({torch.cuda.get_device_name(p_dev) if cuda else 'cpu'}): last layer's kernels end -> "
                 f"decode reported loaded: {timing}; requests {args.reps + 1} (1 warm-up), failed {failed}, "
                 f"INTEGRITY {judged['failed_integrity']}; decode checks: match {judged['integrity_match']}, "
@@ -199,6 +199,16 @@ def main() -> None:
     ap.add_argument("--compute-us", type=float, default=100.0, help="a layer's compute per 1K tokens, us")
     ap.add_argument(
         "--integrity", choices=("on", "off"), default="on", help="EngineConfig.integrity on both sides"
+    )
+    ap.add_argument(
+        "--path", default="auto", help="EngineConfig.path on both sides (direct: NIXL from tables)"
+    )
+    ap.add_argument(
+        "--table-max-descriptors",
+        type=int,
+        default=None,
+        help="EngineConfig.table_max_descriptors on the prefill (1: no descriptor tables, each WRITE planned "
+        "on its own, for an A/B)",
     )
     ap.add_argument(
         "--device",
@@ -234,7 +244,10 @@ def main() -> None:
     config: dict[str, object] = {
         "layers_per_write": args.layers_per_write,
         "integrity": args.integrity == "on",
+        "path": args.path,
     }
+    if args.table_max_descriptors is not None:
+        config["table_max_descriptors"] = args.table_max_descriptors
     start = time.monotonic()
     decoder = DecodeProcess(sides[0], d_dev, free_port(), **config)
     cycles = cycles_per_us() if cuda else 0.0
