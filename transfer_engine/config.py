@@ -59,6 +59,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     its pool at the handshake, each prefill rank maps it and copies chunks with one indexed copy
     (docs/DECISIONS.md, "One kernel between the GPUs of a host"). False: never offered nor mapped."""
     nixl_backend: str = "UCX"
+    min_link_gbps: float = 0.0
+    """Decode: the floor of the link probe (``transfer_engine.transport.probe``: a timed WRITE of a
+    few MiB to each prefill rank that writes to this one, at the first handshake with its instance).
+    A pair below it fails the handshake with SlowLinkError naming the transport and the fix, and no
+    room is opened on it; with a floor set, the handshake waits for the probe. 0: no floor."""
+    refuse_tcp_link: bool = False
+    """Decode: refuse a pair whose probe went over TCP (where RDMA or NVLink was expected): the
+    handshake fails with SlowLinkError naming the fix (``UCX_NET_DEVICES``, the NIC). False: a GPU
+    pool's link over TCP is logged as a warning."""
     max_rooms: int = 4096
     """Rooms live at once on this rank; ``sender()``/``receiver()`` raise RoomLimitError beyond it.
     It bounds what rooms can have outstanding at the workers, ring and scatter actor
@@ -208,6 +217,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"early_drive={self.early_drive} must be >= 0")
         if self.gil_switch_interval < 0:
             raise ConfigError(f"gil_switch_interval={self.gil_switch_interval} must be >= 0")
+        if not isinstance(self.min_link_gbps, int | float) or not 0 <= self.min_link_gbps < float("inf"):
+            raise ConfigError(
+                f"min_link_gbps={self.min_link_gbps!r} must be a number of GB/s >= 0 (0: no floor)"
+            )
         if self.poll_interval <= 0:
             raise ConfigError(f"poll_interval={self.poll_interval} must be > 0")
         if self.waiting_timeout is not None and self.waiting_timeout <= 0:
@@ -287,7 +300,8 @@ USER_FIELDS: tuple[str, ...] = (
     "role", "tp_size", "tp_rank",
     "host", "control_port", "bootstrap_host", "bootstrap_port", "host_bootstrap", "introspect_port",
     "metrics_port", "agent_name",
-    "path", "staging_memory", "kernel_path", "nixl_backend", "max_rooms", "integrity",
+    "path", "staging_memory", "kernel_path", "nixl_backend", "min_link_gbps", "refuse_tcp_link",
+    "max_rooms", "integrity",
     "bootstrap_timeout", "waiting_timeout", "transfer_timeout", "heartbeat_interval", "room_lease",
     "connect_timeout", "curve_secret_key_file", "curve_public_keys_dir",
 )  # fmt: skip

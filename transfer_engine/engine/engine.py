@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
 
+import anyio
 import numpy as np
 
 from transfer_engine.actors.bootstrap import Bootstrap
@@ -59,6 +60,7 @@ from transfer_engine.runtime.peers import Peer, PrefillInstance
 from transfer_engine.runtime.ports import PeerBook, RankIdentity, RoomBoard, RoomPorts
 from transfer_engine.runtime.steptrace import StepTrace
 from transfer_engine.transport.nixl import Transport
+from transfer_engine.transport.probe import LinkProbe
 from transfer_engine.transport.security import Curve
 
 log = logging.getLogger("transfer_engine.engine")
@@ -125,7 +127,9 @@ class TransferEngine:
             info=info, compat=compat, transport=transport,
         )  # fmt: skip
         started = self._supervisor
-        self._handshake = Handshake(config, kv, self.agent_name, started, self.peers, info, compat)
+        self._handshake = Handshake(
+            config, kv, self.agent_name, started, self.peers, info, compat, self.costs
+        )
         self._paths = PathPolicy(config, kv, started)
         self._liveness = Liveness(
             config, self.agent_name, started, rooms=self._table.rooms, board=self._table.board,
@@ -142,17 +146,31 @@ class TransferEngine:
 
     async def __aenter__(self) -> Self:
         await self._supervisor.open(
-            route=self._dispatch.route,
+            route=self._route,
             snapshot=lambda room: build_snapshot(self, room),
-            heartbeats=self._liveness.run,
+            heartbeats=self._background,
         )
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self._supervisor.close(exc_type, exc, tb)
+        await self._supervisor.close(exc_type, exc, tb, leaving=self._handshake.leave)
         self._handshake.close()  # the workers are gone: no copy into a mapped pool is in flight
+
+    async def _background(self) -> None:
+        """The engine's own loops: heartbeats and leases, and the link probes run in the background."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._liveness.run)
+            tg.start_soon(self._handshake.run)
+
+    async def _route(self, message: m.AnyMessage, ident: bytes) -> None:
+        """Where Control hands each message: a peer's PeerLeaving to liveness (answered), the rest to
+        :class:`~transfer_engine.engine.dispatch.Dispatch`."""
+        if isinstance(message, m.PeerLeaving):
+            await self.control.reply_to(ident, await self._liveness.on_leaving(message))
+        else:
+            await self._dispatch.route(message, ident)
 
     def _forget_instances(self, peer: Peer) -> None:
         """``peer`` died: forget the prefill instances it is a rank of, and what was measured of them."""
@@ -175,6 +193,11 @@ class TransferEngine:
     def instances(self) -> dict[str, PrefillInstance]:
         """Decode: the prefill instances this rank connected to, by bootstrap address."""
         return self._handshake.instances
+
+    @property
+    def links(self) -> dict[str, LinkProbe]:
+        """Decode: the link probe of each prefill rank that writes here, by agent (read only)."""
+        return self._handshake.links
 
     @property
     def host_staging(self) -> bool:
@@ -245,12 +268,14 @@ class TransferEngine:
         return self._supervisor.worker_for(agent_name)
 
     def leaks(self) -> dict[str, int]:
-        """What is still held: rooms, stashed messages, NIXL handles in flight. All 0 when idle."""
+        """What is still held: rooms, stashed messages, NIXL handles in flight. All 0 when idle (a link
+        probe's WRITE is not counted: the probe releases its handle itself, within ``connect_timeout``)."""
+        handles = self._transport.live_handles() - self._handshake.probing if self._transport else 0
         return {
             "rooms": len(self.rooms),
             "stashed": len(self._stash),
             "announced": len(self._announced),
-            "nixl_handles": self._transport.live_handles() if self._transport else 0,
+            "nixl_handles": max(handles, 0),
             "writes_in_flight": self.poller.in_flight(),
             "ring_allocations": self.ring.live() if self.ring else 0,
             "staging_leases": sum(w.leases() for w in self.workers),

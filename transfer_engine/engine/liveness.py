@@ -1,5 +1,5 @@
 """Liveness: heartbeats, peer leases and room leases (:mod:`transfer_engine.protocol.leases`), peer
-death, stale stashed requests."""
+death, peers that leave (PeerLeaving), stale stashed requests."""
 
 from __future__ import annotations
 
@@ -168,11 +168,27 @@ class Liveness:
                 with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
                     actor.inbox.send_nowait(LeaseRenewed(now))
 
+    async def on_leaving(self, message: m.PeerLeaving) -> m.PeerLeavingAck:
+        """A peer says it leaves (its engine closes normally, or it refused the link): forget it now,
+        as a dead peer (its rooms here fail PEER_DEAD) but without the warning; answer."""
+        peer = self.peers.get(message.agent)
+        if peer is not None and peer.alive:
+            log.info("%s rank %d: peer %s (%s rank %d) left: %s", self.config.role, self.config.tp_rank,
+                     peer.agent_name, message.side, peer.rank, message.detail)  # fmt: skip
+            self.counters["peers_left"] += 1
+            await self._drop(peer, f"peer {peer.agent_name} left: {message.detail}")
+        return m.PeerLeavingAck(agent=self.agent_name)
+
     async def _peer_dead(self, peer: Peer, detail: str) -> None:
         log.warning("%s rank %d: peer %s (rank %d) declared dead: %s", self.config.role, self.config.tp_rank,
                     peer.agent_name, peer.rank, detail)  # fmt: skip
-        peer.alive = False
         self.counters["peers_dead"] += 1
+        await self._drop(peer, detail)
+
+    async def _drop(self, peer: Peer, detail: str) -> None:
+        """Forget ``peer`` (dead or gone): the peer book, its instances, its socket, its stashed
+        requests; its rooms here fail PEER_DEAD with ``detail``; its WRITEs are abandoned."""
+        peer.alive = False
         del self.peers[peer.agent_name]
         self._forget(peer)
         self._started.control.forget(peer.endpoint)

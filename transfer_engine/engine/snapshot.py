@@ -33,6 +33,7 @@ from transfer_engine.observe.schema import (
     AllocationSnapshot,
     Counters,
     HistoryEntry,
+    LinkReport,
     NixlSnapshot,
     PeerCostSnapshot,
     PeerProgress,
@@ -46,6 +47,7 @@ from transfer_engine.protocol.cost import CostBook
 from transfer_engine.protocol.receiver_room import ReceiverRoom
 from transfer_engine.protocol.rooms import RoomStatus, SenderRoom
 from transfer_engine.runtime.peers import Peer
+from transfer_engine.transport.probe import LinkProbe
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class EngineState(Protocol):
     def counters(self) -> Mapping[str, int]: ...
     @property
     def costs(self) -> CostBook: ...
+    @property
+    def links(self) -> Mapping[str, LinkProbe]: ...
     @property
     def control(self) -> DropCounts: ...
     @property
@@ -159,6 +163,18 @@ def build_snapshot(engine: EngineState, room: int | None = None) -> Snapshot:
                 backlog_s=engine.costs.estimate(name, 0),
             )
             for name, load in engine.costs.loads().items()
+        ],
+        links=[
+            LinkReport(
+                peer=probe.peer,
+                transport=probe.transport,
+                devices=probe.devices,
+                nbytes=probe.nbytes,
+                latency_s=probe.seconds,
+                gbps=probe.gbps,
+                tcp_bytes=probe.tcp_bytes,
+            )
+            for _, probe in sorted(engine.links.items())
         ],
     )
 

@@ -323,10 +323,16 @@ class Supervisor:
         log.info("decode rank %d: %s staging ring of %d bytes", cfg.tp_rank, memory.mem_type, size)
 
     async def close(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+        *,
+        leaving: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """Fail live rooms with SHUTDOWN, wait (bounded) for them and for posted WRITEs, stop every
-        actor and release the transport."""
+        """Fail live rooms with SHUTDOWN, wait (bounded) for them and for posted WRITEs, then run
+        ``leaving`` (the engine tells its peers it leaves, bounded) while the sockets are still open,
+        stop every actor and release the transport."""
         assert self._tg is not None
         tg = self._tg
         with anyio.CancelScope(shield=True):
@@ -340,6 +346,9 @@ class Supervisor:
                     if not actor.status.final or actor.side == "prefill":
                         await actor.done.wait()
             await self.poller.drain_posted(SHUTDOWN_DRAIN_S)
+            if leaving is not None:
+                with anyio.move_on_after(SHUTDOWN_DRAIN_S):
+                    await leaving()
             for worker in self.workers:
                 worker.inbox.close()
             if self.ring is not None:

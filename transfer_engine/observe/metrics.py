@@ -11,7 +11,7 @@ Two kinds of series:
   :func:`transfer_engine.engine.snapshot.record_ended`): latency and size;
 - everything else read at scrape time from the same :class:`~transfer_engine.observe.Snapshot`
   ``transfer-engine dump`` shows, so the two never disagree: counters by outcome and failure
-  reason, bytes and WRITEs, dropped messages, live rooms, queues and ring occupancy.
+  reason, bytes and WRITEs, dropped messages, live rooms, queues, ring occupancy and the links probed.
 
 The names are listed in README.md ("Inspection and metrics"). Label values are lower case.
 """
@@ -203,6 +203,16 @@ class _SnapshotCollector:
                 rooms_by.add_metric([cost.instance, "queued"], cost.queued_rooms)
                 rooms_by.add_metric([cost.instance, "in_flight"], cost.inflight_rooms)
             yield from (backlog, rate, queued, inflight, rooms_by)
+
+        if s.links:
+            link = GaugeMetricFamily(
+                f"{PREFIX}_link_gbps",
+                "Decode: GB/s of the link probe to this prefill rank at the handshake, by what carried it.",
+                labels=["peer", "transport"],
+            )
+            for report in s.links:
+                link.add_metric([report.peer, report.transport], report.gbps)
+            yield link
 
         if s.workers:
             depth = GaugeMetricFamily(

@@ -11,7 +11,8 @@ The rate is the instance's throughput while it is busy, not a room's: bytes move
 at least one of its rooms was in flight, both weighted by ``exp(-age / horizon_s)`` in busy time
 (an exponential moving average over time). So eight rooms sharing a link each at an eighth of it
 still measure the link, and rooms that end together are not each a tiny sample. Idle time counts
-for nothing. Before the first byte moved the estimate uses ``prior_rate``.
+for nothing. Before the first byte moved the estimate uses ``prior_rate``: the book's default for an
+instance nothing was measured of, or what the link probe measured at the handshake (:meth:`CostBook.seed`).
 """
 
 from __future__ import annotations
@@ -206,6 +207,14 @@ class CostBook:
         if cost is None:
             cost = self.peers[instance] = PeerCost(prior_rate=self.prior_rate, horizon_s=self.horizon_s)
         return cost
+
+    def seed(self, instance: str, prior_rate: float) -> None:
+        """Start ``instance``'s estimates from ``prior_rate`` bytes/s (> 0) instead of the book's
+        default: what the link probe measured at the handshake. Its rooms' measured rate replaces it
+        as soon as there is one, as it replaces the default."""
+        if not prior_rate > 0 or math.isinf(prior_rate):
+            raise ValueError(f"instance {instance!r}: prior_rate={prior_rate} must be > 0 and finite")
+        self.peer(instance).prior_rate = prior_rate
 
     def queued(self, room: int, instance: str, nbytes: int) -> None:
         """``room`` of ``nbytes`` opened with ``instance``."""

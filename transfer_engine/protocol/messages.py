@@ -226,6 +226,32 @@ class PeerHelloAck(Message, frozen=True):
     kernel path is open to it; empty: not mapped, see ``unmapped``."""
     unmapped: str = ""
     """Why the pool was not mapped (another host, no peer access, the mapping failed...)."""
+    scratch: MemRegion | None = None
+    """A few MiB of this prefill rank's memory, registered with its agent, that the decode's link
+    probe WRITEs into (``transport/probe.py``): never KV. None: no probe target offered."""
+    scratch_mem_type: str = ""
+    """NIXL memory type of ``scratch`` ("VRAM" or "DRAM")."""
+    host: str = ""
+    """This prefill rank's host (``memory.ipc.host_id``): the probe names what carried its WRITE by it."""
+
+
+class PeerLeaving(Message, frozen=True):
+    """either way: the sender's engine is closing normally (or refused the link to the receiver): the
+    receiver forgets it now, as it would a dead peer but without waiting for its heartbeats to stop,
+    and answers :class:`PeerLeavingAck`."""
+
+    agent: str
+    """NIXL agent name of the sender: how the receiver finds the peer."""
+
+    rank: int
+    side: str
+    detail: str
+
+
+class PeerLeavingAck(Message, frozen=True):
+    """answer to :class:`PeerLeaving`: the receiver forgot the sender (or never knew it)."""
+
+    agent: str
 
 
 # --- per room -------------------------------------------------------------------------------------
@@ -457,6 +483,8 @@ AnyMessage = (
     | Topology
     | PeerHello
     | PeerHelloAck
+    | PeerLeaving
+    | PeerLeavingAck
     | TransferRequest
     | StagingRequest
     | StagingGrant
