@@ -32,12 +32,14 @@ from transfer_engine.testing import patterns
 from transfer_engine.testing.cluster import free_port
 from transfer_engine.transport.probe import PROBE_BYTES
 
-from .harness import cluster, make_pool, small_layout
+from .harness import DEVICE, cluster, make_pool, small_layout
 
 pytestmark = pytest.mark.timeout(60)
 
 TCP_ONLY = {"engine_config": "NET_DEVICES=lo,TLS=tcp"}
 """UCX held to TCP over loopback (NIXL's ``engine_config``), as tests/integration/test_link.py does."""
+ONE_HOST = "cuda_ipc" if DEVICE.startswith("cuda") else "shm"
+"""What carries a WRITE between two agents of this process by UCX's defaults (inferred)."""
 
 
 async def probed(decode: TransferEngine, n: int = 1, limit_s: float = 10.0) -> None:
@@ -69,7 +71,7 @@ async def test_the_first_handshake_probes_the_link(caplog: pytest.LogCaptureFixt
         await probed(decode)
         (probe,) = decode.links.values()
         assert probe.peer == prefill.agent_name and probe.nbytes == PROBE_BYTES
-        assert probe.transport in ("shm", "tcp") and probe.devices == "lo" and probe.gbps > 0
+        assert probe.transport in (ONE_HOST, "tcp") and probe.devices == "lo" and probe.gbps > 0
 
         # the dump, over the introspection endpoint as `transfer-engine dump` reads it
         snapshot = await anyio.to_thread.run_sync(fetch_snapshot, decode.introspect_endpoint)
@@ -120,7 +122,7 @@ async def test_a_floor_above_the_link_fails_the_handshake(caplog: pytest.LogCapt
         with pytest.raises(SlowLinkError) as caught:
             await decode.receiver(9, c.bootstrap, np.arange(4))
         err = caught.value
-        assert err.peer == prefill.agent_name and err.transport in ("shm", "tcp") and 0 < err.gbps < 1e6
+        assert err.peer == prefill.agent_name and err.transport in (ONE_HOST, "tcp") and 0 < err.gbps < 1e6
         assert "below min_link_gbps=1e+06 (lo)" in str(err), err
         forgotten(prefill, decode)
         assert not decode.rooms and decode.counters["rooms_opened"] == 0  # no room opened on the link
@@ -136,7 +138,9 @@ async def test_a_floor_above_the_link_fails_the_handshake(caplog: pytest.LogCapt
 @pytest.mark.parametrize(("params", "refused"), [(TCP_ONLY, True), ({}, False)], ids=["tcp", "default"])
 async def test_refuse_tcp_link(params: dict[str, str], refused: bool) -> None:
     """UCX held to TCP on the decode (its WRITE then goes over TCP) is refused, naming the fix; UCX's
-    default between two agents of one process (shared memory) is not."""
+    default between two agents of one process (shared memory, or cuda_ipc) is not."""
+    if refused and DEVICE != "cpu":
+        pytest.skip("UCX held to TCP is tried with host pools only")
     async with cluster(small_layout(), 1, 1, refuse_tcp_link=True, nixl_params=params) as c:
         prefill, decode = c.prefill[0], c.decode[0]
         if refused:
@@ -147,7 +151,7 @@ async def test_refuse_tcp_link(params: dict[str, str], refused: bool) -> None:
         else:
             await decode.connect(c.bootstrap)
             (probe,) = decode.links.values()  # the handshake waited for it: a floor is set
-            assert probe.transport == "shm"
+            assert probe.transport == ONE_HOST
             await one_room(prefill, decode, c.bootstrap, 11)
         c.assert_no_leaks()
 
