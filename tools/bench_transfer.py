@@ -118,13 +118,18 @@ class GcPauses:
 
     def __init__(self) -> None:
         self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        self.spans: list[tuple[int, int, int]] = []
+        """(start, end in ``time.monotonic_ns``, generation) of each: the step trace's clock, machine-wide."""
         self._start = 0.0
+        self._start_ns = 0
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._start = time.perf_counter()
+            self._start_ns = time.monotonic_ns()
         else:
             self.pauses.append((info["generation"], time.perf_counter() - self._start))
+            self.spans.append((self._start_ns, time.monotonic_ns(), info["generation"]))
 
     def start(self) -> GcPauses:
         gc.callbacks.append(self._callback)
@@ -144,6 +149,23 @@ class GcPauses:
             "full": len(full),
             "full_total_ms": round(sum(full) * 1e3, 3),
         }
+
+
+def tail_samples(
+    windows: list[tuple[int, int, int]], spans: dict[str, list[tuple[int, int, int]]], count: int
+) -> list[dict[str, Any]]:
+    """The ``count`` slowest small-room samples (``windows``: room, start and end in
+    ``time.monotonic_ns``), slowest first, each with the CPython collections of each side that
+    overlapped it (``spans``: side -> :attr:`GcPauses.spans`): what a tail sample waited for."""
+    rows = []
+    for room, start, end in sorted(windows, key=lambda w: w[1] - w[2])[:count]:
+        row: dict[str, Any] = {"room": room, "ms": round((end - start) / 1e6, 3)}
+        for side, side_spans in spans.items():
+            inside = [(min(e, end) - max(s, start), g) for s, e, g in side_spans if s < end and e > start]
+            row[f"gc_{side}_ms"] = round(sum(t for t, _ in inside) / 1e6, 3)
+            row[f"gc_{side}_full"] = sum(1 for _, g in inside if g == 2)
+        rows.append(row)
+    return rows
 
 
 def gc_line(side: str, got: dict[str, float]) -> str:
@@ -369,6 +391,7 @@ async def _prefill(
                     post_ns,
                     pauses.summary(),
                     round_writes,
+                    pauses.spans,
                 )  # fmt: skip
             )
             await anyio.to_thread.run_sync(conn.recv)
@@ -479,6 +502,7 @@ async def _decode(
                 ratios.append(room_bytes * len(ids) / elapsed / 1e9 / raw_rounds[-1])
         lat: list[float] = []
         raw_lat: list[float] = []
+        windows: list[tuple[int, int, int]] = []  # (room, start, end): each small room's monotonic_ns
         for i in range(args.lat_rooms):
             if raw is not None and conn is not None:
                 t1 = time.perf_counter()
@@ -489,10 +513,11 @@ async def _decode(
                     raw.agent.get_new_notifs()  # keep the raw agent progressing meanwhile
                 conn.recv()
             _ab(args, engine, i)
-            t1 = time.perf_counter()
+            t1, started = time.perf_counter(), time.monotonic_ns()
             receiver = await engine.receiver(SMALL_ROOM + i, bootstrap, _room_pages(args, 0, "decode")[:1])
             await receiver.wait()
             lat.append(time.perf_counter() - t1)
+            windows.append((SMALL_ROOM + i, started, time.monotonic_ns()))
         result.update(
             room_bytes=room_bytes,
             engine_gbps=room_bytes * args.rooms / engine_s / 1e9,
@@ -526,9 +551,14 @@ async def _decode(
                     for k, half in ((0, "on"), (1, "off"))
                 }
             pauses.stop()
-            posted, prefill_marks, post_ns, prefill_gc, round_writes = await anyio.to_thread.run_sync(
-                conn.recv
-            )
+            (
+                posted,
+                prefill_marks,
+                post_ns,
+                prefill_gc,
+                round_writes,
+                prefill_spans,
+            ) = await anyio.to_thread.run_sync(conn.recv)
             if args.ab == "integrity":  # what decode rank 0 judged over the run, warm-up included
                 result["integrity_counters"] = {
                     k: engine.counters[k]
@@ -546,6 +576,10 @@ async def _decode(
                         round(sum(round_writes[k::2]) / rooms_of, 1) if rooms_of else None
                     )
             result["gc"] = {"prefill": prefill_gc, "decode": pauses.summary()}
+            tail = tail_samples(
+                windows, {"prefill": prefill_spans, "decode": pauses.spans}, max(2, args.lat_rooms // 50)
+            )
+            result["small_tail"] = tail
             result["post_us"] = {
                 k: round(v / 1e3 / max(post_ns.get("writes", 1), 1), 1)
                 for k, v in post_ns.items()
@@ -555,6 +589,7 @@ async def _decode(
                 marks = prefill_marks + engine.me.trace.take()
                 result["trace_rooms"] = step_table(marks, set(range(args.rooms)))
                 result["trace_small"] = step_table(marks, set(range(SMALL_ROOM, SMALL_ROOM + args.lat_rooms)))
+                result["trace_tail"] = step_table(marks, {row["room"] for row in tail})
             # descriptors posted by prefill rank 0 per room of the rounds (and warm-up), and per small room
             result["descriptors_per_room"] = posted[0] / (args.warmup + args.rooms)
             result["descriptors_per_small_room"] = posted[1] / max(args.lat_rooms, 1)
@@ -786,9 +821,22 @@ def main() -> int:
             )
     if "integrity_counters" in r:
         print(f"  --ab integrity: decode rank 0's checks {r['integrity_counters']}")
+    if r.get("small_tail"):
+        print(
+            "  small-room tail, the slowest samples (ms; CPython collections inside each, ms, full ones): "
+            + "; ".join(
+                f"{row['ms']:.2f} (gc prefill {row['gc_prefill_ms']:.1f}/{row['gc_prefill_full']}, "
+                f"decode {row['gc_decode_ms']:.1f}/{row['gc_decode_full']})"
+                for row in r["small_tail"]
+            )
+        )
     if args.trace:
         print(f"prefill rank 0, post_write per WRITE (us): {r['post_us']}")
-    for key, what in (("trace_rooms", "rooms of the rounds"), ("trace_small", "small rooms")):
+    for key, what in (
+        ("trace_rooms", "rooms of the rounds"),
+        ("trace_small", "small rooms"),
+        ("trace_tail", "slowest small rooms"),
+    ):
         if key in r:
             print(
                 f"steps of the {what}: ms from the decode's receiver(), median (first mark / last mark, rooms)"
