@@ -11,12 +11,18 @@ import numpy as np
 import pytest
 import torch
 
+from transfer_engine.actors.scatter import ScatterActor
 from transfer_engine.errors import FailureReason, TransferFailed
+from transfer_engine.kernels import as_kv_table, gather_heads
 from transfer_engine.memory.layout import KVLayout
+from transfer_engine.memory.staging import allocate_staging
 from transfer_engine.protocol import messages as m
+from transfer_engine.protocol.staging import writer_block_bytes
+from transfer_engine.runtime.mail import Mailbox, RoomMail, RoomOpened, Scattered, ScatterJob
+from transfer_engine.runtime.ports import RoomBoard
 from transfer_engine.testing import patterns
 
-from .harness import DEVICE, cluster, run_room, shuffled_pages, small_layout
+from .harness import DEVICE, cluster, make_pool, run_room, shuffled_pages, small_layout
 
 # small_layout(): 3 layers, 8 heads of 16 bf16 -> one token of all 8 heads over K and V is 1536 B.
 TOKEN_BYTES = 6 * 8 * 16 * 2
@@ -330,3 +336,62 @@ async def test_a_chunk_whose_kv_is_not_written_yet_does_not_hold_the_next_one(pa
                 == 0
             )
         c.assert_no_leaks()
+
+
+class _FreedRegions:
+    """The scatter actor's ring port, recording what it frees (the ring actor is not what is tested)."""
+
+    def __init__(self) -> None:
+        self.freed: list[int] = []
+
+    def open_room(self, opened: RoomOpened) -> None:
+        raise AssertionError("the scatter actor opens no room")
+
+    def free_regions(self, alloc_ids: tuple[int, ...]) -> None:
+        self.freed.extend(alloc_ids)
+
+
+@pytest.mark.anyio
+async def test_the_scatter_actor_launches_the_next_copy_without_waiting_for_the_last() -> None:
+    """The decode's scatter actor launches each job's copy behind the previous one on its stream and
+    answers each once its copy completed, in launch order (docs/DECISIONS.md, "The decode scatters
+    without waiting on each job"): on CUDA, while the first copy is held behind a long kernel, every
+    job has been taken from the mailbox and none answered. Every region freed, every byte in place."""
+    layout = small_layout()
+    pool = make_pool("contiguous", layout, 1, 0, 16)
+    tokens, jobs = 4, 3
+    nbytes = writer_block_bytes(
+        layout.num_kv_tensors, tokens, layout.num_heads, layout.head_dim, pool.itemsize
+    )
+    memory = allocate_staging(pool, jobs * nbytes, host=False)
+    source = torch.randint(0, 256, (jobs * nbytes,), dtype=torch.uint8)
+    memory.tensor.copy_(source)
+    ring, board = _FreedRegions(), RoomBoard()
+    boxes = {room: Mailbox[RoomMail](8) for room in range(jobs)}
+    for room, box in boxes.items():
+        board.open(room, box)
+    actor = ScatterActor(pool, memory, ring, board, capacity=8)
+    async with anyio.create_task_group() as tg:
+        await tg.start(actor.run)
+        if actor.stream is not None:
+            with torch.cuda.stream(actor.stream):
+                torch.cuda._sleep(300_000_000)  # the first copy waits behind it
+        for i in range(jobs):
+            slots = np.arange(tokens * i, tokens * (i + 1))
+            blocks = [(0, 0, layout.num_heads)]
+            actor.inbox.post(ScatterJob(i, 0, 100 + i, i * nbytes, nbytes, blocks, slots))
+        if actor.stream is not None:
+            await anyio.sleep(0.05)
+            assert len(actor.inbox) == 0, "the mailbox task waited for a copy before launching the next"
+            assert all(len(box) == 0 for box in boxes.values()), "answered before its copy completed"
+        with anyio.fail_after(30):
+            answers = [await boxes[i].receive() for i in range(jobs)]
+        actor.inbox.close()
+    assert all(isinstance(a, Scattered) and a.ok and a.freed for a in answers), answers
+    assert ring.freed == [100, 101, 102]
+    for i in range(jobs):
+        back = torch.empty(nbytes, dtype=torch.uint8, device=pool.device)
+        gather_heads(
+            as_kv_table(pool.kv_views), torch.arange(tokens * i, tokens * (i + 1)), 0, layout.num_heads, back
+        )
+        assert torch.equal(back.cpu(), source[i * nbytes : (i + 1) * nbytes]), f"job {i}'s bytes"
