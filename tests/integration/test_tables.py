@@ -25,7 +25,7 @@ from transfer_engine import EngineConfig, TransferEngine
 from transfer_engine.memory.layout import KVLayout, KVPool
 from transfer_engine.testing.cluster import Cluster, open_cluster
 
-from .harness import cluster, make_pool, run_room, shuffled_pages, small_layout
+from .harness import DEVICE, cluster, make_pool, run_room, shuffled_pages, small_layout
 from .test_matrix_strided import assert_untouched_is_zero
 
 pytestmark = pytest.mark.timeout(120)
@@ -217,7 +217,7 @@ def page_major_maker(
         cfg = EngineConfig(role=role, tp_size=tp, tp_rank=rank, bootstrap_port=port, **extra, **config)  # type: ignore[arg-type]
         page_major = kinds[0] if role == "prefill" else kinds[1]
         pool = KVPool.allocate(
-            layout, tp, rank, num_pages, aux_slots=8, aux_item_bytes=16, page_major=page_major
+            layout, tp, rank, num_pages, device=DEVICE, aux_slots=8, aux_item_bytes=16, page_major=page_major
         )
         return TransferEngine(cfg, pool)
 
