@@ -131,8 +131,9 @@ def make_tables(
 def worker_rows(src: Rank, dst: Rank, spec: tables.TableSpec, pages: int) -> tuple[tuple, float]:
     """Both sides' strided-row tables (``plan.side_table``) over ``pages`` pages, and their thread CPU ms."""
     t0 = time.thread_time_ns()
-    sides = tuple(
-        side_table(spec, side, r.bases, r.lengths, r.rows, pages) for side, r in (("src", src), ("dst", dst))
+    sides = (
+        side_table(spec, "src", src.bases, src.lengths, src.rows, pages),
+        side_table(spec, "dst", dst.bases, dst.lengths, dst.rows, pages),
     )
     return sides, (time.thread_time_ns() - t0) / 1e6
 
