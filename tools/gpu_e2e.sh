@@ -335,8 +335,12 @@ if [ "$phase" = cuda ]; then  # every CUDA-only test CI cannot run, in one call 
     tests/integration/test_integrity_order.py tests/integration/test_integrity.py
   step chaos-integrity 90 env TE_TEST_DEVICE=cuda $PYT tests/chaos/test_integrity.py
   step vllm-gpu 300 env TE_TEST_DEVICE=cuda $PYT tests/gpu/test_vllm_gpu.py
+  step kernel-path 120 env TE_TEST_DEVICE=cuda $PYT tests/gpu/test_kernel_path_gpu.py \
+    tests/integration/test_kernel_path.py
+  step tables 100 env TE_TEST_DEVICE=cuda $PYT tests/integration/test_tables.py tests/integration/test_link_handshake.py
   step integration 150 env TE_TEST_DEVICE=cuda $PYT tests/integration/test_matrix.py \
-    tests/integration/test_staged.py tests/integration/test_failures.py tests/integration/test_matrix_strided.py
+    tests/integration/test_staged.py tests/integration/test_failures.py tests/integration/test_matrix_strided.py \
+    tests/integration/test_scattered_pages.py tests/integration/test_smoke.py
   left=$((budget - (SECONDS - start)))
   if [ "$left" -gt 40 ]; then  # the vLLM core with integrity on, 1K/4K/16K tokens (the race)
     timeout $((left < 120 ? left : 120)) python3 tools/bench_vllm_core.py --integrity on --tokens 1024,4096,16384 \
