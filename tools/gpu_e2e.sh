@@ -302,6 +302,56 @@ if [ "$phase" = kernelpath ]; then  # issue 40 item 2, one call (< 3 min; BUDGET
   echo "kernelpath: $((SECONDS - start)) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$OUT/kernelpath.txt"
   exit 0
 fi
+if [ "$phase" = onegpu ] || [ "$phase" = onegpu2 ]; then  # the goal rows of the data-path, control-path,
+  # integrity and link issues on ONE H200 (prefill and decode processes share cuda:0), in two calls of < 9.5 min:
+  #   onegpu:  RERUN's node ids on CUDA (if set), the vLLM core's tail (auto -> the copy kernel on one host,
+  #            and direct: NIXL from the descriptor tables), then the pagetables rows until BUDGET s
+  #   onegpu2: integrity A/B and false failures (the integrity phase), the small-room capacity, the staged
+  #            small room's trace and tail, page size 1 rows, the block-major vLLM layout against LBNHC
+  # One line per row in $OUT/onegpu.txt; logs as $OUT/og-*.log.
+  start=$SECONDS
+  say() { echo "$*" | tee -a "$OUT/onegpu.txt"; }
+  QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"
+  export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
+  if [ "$phase" = onegpu ]; then
+    if [ -n "${RERUN:-}" ]; then
+      TE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE $RERUN >"$OUT/og-rerun.log" 2>&1
+      say "rerun: rc $?, $(grep -E '[0-9]+ (passed|failed)' "$OUT/og-rerun.log" | tail -1)"
+      grep -E "^(FAILED|ERROR) " "$OUT/og-rerun.log" | cut -c1-200 | head -12 | tee -a "$OUT/onegpu.txt"
+    fi
+    for p in auto direct; do
+      timeout 110 python3 tools/bench_vllm_core.py --tokens 1024,4096,16384 --reps ${VREPS:-4} --path $p --integrity off \
+        >"$OUT/og-vllm-$p.log" 2>&1
+      say "vllm core tail, --path $p: rc $?"
+      grep -v "NIXL INFO" "$OUT/og-vllm-$p.log" | grep -E "tokens|tail|ms" | tail -6 | cut -c1-220 | tee -a "$OUT/onegpu.txt"
+    done
+    OUT=$OUT BUDGET=$((${BUDGET:-480} - (SECONDS - start) - 60)) bash "$0" pagetables 2>&1 | grep -v "NIXL INFO" \
+      | grep -E "^\|" | tee -a "$OUT/onegpu.txt"
+  else
+    OUT=$OUT BUDGET=200 bash "$0" integrity 2>&1 | grep -v "NIXL INFO" | tail -14 | tee -a "$OUT/onegpu.txt"
+    timeout 70 python3 tools/bench_transfer.py $QWEN --tokens 16 --concurrency 32 --rooms 2000 --rounds 1 \
+      --lat-rooms 50 >"$OUT/og-capacity.log" 2>&1
+    say "capacity (one-page rooms, 32 in flight): rc $?"
+    grep -E "^path=" "$OUT/og-capacity.log" | cut -c1-600 | tee -a "$OUT/onegpu.txt"
+    timeout 90 python3 tools/bench_transfer.py $QWEN --path staged --concurrency 8 --rooms 16 --rounds 2 \
+      --lat-rooms 100 --trace >"$OUT/og-staged.log" 2>&1
+    say "staged c8 and its small rooms: rc $?"
+    grep -v "NIXL INFO" "$OUT/og-staged.log" | grep -vE "^\s*$" | tail -30 | cut -c1-400 | tee -a "$OUT/onegpu.txt"
+    for pt in realistic scattered; do
+      timeout 80 python3 tools/bench_transfer.py ${QWEN/--page-size 16/--page-size 1} --path auto --page-table $pt \
+        --concurrency 8 --rooms 16 --rounds 2 --lat-rooms 8 >"$OUT/og-ps1-$pt.log" 2>&1
+      say "page size 1, auto, $pt, c8: rc $?"
+      grep -E "^path=" "$OUT/og-ps1-$pt.log" | cut -c1-600 | tee -a "$OUT/onegpu.txt"
+    done
+    timeout 100 python3 tools/bench_vllm_core.py --tokens 1024,16384 --reps 4 --layouts LBNHC,BLNHC --path direct --integrity off \
+      >"$OUT/og-vllm-blockmajor.log" 2>&1
+    say "vllm core tail, LBNHC vs BLNHC, NIXL tables: rc $?"
+    grep -v "NIXL INFO" "$OUT/og-vllm-blockmajor.log" | grep -E "tokens|tail|ms" | tail -8 | cut -c1-220 \
+      | tee -a "$OUT/onegpu.txt"
+  fi
+  say "$phase: $((SECONDS - start)) s"
+  exit 0
+fi
 if [ "$phase" = cuda ]; then  # every CUDA-only test CI cannot run, in one call (< 8 min), most telling first:
   # the gpu-marked kernel and unit tests (integrity's ordering among them), the integration suites on
   # CUDA pools (integrity, its order and the busy-decode race first), the chaos integrity tests on
