@@ -319,11 +319,19 @@ if [ "$phase" = onegpu ] || [ "$phase" = onegpu2 ]; then  # the goal rows of the
       say "rerun: rc $?, $(grep -E '[0-9]+ (passed|failed)' "$OUT/og-rerun.log" | tail -1)"
       grep -E "^(FAILED|ERROR) " "$OUT/og-rerun.log" | cut -c1-200 | head -12 | tee -a "$OUT/onegpu.txt"
     fi
-    for p in auto direct; do
-      timeout 110 python3 tools/bench_vllm_core.py --tokens 1024,4096,16384 --reps ${VREPS:-4} --path $p --integrity off \
-        >"$OUT/og-vllm-$p.log" 2>&1
-      say "vllm core tail, --path $p: rc $?"
-      grep -v "NIXL INFO" "$OUT/og-vllm-$p.log" | grep -E "tokens|tail|ms" | tail -6 | cut -c1-220 | tee -a "$OUT/onegpu.txt"
+    for v in "auto 33554432" "direct 33554432" "direct 1"; do  # the kernel; NIXL from tables; NIXL, per-WRITE lists
+      set -- $v
+      timeout 100 python3 tools/bench_vllm_core.py --tokens 1024,4096,16384 --reps ${VREPS:-4} --path $1 --integrity off \
+        --table-max-descriptors $2 >"$OUT/og-vllm-$1-$2.log" 2>&1
+      say "vllm core tail, --path $1 --table-max-descriptors $2: rc $?"
+      grep -v "NIXL INFO" "$OUT/og-vllm-$1-$2.log" | grep -E "^tokens=" | sed -E 's/ prefill=.*reported loaded:/:/' \
+        | cut -c1-200 | tee -a "$OUT/onegpu.txt"
+    done
+    for cap in 33554432 1; do  # descriptor tables A/B, direct realistic c8
+      TE_TABLE_MAX_DESCRIPTORS=$cap timeout 70 python3 tools/bench_transfer.py $QWEN --path direct --page-table realistic \
+        --concurrency 8 --rooms 16 --rounds 2 --lat-rooms 16 >"$OUT/og-tables-$cap.log" 2>&1
+      say "direct realistic c8, TE_TABLE_MAX_DESCRIPTORS=$cap: rc $?"
+      grep -E "^path=" "$OUT/og-tables-$cap.log" | cut -c1-700 | tee -a "$OUT/onegpu.txt"
     done
     OUT=$OUT BUDGET=$((${BUDGET:-480} - (SECONDS - start) - 60)) bash "$0" pagetables 2>&1 | grep -v "NIXL INFO" \
       | grep -E "^\|" | tee -a "$OUT/onegpu.txt"
@@ -343,6 +351,10 @@ if [ "$phase" = onegpu ] || [ "$phase" = onegpu2 ]; then  # the goal rows of the
       say "page size 1, auto, $pt, c8: rc $?"
       grep -E "^path=" "$OUT/og-ps1-$pt.log" | cut -c1-600 | tee -a "$OUT/onegpu.txt"
     done
+    timeout 60 python3 tools/bench_transfer.py $QWEN --path direct --page-table contiguous --concurrency 1 --rooms 4 \
+      --rounds 2 --lat-rooms 30 --pool-layout page-major >"$OUT/og-pagemajor.log" 2>&1
+    say "direct contiguous c1, page-major pools: rc $?"
+    grep -E "^path=" "$OUT/og-pagemajor.log" | cut -c1-700 | tee -a "$OUT/onegpu.txt"
     timeout 100 python3 tools/bench_vllm_core.py --tokens 1024,16384 --reps 4 --layouts LBNHC,BLNHC --path direct --integrity off \
       >"$OUT/og-vllm-blockmajor.log" 2>&1
     say "vllm core tail, LBNHC vs BLNHC, NIXL tables: rc $?"
