@@ -315,51 +315,60 @@ if [ "$phase" = onegpu ] || [ "$phase" = onegpu2 ]; then  # the goal rows of the
   export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
   if [ "$phase" = onegpu ]; then
     if [ -n "${RERUN:-}" ]; then
-      TE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE $RERUN >"$OUT/og-rerun.log" 2>&1
+      TE_TEST_DEVICE=cuda timeout 110 python3 -m pytest -q -p no:cacheprovider -rfE $RERUN >"$OUT/og-rerun.log" 2>&1
       say "rerun: rc $?, $(grep -E '[0-9]+ (passed|failed)' "$OUT/og-rerun.log" | tail -1)"
       grep -E "^(FAILED|ERROR) " "$OUT/og-rerun.log" | cut -c1-200 | head -12 | tee -a "$OUT/onegpu.txt"
     fi
+    OUT=$OUT BUDGET=${PT_BUDGET:-170} bash "$0" pagetables 2>&1 | grep -v "NIXL INFO" | grep -E "^\|" \
+      | tee -a "$OUT/onegpu.txt"
     for v in "auto 33554432" "direct 33554432" "direct 1"; do  # the kernel; NIXL from tables; NIXL, per-WRITE lists
       set -- $v
-      timeout 100 python3 tools/bench_vllm_core.py --tokens 1024,4096,16384 --reps ${VREPS:-4} --path $1 --integrity off \
+      timeout 100 python3 tools/bench_vllm_core.py --tokens 1024,4096,16384 --reps ${VREPS:-3} --path $1 --integrity off \
         --table-max-descriptors $2 >"$OUT/og-vllm-$1-$2.log" 2>&1
       say "vllm core tail, --path $1 --table-max-descriptors $2: rc $?"
       grep -v "NIXL INFO" "$OUT/og-vllm-$1-$2.log" | grep -E "^tokens=" | sed -E 's/ prefill=.*reported loaded:/:/' \
         | cut -c1-200 | tee -a "$OUT/onegpu.txt"
     done
+  else
+    go() { [ $((SECONDS - start)) -lt ${STOP:-490} ] && return 0; say "$1: skipped, past ${STOP:-490} s"; return 1; }
     for cap in 33554432 1; do  # descriptor tables A/B, direct realistic c8
       TE_TABLE_MAX_DESCRIPTORS=$cap timeout 70 python3 tools/bench_transfer.py $QWEN --path direct --page-table realistic \
         --concurrency 8 --rooms 16 --rounds 2 --lat-rooms 16 >"$OUT/og-tables-$cap.log" 2>&1
       say "direct realistic c8, TE_TABLE_MAX_DESCRIPTORS=$cap: rc $?"
       grep -E "^path=" "$OUT/og-tables-$cap.log" | cut -c1-700 | tee -a "$OUT/onegpu.txt"
     done
-    OUT=$OUT BUDGET=$((${BUDGET:-480} - (SECONDS - start) - 60)) bash "$0" pagetables 2>&1 | grep -v "NIXL INFO" \
-      | grep -E "^\|" | tee -a "$OUT/onegpu.txt"
-  else
-    OUT=$OUT BUDGET=200 bash "$0" integrity 2>&1 | grep -v "NIXL INFO" | tail -14 | tee -a "$OUT/onegpu.txt"
-    timeout 70 python3 tools/bench_transfer.py $QWEN --tokens 16 --concurrency 32 --rooms 2000 --rounds 1 \
-      --lat-rooms 50 >"$OUT/og-capacity.log" 2>&1
-    say "capacity (one-page rooms, 32 in flight): rc $?"
-    grep -E "^path=" "$OUT/og-capacity.log" | cut -c1-600 | tee -a "$OUT/onegpu.txt"
-    timeout 90 python3 tools/bench_transfer.py $QWEN --path staged --concurrency 8 --rooms 16 --rounds 2 \
-      --lat-rooms 100 --trace >"$OUT/og-staged.log" 2>&1
-    say "staged c8 and its small rooms: rc $?"
-    grep -v "NIXL INFO" "$OUT/og-staged.log" | grep -vE "^\s*$" | tail -30 | cut -c1-400 | tee -a "$OUT/onegpu.txt"
-    for pt in realistic scattered; do
-      timeout 80 python3 tools/bench_transfer.py ${QWEN/--page-size 16/--page-size 1} --path auto --page-table $pt \
-        --concurrency 8 --rooms 16 --rounds 2 --lat-rooms 8 >"$OUT/og-ps1-$pt.log" 2>&1
-      say "page size 1, auto, $pt, c8: rc $?"
-      grep -E "^path=" "$OUT/og-ps1-$pt.log" | cut -c1-600 | tee -a "$OUT/onegpu.txt"
-    done
-    timeout 60 python3 tools/bench_transfer.py $QWEN --path direct --page-table contiguous --concurrency 1 --rooms 4 \
-      --rounds 2 --lat-rooms 30 --pool-layout page-major >"$OUT/og-pagemajor.log" 2>&1
-    say "direct contiguous c1, page-major pools: rc $?"
-    grep -E "^path=" "$OUT/og-pagemajor.log" | cut -c1-700 | tee -a "$OUT/onegpu.txt"
-    timeout 100 python3 tools/bench_vllm_core.py --tokens 1024,16384 --reps 4 --layouts LBNHC,BLNHC --path direct --integrity off \
-      >"$OUT/og-vllm-blockmajor.log" 2>&1
-    say "vllm core tail, LBNHC vs BLNHC, NIXL tables: rc $?"
-    grep -v "NIXL INFO" "$OUT/og-vllm-blockmajor.log" | grep -E "tokens|tail|ms" | tail -8 | cut -c1-220 \
-      | tee -a "$OUT/onegpu.txt"
+    OUT=$OUT BUDGET=${IV_BUDGET:-170} bash "$0" integrity 2>&1 | grep -v "NIXL INFO" | tail -14 | tee -a "$OUT/onegpu.txt"
+    if go capacity; then
+      timeout 60 python3 tools/bench_transfer.py $QWEN --tokens 16 --concurrency 32 --rooms 2000 --rounds 1 \
+        --lat-rooms 50 >"$OUT/og-capacity.log" 2>&1
+      say "capacity (one-page rooms, 32 in flight): rc $?"
+      grep -E "^path=" "$OUT/og-capacity.log" | cut -c1-600 | tee -a "$OUT/onegpu.txt"
+    fi
+    if go staged; then
+      timeout 75 python3 tools/bench_transfer.py $QWEN --path staged --concurrency 8 --rooms 16 --rounds 2 \
+        --lat-rooms 100 --trace >"$OUT/og-staged.log" 2>&1
+      say "staged c8 and its small rooms: rc $?"
+      grep -v "NIXL INFO" "$OUT/og-staged.log" | grep -vE "^\s*$" | tail -30 | cut -c1-400 | tee -a "$OUT/onegpu.txt"
+    fi
+    if go page-size-1; then
+      timeout 70 python3 tools/bench_transfer.py ${QWEN/--page-size 16/--page-size 1} --path auto --page-table realistic \
+        --concurrency 8 --rooms 16 --rounds 2 --lat-rooms 8 >"$OUT/og-ps1.log" 2>&1
+      say "page size 1, auto, realistic, c8: rc $?"
+      grep -E "^path=" "$OUT/og-ps1.log" | cut -c1-600 | tee -a "$OUT/onegpu.txt"
+    fi
+    if go page-major; then
+      timeout 50 python3 tools/bench_transfer.py $QWEN --path direct --page-table contiguous --concurrency 1 --rooms 4 \
+        --rounds 2 --lat-rooms 30 --pool-layout page-major >"$OUT/og-pagemajor.log" 2>&1
+      say "direct contiguous c1, page-major pools: rc $?"
+      grep -E "^path=" "$OUT/og-pagemajor.log" | cut -c1-700 | tee -a "$OUT/onegpu.txt"
+    fi
+    if go block-major; then
+      timeout 70 python3 tools/bench_vllm_core.py --tokens 1024,16384 --reps 3 --layouts LBNHC,BLNHC --path direct \
+        --integrity off >"$OUT/og-vllm-blockmajor.log" 2>&1
+      say "vllm core tail, LBNHC vs BLNHC, NIXL tables: rc $?"
+      grep -v "NIXL INFO" "$OUT/og-vllm-blockmajor.log" | grep -E "^tokens=" | sed -E 's/ prefill=.*reported loaded:/:/' \
+        | cut -c1-200 | tee -a "$OUT/onegpu.txt"
+    fi
   fi
   say "$phase: $((SECONDS - start)) s"
   exit 0
