@@ -527,8 +527,16 @@ def check_stream(stream: torch.cuda.Stream | None, device: torch.device) -> None
         raise KernelInputError(f"a CUDA stream was given but the KV is on {device}")
     if not isinstance(stream, torch.cuda.Stream):
         raise KernelInputError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
-    if stream.device != device:
+    if indexed(stream.device) != indexed(device):
         raise KernelInputError(f"stream is on {stream.device}, the KV on {device}")
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a CUDA device named without one (``torch.device("cuda")``) is the
+    current device, as torch places tensors made there; any other device is returned as it is."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def check_heads(start: int, count: int, heads: int, name: str) -> None:

@@ -41,6 +41,7 @@ from ._common import (
     LaunchConfig,
     check_stream,
     column_block,
+    indexed,
     launcher,
     piece_block,
     pow2_divisor,
@@ -143,6 +144,7 @@ def entry_table(addr: npt.ArrayLike, entry_bytes: int, device: torch.device | st
     dev = torch.device(device)
     if dev.type not in ("cuda", "cpu"):
         raise KernelInputError(f"device {dev} is neither cuda nor cpu")
+    dev = indexed(dev)  # "cuda" is the current device: tables and streams compare by index
     gcd = (
         int(np.bitwise_or.reduce(array)) | entry_bytes
     )  # the lowest set bit of the OR: the common power of two

@@ -269,3 +269,12 @@ def test_another_host_is_refused() -> None:
     with pytest.raises(ipc.ShareError, match="not the file"):
         ipc.map_pool(wrong, pool.regions(), torch.device("cpu"))
     assert ipc.open_mappings() == 0
+
+
+def test_a_cuda_ipc_handle_keeps_every_byte() -> None:
+    """A ``CUipcMemHandle`` is 64 opaque bytes, zeros anywhere: the driver's struct is read and written
+    whole (ctypes reads a ``c_char`` array field only up to its first zero byte; the first GPU run
+    exported empty handles that way)."""
+    raw = bytes([0, 7, 0, 0]) + bytes(range(60))
+    handle = ipc._IpcHandle.from_buffer_copy(raw)  # as _Driver.open fills it
+    assert bytes(handle) == raw and len(bytes(handle)) == 64  # as _Driver.export reads it

@@ -9,22 +9,47 @@ where the prefill maps the decode's pool through CUDA IPC.
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 
-from tests.chaos.rank_process import HEARTBEAT, RankProcess, expect_peer_dead
+from tests.chaos.rank_process import HEARTBEAT, ROOT, RankProcess, expect_peer_dead
 from transfer_engine.testing.cluster import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def start(role: str, port: int, device: str) -> RankProcess:
-    argv = [sys.executable, "-m", "tests.integration.kernel_rank", "--role", role, "--bootstrap-port", str(port),
-            "--heartbeat", str(HEARTBEAT), "--device", device]  # fmt: skip
-    rank = RankProcess(role, argv)
-    rank.expect("up")
-    return rank
+def _env() -> dict[str, str]:
+    """The children's ``PYTHONPATH``: this checkout first, then every entry the parent was given (where
+    the dependencies live when they are not in the interpreter's own site-packages)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT), *inherited])}
+
+
+@contextmanager
+def kernel_ranks(device: str) -> Iterator[Callable[[str], RankProcess]]:
+    """``start(role)``: one ``kernel_rank`` process on a free bootstrap port, returned once it is up. On
+    leaving, whatever happened (one that never came up included), each one still running is killed
+    and every pipe is closed."""
+    port = free_port()
+    started: list[RankProcess] = []
+
+    def start(role: str) -> RankProcess:
+        argv = [sys.executable, "-m", "tests.integration.kernel_rank", "--role", role, "--bootstrap-port",
+                str(port), "--heartbeat", str(HEARTBEAT), "--device", device]  # fmt: skip
+        rank = RankProcess(role, argv, env=_env())
+        started.append(rank)
+        rank.expect("up")
+        return rank
+
+    try:
+        yield start
+    finally:
+        for rank in started:
+            rank.close()
 
 
 def quit_rank(rank: RankProcess) -> dict[str, object]:
@@ -37,10 +62,9 @@ def quit_rank(rank: RankProcess) -> dict[str, object]:
 def test_rooms_copy_between_two_processes(device: str = "cpu") -> None:
     """Three rooms, whole and layer-wise chunks: bytes exact, path kernel (the reason says so), the
     prefill's copies counted, and at the end nothing held, in flight or mapped on either side."""
-    port = free_port()
-    prefill = start("prefill", port, device)
-    decode = start("decode", port, device)
-    try:
+    with kernel_ranks(device) as start:
+        prefill = start("prefill")
+        decode = start("decode")
         rooms = {1: (0, False), 2: (8, True), 3: (16, False)}
         for room, (first, layers) in rooms.items():
             pages = list(range(first, first + 4))
@@ -59,19 +83,15 @@ def test_rooms_copy_between_two_processes(device: str = "cpu") -> None:
         assert done_p["counters"]["kernel_copies"] >= 3 * 2, done_p
         assert done_p["counters"].get("kernel_fallbacks", 0) == 0, done_p
         assert done_p["mappings"] == 0 and done_d["mappings"] == 0
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def test_decode_killed_mid_room_closes_the_mapping(device: str = "cpu") -> None:
     """A decode killed while a kernel-path room waits between two layers: the prefill's room fails
     PEER_DEAD within the heartbeat bound, its mapping of the dead decode's pool is closed (no copy in
     flight), and it leaks nothing."""
-    port = free_port()
-    prefill = start("prefill", port, device)
-    decode = start("decode", port, device)
-    try:
+    with kernel_ranks(device) as start:
+        prefill = start("prefill")
+        decode = start("decode")
         pages = list(range(4))
         decode.send(cmd="recv", room=5, pages=pages)
         decode.expect("opened", room=5)
@@ -82,18 +102,14 @@ def test_decode_killed_mid_room_closes_the_mapping(device: str = "cpu") -> None:
         done = quit_rank(prefill)
         assert not any(done["leaks"].values()), done
         assert done["mappings"] == 0, done
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def test_prefill_killed_mid_room_fails_the_decode_room(device: str = "cpu") -> None:
     """A prefill killed mid-room (it mapped the decode's pool): the decode's room fails PEER_DEAD, and
     the decode ends with nothing held; its pool was never freed under a live copy (the copier is gone)."""
-    port = free_port()
-    prefill = start("prefill", port, device)
-    decode = start("decode", port, device)
-    try:
+    with kernel_ranks(device) as start:
+        prefill = start("prefill")
+        decode = start("decode")
         pages = list(range(4))
         decode.send(cmd="recv", room=6, pages=pages)
         decode.expect("opened", room=6)
@@ -103,6 +119,3 @@ def test_prefill_killed_mid_room_fails_the_decode_room(device: str = "cpu") -> N
         expect_peer_dead(decode, [6], killed_at)
         done = quit_rank(decode)
         assert not any(done["leaks"].values()), done
-    finally:
-        prefill.close()
-        decode.close()

@@ -52,8 +52,17 @@ async def test_strided_staged(
 ) -> None:
     rng = random.Random(f"{src_kind} {dst_kind} {P} {D} {path}")
     layout, decode_layout = small_layout(page_size=src_page), small_layout(page_size=dst_page)
+    # NIXL's staged and host paths are under test: with the kernel path on, a CUDA pool in this one
+    # process is mapped as it is ("process") and auto takes the kernel path (test_kernel_path.py)
     async with cluster(
-        layout, P, D, num_pages=NUM_PAGES, decode_layout=decode_layout, kinds=(src_kind, dst_kind), path=path
+        layout,
+        P,
+        D,
+        num_pages=NUM_PAGES,
+        decode_layout=decode_layout,
+        kinds=(src_kind, dst_kind),
+        path=path,
+        kernel_path=False,
     ) as c:
         src_free = shuffled_pages(rng, NUM_PAGES, NUM_PAGES).tolist()
         dst_free = shuffled_pages(rng, NUM_PAGES, NUM_PAGES).tolist()

@@ -89,7 +89,10 @@ async def test_auto_path_and_why_in_the_dump(P: int, D: int, path: str, why: str
     the prefill's the path its request named. On CPU pools a scattered room stays direct (the CPU
     crossover); on GPU pools these small rooms are under the GPU one's allowance too."""
     layout = small_layout()
-    async with cluster(layout, P, D, path="auto", num_pages=pool_pages("scattered", PAGES, 1)) as c:
+    # NIXL's choice is under test: with the kernel path on, a CUDA pool in this one process is mapped
+    # as it is ("process") and auto takes the kernel path (test_kernel_path.py asserts that choice)
+    num_pages = pool_pages("scattered", PAGES, 1)
+    async with cluster(layout, P, D, path="auto", num_pages=num_pages, kernel_path=False) as c:
         src = room_tables("scattered", PAGES, 1, seed=side_seed(9, "prefill"))[0]
         dst = room_tables("scattered", PAGES, 1, seed=side_seed(9, "decode"))[0]
         await run_room(c, 500, src, dst, CHUNKS)

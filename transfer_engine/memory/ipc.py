@@ -85,6 +85,11 @@ def host_id() -> str:
 
 
 class _IpcHandle(ctypes.Structure):
+    """``CUipcMemHandle``: 64 opaque bytes. Read and written as a whole (``bytes(handle)``,
+    :meth:`from_buffer_copy`), never through the field: ctypes reads a ``c_char`` array field as a
+    NUL-terminated string, so a handle with a zero byte would come out short (empty when it starts
+    with one)."""
+
     _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
@@ -107,11 +112,19 @@ class _Driver:
         raise ShareError(f"the CUDA driver has no {name}")
 
     def call(self, name: str, *args: object) -> None:
-        rc = self.fn(name)(*args)
-        if rc != 0:
-            text = ctypes.c_char_p()
-            self.lib.cuGetErrorString(rc, ctypes.byref(text))
-            raise ShareError(f"{name} failed: {(text.value or b'?').decode()} (CUresult {rc})")
+        self.check(name, self.fn(name)(*args))
+
+    def check(self, name: str, rc: int) -> None:
+        """A :class:`ShareError` naming the call, the error's name, its text and its code unless
+        ``rc`` is ``CUDA_SUCCESS``."""
+        if rc == 0:
+            return
+        what, text = ctypes.c_char_p(), ctypes.c_char_p()
+        self.lib.cuGetErrorName(rc, ctypes.byref(what))
+        self.lib.cuGetErrorString(rc, ctypes.byref(text))
+        raise ShareError(
+            f"{name} failed: {(what.value or b'?').decode()}, {(text.value or b'?').decode()} (CUresult {rc})"
+        )
 
     @contextlib.contextmanager
     def context(self, ordinal: int) -> Iterator[None]:
@@ -156,17 +169,15 @@ class _Driver:
     def export(self, base: int) -> bytes:
         handle = _IpcHandle()
         self.call("cuIpcGetMemHandle", ctypes.byref(handle), ctypes.c_uint64(base))
-        return bytes(handle.reserved)
+        return bytes(handle)  # all 64 bytes (see _IpcHandle)
 
     def open(self, handle: bytes) -> int:
-        raw = _IpcHandle()
-        ctypes.memmove(raw.reserved, handle, 64)
+        raw = _IpcHandle.from_buffer_copy(handle)
         ptr = ctypes.c_uint64()
         opener = self.fn("cuIpcOpenMemHandle")
         opener.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
-        rc = opener(ctypes.byref(ptr), raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-        if rc != 0:
-            raise ShareError(f"cuIpcOpenMemHandle failed (CUresult {rc})")
+        opener.restype = ctypes.c_int
+        self.check("cuIpcOpenMemHandle", opener(ctypes.byref(ptr), raw, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
         return ptr.value
 
     def close(self, ptr: int) -> None:
