@@ -32,6 +32,14 @@ BOUND = 2.25 * HEARTBEAT + 0.3
 scheduling and delivery slack on 2 cores."""
 
 
+def child_pythonpath() -> str:
+    """A rank process's ``PYTHONPATH``: this checkout first, then every entry the parent was given
+    (where the dependencies live when they are not in the interpreter's own site-packages, as on the
+    GPU machine)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([str(ROOT), *inherited])
+
+
 class RankProcess:
     """One ``rank.py`` process started with ``argv`` (its own session, so a kill takes it whole)."""
 
@@ -44,7 +52,7 @@ class RankProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+            env={**os.environ, "PYTHONPATH": child_pythonpath(), **(env or {})},
             start_new_session=True,
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()

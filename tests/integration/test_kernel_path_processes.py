@@ -9,24 +9,20 @@ where the prefill maps the decode's pool through CUDA IPC.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
 
-from tests.chaos.rank_process import HEARTBEAT, ROOT, RankProcess, expect_peer_dead
+from tests.chaos.rank_process import HEARTBEAT, RankProcess, child_pythonpath, expect_peer_dead
 from transfer_engine.testing.cluster import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def _env() -> dict[str, str]:
-    """The children's ``PYTHONPATH``: this checkout first, then every entry the parent was given (where
-    the dependencies live when they are not in the interpreter's own site-packages)."""
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {"PYTHONPATH": os.pathsep.join([str(ROOT), *inherited])}
+    return {"PYTHONPATH": child_pythonpath()}
 
 
 @contextmanager
