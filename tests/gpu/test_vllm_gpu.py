@@ -116,9 +116,13 @@ def test_two_processes(case: str) -> None:
 
 class Unwaited(ConnectorCore):
     """The core with the wait removed: its ready events are recorded on an idle stream, so they
-    complete at once, whatever the forward's stream still has queued."""
+    complete at once, whatever the forward's stream still has queued. ``skipped`` counts the events
+    it replaced: the control proves nothing unless the core took its events from here."""
+
+    skipped = 0
 
     def _ready_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        Unwaited.skipped += 1
         idle = torch.cuda.Stream(self.pool.device)
         return super()._ready_event(idle)
 
@@ -169,7 +173,10 @@ def test_long_kernel_layer_is_waited_for() -> None:
 def test_long_kernel_without_the_wait_reads_stale_bytes() -> None:
     """The same with the wait removed (:class:`Unwaited`): the WRITEs read the layers before the
     forward wrote them, and the check above sees it. This shows the check can fail."""
-    assert _long_kernel_case(Unwaited) > 0
+    Unwaited.skipped = 0
+    stale = _long_kernel_case(Unwaited)
+    assert Unwaited.skipped == 2, f"the core took {Unwaited.skipped} of its 2 groups' events from Unwaited"
+    assert stale > 0
 
 
 def test_whole_request_send_waits_for_the_current_stream() -> None:
@@ -224,18 +231,51 @@ def integrity_decoder() -> Iterator[DecodeProcess]:
             decoder.stop()
 
 
+def staged_bound(prefill: Side, decode: Side, tokens: Sequence[int]) -> int:
+    """Bytes of the largest request of ``tokens`` with every layer, on the side with more local
+    heads: no staged chunk of it can be larger. The vLLM core makes a request one chunk (a WRITE of
+    ``layers_per_write`` layers, or every layer when sent whole), and a staged chunk larger than the
+    prefill's staging buffer or the decode's ring fails its room (STAGING, docs/DECISIONS.md); their
+    defaults (2 and 4 chunks of ``staging_chunk_pages`` blocks) are smaller than a 4K-token request
+    sent whole, so the cases over unequal layouts (staged) size both to this."""
+
+    def per_token(side: Side) -> int:
+        item = torch.empty(0, dtype=side.dtype).element_size()
+        return side.num_layers * side.heads_local * side.content * item
+
+    padded = max(-(-n // min(prefill.block_size, decode.block_size)) for n in tokens) * max(
+        prefill.block_size, decode.block_size
+    )
+    return padded * max(per_token(prefill), per_token(decode))
+
+
 def integrity_case(
-    decoder: DecodeProcess, prefill: Side, decode: Side, tokens: Sequence[int], device: str
+    decoder: DecodeProcess,
+    prefill: Side,
+    decode: Side,
+    tokens: Sequence[int],
+    device: str,
+    staged_bytes: int = 0,
 ) -> dict[str, int]:
     """Integrity on both sides: the decode process restarted on ``decode`` asks for one request of
     each of ``tokens``, the prefill ranks here (on ``device``) run one forward that writes them on a
     non-default stream. Every request is reported with no load error, every byte lands and nothing
-    else is written, nothing leaks on the prefill. Returns the decode ranks' counters, summed."""
-    decoder.reset(decode, integrity=True)
+    else is written, nothing leaks on the prefill. ``staged_bytes``: the prefill's ``staging_bytes``
+    and the decode's ``ring_bytes`` (0: their defaults). Returns the decode ranks' counters, summed."""
+    decoder.reset(decode, integrity=True, ring_bytes=staged_bytes)
     port = free_port()
     caches = [allocate(prefill, device) for _ in range(prefill.tp)]
     p_cores = [
-        make_core("prefill", prefill, r, caches[r], port, heartbeat_interval=5.0, integrity=True)
+        make_core(
+            "prefill",
+            prefill,
+            r,
+            caches[r],
+            port,
+            heartbeat_interval=5.0,
+            integrity=True,
+            staging_bytes=staged_bytes,
+        )
         for r in range(prefill.tp)
     ]
     try:
@@ -287,7 +327,8 @@ def test_integrity_every_layout_1k_4k_16k(
     torch.cuda.set_device(torch.device(p_dev))
     prefill = replace(INTEGRITY_SIDE, layout=prefill_layout)
     decode = replace(INTEGRITY_SIDE, layout=decode_layout)
-    counters = integrity_case(integrity_decoder, prefill, decode, INTEGRITY_TOKENS, p_dev)
+    bound = staged_bound(prefill, decode, INTEGRITY_TOKENS)
+    counters = integrity_case(integrity_decoder, prefill, decode, INTEGRITY_TOKENS, p_dev, bound)
     assert_every_chunk_matched(counters, len(INTEGRITY_TOKENS))
 
 

@@ -9,6 +9,8 @@ The parent sends the decode process one command at a time on a pipe and waits fo
   ``time.monotonic_ns()`` (one clock for every process of the host) at which the last was reported;
 - ``("counters",)``: answers ``("counters", [each decode rank's engine counters])`` (``integrity_match``,
   ``integrity_mismatch``, ``failed_integrity``...: totals since its cores started);
+- ``("links",)``: answers ``("links", [each decode rank's link probes])`` (``TransferEngine.links``:
+  what its first handshake with each prefill rank measured, ``transport.probe.LinkProbe``);
 - ``("side", side, config)``: close the cores, then make new ones over fresh caches of ``side`` with
   ``config`` (answers ``"up"``): one process serves several layouts, without a new spawn each;
 - ``("stop",)``: close the cores and exit (answers ``"stopped"`` with the leak counters).
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from transfer_engine.integrations.vllm.core import ConnectorCore
+from transfer_engine.transport.probe import LinkProbe
 
 from .vllm_kv import Request, Side, allocate, check_decode, make_core
 
@@ -70,6 +73,11 @@ def _decode_main(conn: Connection, side: Side, device: str, port: int, config: d
                 return
             if command[0] == "counters":
                 conn.send(("counters", [core._running().call(lambda e: dict(e.counters)) for core in cores]))
+                continue
+            if command[0] == "links":
+                conn.send(
+                    ("links", [core._running().call(lambda e: list(e.links.values())) for core in cores])
+                )
                 continue
             if command[0] == "side":
                 _, side, config = command
@@ -164,6 +172,12 @@ class DecodeProcess:
         self._conn.send(("counters",))
         _, counters = self._expect("counters", 30)
         return list(counters)
+
+    def links(self) -> list[list[LinkProbe]]:
+        """Each decode rank's link probes (one per prefill rank it has met)."""
+        self._conn.send(("links",))
+        _, links = self._expect("links", 30)
+        return list(links)
 
     def reset(self, side: Side, **config: Any) -> None:
         """Close the decode cores and start new ones over fresh caches of ``side``, with ``config``

@@ -38,8 +38,11 @@ pytestmark = pytest.mark.timeout(60)
 
 TCP_ONLY = {"engine_config": "NET_DEVICES=lo,TLS=tcp"}
 """UCX held to TCP over loopback (NIXL's ``engine_config``), as tests/integration/test_link.py does."""
-ONE_HOST = "cuda_ipc" if DEVICE.startswith("cuda") else "shm"
-"""What carries a WRITE between two agents of this process by UCX's defaults (inferred)."""
+ONE_HOST = "tcp" if DEVICE.startswith("cuda") else "shm"
+"""What carries a WRITE between two agents of this process by UCX's defaults: shared memory for
+host pools (inferred); TCP over loopback for GPU pools (observed), since UCX does not use
+``cuda_ipc`` between two agents of one process. Two processes on one GPU do use ``cuda_ipc``:
+tests/gpu/test_link_gpu.py."""
 
 
 async def probed(decode: TransferEngine, n: int = 1, limit_s: float = 10.0) -> None:
@@ -84,9 +87,13 @@ async def test_the_first_handshake_probes_the_link(caplog: pytest.LogCaptureFixt
         assert row[1:3] == [probe.transport, "lo"], table
         assert not build_snapshot(prefill).links  # the decode probes: the prefill only offers a target
 
-        # one log line, the metrics gauge
-        lines = [r.getMessage() for r in caplog.records if f"link to {prefill.agent_name}:" in r.getMessage()]
+        # one INFO line (and a warning for a GPU pool's link over TCP), the metrics gauge
+        about = [r for r in caplog.records if f"link to {prefill.agent_name}:" in r.getMessage()]
+        lines = [r.getMessage() for r in about if r.levelno == logging.INFO]
         assert len(lines) == 1 and f"{probe.transport} " in lines[0] and " GB/s " in lines[0], lines
+        warned = [r.getMessage() for r in about if r.levelno == logging.WARNING]
+        tcp_on_gpu = probe.transport == "tcp" and DEVICE != "cpu"
+        assert len(warned) == tcp_on_gpu and all("TCP where RDMA or NVLink was expected" in t for t in warned)
         assert decode.metrics is not None
         text = decode.metrics.render()[0].decode()
         gauge = f'transfer_engine_link_gbps{{peer="{prefill.agent_name}",transport="{probe.transport}"}}'
@@ -138,9 +145,11 @@ async def test_a_floor_above_the_link_fails_the_handshake(caplog: pytest.LogCapt
 @pytest.mark.parametrize(("params", "refused"), [(TCP_ONLY, True), ({}, False)], ids=["tcp", "default"])
 async def test_refuse_tcp_link(params: dict[str, str], refused: bool) -> None:
     """UCX held to TCP on the decode (its WRITE then goes over TCP) is refused, naming the fix; UCX's
-    default between two agents of one process (shared memory, or cuda_ipc) is not."""
+    default between two agents of one process is not for host pools (shared memory), and is for GPU
+    pools (TCP over loopback, see ``ONE_HOST``)."""
     if refused and DEVICE != "cpu":
         pytest.skip("UCX held to TCP is tried with host pools only")
+    refused = refused or ONE_HOST == "tcp"
     async with cluster(small_layout(), 1, 1, refuse_tcp_link=True, nixl_params=params) as c:
         prefill, decode = c.prefill[0], c.decode[0]
         if refused:

@@ -197,7 +197,7 @@ class ConnectorCore:
         """Prefill: send the request's KV, written by the work queued so far on the caller's
         current stream, to whatever decode asks for its room. Never blocks."""
         request = self._request(req_id, transfer_id, block_ids)
-        ready = recorded(torch.cuda.current_stream(self.pool.device)) if self._cuda else None
+        ready = self._ready_event(torch.cuda.current_stream(self.pool.device)) if self._cuda else None
         self._hand(self._send, request, None, ready)
 
     def begin_layers(self, req_id: str, transfer_id: str, block_ids: Sequence[int]) -> None:
@@ -329,11 +329,17 @@ class ConnectorCore:
             self._outstanding += 1
         engine.spawn(fn, *args)
 
+    def _ready_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """The event a chunk or layer group waits for: recorded on ``stream``, the one that wrote it.
+        The one place both :meth:`send` and the layer groups take it (tests/gpu's control that skips
+        the wait replaces it)."""
+        return recorded(stream)
+
     def _hand_layers(self, layers: LayerQueue) -> None:
         if layers.end == layers.handed:
             return
         stream = layers.stream
-        ready = recorded(stream) if stream is not None else None
+        ready = self._ready_event(stream) if stream is not None else None
         self._running().call_soon(layers.queue.put_nowait, (layers.handed, layers.end, ready))
         layers.handed, layers.stream = layers.end, None
 
