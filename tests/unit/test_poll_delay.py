@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from transfer_engine.actors.nixl_poller import BACKOFF_POLLS, IDLE_FACTOR, QUICK_DIVISOR, poll_delay
+from transfer_engine.actors.nixl_poller import (
+    BACKOFF_POLLS,
+    IDLE_FACTOR,
+    IDLE_LOOK_S,
+    QUICK_DIVISOR,
+    poll_delay,
+)
 
 IV = 0.0002  # poll_interval
 R = 0.001  # poll_relaxed
@@ -25,8 +31,13 @@ def delay(**kw: object) -> tuple[float, bool]:
 @pytest.mark.parametrize(
     ("case", "kw", "want"),
     [
-        ("nothing can come", {}, (IV * IDLE_FACTOR, False)),
-        ("nothing can come, even in a quick window", {"quick": True}, (IV * IDLE_FACTOR, False)),
+        ("nothing can come", {}, (IDLE_LOOK_S, False)),
+        ("nothing can come, even in a quick window", {"quick": True}, (IDLE_LOOK_S, False)),
+        (
+            "nothing can come, a peer added lately (its link probe)",
+            {"idle_look": IV * IDLE_FACTOR},
+            (IV * IDLE_FACTOR, False),
+        ),
         (
             "an urgent WRITE, quick window",
             {"posted": 1, "urgent": 1, "quick": True},
@@ -57,3 +68,12 @@ def test_relaxed_looks_are_sparser_than_every_other_cadence_with_a_write_out() -
     out = [delay(posted=1, urgent=1, idle=i)[0] for i in range(2 * BACKOFF_POLLS)]
     out.append(delay(posted=1, urgent=1, quick=True)[0])
     assert delay(posted=2)[0] == R > max(out)
+
+
+def test_an_idle_poller_looks_far_less_often_than_a_waiting_one() -> None:
+    """Nothing can come: the look is hundreds of times sparser than any cadence with a WRITE out or
+    a room waiting (a rank with no work costs a few looks a second)."""
+    waiting = [delay(busy=True, idle=i)[0] for i in range(2 * BACKOFF_POLLS)]
+    waiting += [delay(posted=1, urgent=1, idle=i)[0] for i in range(2 * BACKOFF_POLLS)]
+    waiting.append(delay(posted=1)[0])
+    assert delay()[0] >= 100 * max(waiting)

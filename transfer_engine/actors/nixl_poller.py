@@ -8,7 +8,8 @@ thread"). It makes WRITEs (:meth:`prepare_write`, :meth:`prepare_indexed`) and s
 (:meth:`start_write`), synchronously: the caller learns at once whether a WRITE was refused. It polls the state of every posted WRITE — which is also what makes NIXL send
 their notifications — releases finished handles, and drains incoming notifications, handing each
 decoded one to its room through the :class:`~transfer_engine.runtime.ports.RoomBoard`. Polling is tight
-while WRITEs or live rooms exist and backs off when idle.
+while WRITEs or live rooms exist, backs off between, and all but stops when nothing can come
+(:func:`poll_delay`; docs/DECISIONS.md, "An idle poller looks four times a second").
 
 Replies are mail: a finished WRITE is a :class:`~transfer_engine.runtime.mail.WriteEnded` to the mailbox
 that posted it, and :meth:`request_drain` answers a room with :class:`~transfer_engine.runtime.mail.Drained`
@@ -55,14 +56,36 @@ only ``poll_interval / QUICK_DIVISOR`` for this long: the answer to a WRITE or a
 within a millisecond or two, and each poll it is late by is added to the room's latency."""
 QUICK_DIVISOR = 4
 IDLE_FACTOR = 50
-"""With nothing that can come (no WRITE out, no room waiting for a notification), the poller looks
-every ``poll_interval * IDLE_FACTOR``."""
+"""For ``PEER_WINDOW_S`` after a peer was added, with nothing of its own that can come, the poller
+looks every ``poll_interval * IDLE_FACTOR``: the peer probes the link with WRITEs into this rank
+(engine/handshake.py), and over a transport without one-sided puts (UCX over TCP) a WRITE's bytes
+land only through the target's own progress calls, which are this poller's looks."""
+PEER_WINDOW_S = 10.0
+"""How long after :meth:`NixlPoller.add_peer` an idle poller looks at the ``IDLE_FACTOR`` cadence."""
+IDLE_LOOK_S = 0.25
+"""With nothing that can come (no WRITE out, no room waiting for a notification, no drain asked, no
+peer added lately), the poller looks every this many seconds. Nothing local can be missed: a WRITE
+started, a room opened, a drain asked or a peer added wakes it at once (:meth:`NixlPoller.wake`).
+It still looks now and then, not never, for what only a far side starts: a WRITE a peer still has
+in flight into a room this rank gave up on, or a late link probe, needs this rank's progress calls
+over TCP to end."""
+DRIVE_NAP_S = 20e-6
+""":meth:`NixlPoller.drive` sleeps this long between two looks (the kernel's timer slack adds about
+50 us): a look every ~70 us instead of a core held for up to ``early_drive``."""
 BACKOFF_POLLS = 20
 """Polls at ``poll_interval`` after the quick window, before the poller slows to 2.5x that."""
 
 
 def poll_delay(
-    interval: float, *, posted: int, urgent: int, busy: bool, quick: bool, idle: int, relaxed: float
+    interval: float,
+    *,
+    posted: int,
+    urgent: int,
+    busy: bool,
+    quick: bool,
+    idle: int,
+    relaxed: float,
+    idle_look: float = IDLE_LOOK_S,
 ) -> tuple[float, bool]:
     """How long the poller sleeps before its next look, and whether that sleep counts as a back-off
     step (the caller counts ``idle`` up by one then). Pure.
@@ -72,10 +95,11 @@ def poll_delay(
     layer groups before the last"); ``busy``: rooms wait for notifications (decode); ``quick``: in a
     quick window (activity, or a predicted layer group); ``idle``: back-off steps since the last
     activity; ``relaxed``: ``EngineConfig.poll_relaxed``, the period of a look while only relaxed
-    WRITEs are out (> 0).
+    WRITEs are out (> 0); ``idle_look``: the sleep when nothing can come (``IDLE_LOOK_S``, or
+    ``poll_interval * IDLE_FACTOR`` while a peer added lately may probe the link).
     """
     if not (posted or busy):  # nothing can come
-        return interval * IDLE_FACTOR, False
+        return idle_look, False
     if quick:
         return interval / QUICK_DIVISOR, False
     if urgent == 0 and not busy:  # only relaxed WRITEs out
@@ -134,7 +158,9 @@ class NixlPoller:
         self._quick_until = 0.0
         self._idle = 0
         self._sleep_until = float("inf")
-        """When the poller's current sleep ends (inf: it is not asleep, or sleeps until woken)."""
+        """When the poller's current sleep ends (inf: it is not asleep)."""
+        self._peer_until = 0.0
+        """Until then a peer added lately may probe the link into this rank (``PEER_WINDOW_S``)."""
         self._posted: list[_Posted] = []
         self._seals: dict[int, Callable[[], bytes]] = {}
         """Made WRITEs whose notification is made as they start (``WriteSpec.seal``: integrity)."""
@@ -155,7 +181,10 @@ class NixlPoller:
         return self.transport.register(regions, mem_type)
 
     def add_peer(self, peer: RemotePeer, metadata: bytes) -> None:
+        """Add ``peer``; an idle poller looks more often for ``PEER_WINDOW_S`` (its link probe)."""
         self.transport.add_peer(peer, metadata)
+        self._peer_until = time.monotonic() + PEER_WINDOW_S
+        self._wake.set()  # from a long idle sleep to the peer window's cadence
 
     def remove_peer(self, agent_name: str) -> None:
         self.transport.remove_peer(agent_name)
@@ -264,11 +293,16 @@ class NixlPoller:
         NIXL for its state until it has ended, for ``limit_s`` at most. NIXL sends a WRITE's
         notification from that call once its bytes are in place, so the decode hears of it without
         waiting for this poller's own look, which waits for the loop's turn. True: it ended (its
-        handle stays for the poller to release, as every other)."""
+        handle stays for the poller to release, as every other).
+
+        It naps ``DRIVE_NAP_S`` between looks, letting the GIL and the core go (a loop of looks
+        held a core for up to ``limit_s`` after every closing group; docs/DECISIONS.md, "An idle
+        poller looks four times a second")."""
         until = time.monotonic() + limit_s
         while self.transport.state(handle) is XferState.PROC:
             if time.monotonic() >= until:
                 return False
+            time.sleep(DRIVE_NAP_S)
         return True
 
     def adopt(
@@ -358,8 +392,8 @@ class NixlPoller:
         While WRITEs are in flight or (``busy``) rooms wait for notifications, it polls every
         ``poll_interval / QUICK_DIVISOR`` for QUICK_S after activity (a WRITE posted, a room
         started, a notification or a completion), then every ``poll_interval`` for 20 polls, then
-        2.5x slower; with nothing that can come, every 50 ``poll_interval``
-        (:func:`poll_delay`). A relaxed WRITE's post and end are no activity, and while only relaxed
+        2.5x slower; with nothing that can come, every ``IDLE_LOOK_S`` (every 50 ``poll_interval``
+        for ``PEER_WINDOW_S`` after a peer was added) (:func:`poll_delay`). A relaxed WRITE's post and end are no activity, and while only relaxed
         WRITEs are out it looks every ``relaxed`` (``EngineConfig.poll_relaxed``) until
         :meth:`hurry`. Sleeps are on the loop's fine timers (:mod:`transfer_engine.runtime.ticker`):
         epoll's own would last a millisecond.
@@ -390,6 +424,7 @@ class NixlPoller:
                 quick=now < self._quick_until or (self.cadence is not None and self.cadence.quick(now)),
                 idle=self._idle,
                 relaxed=self._relaxed,
+                idle_look=self._interval * IDLE_FACTOR if now < self._peer_until else IDLE_LOOK_S,
             )
             self._idle += backoff
             if self.cadence is not None and (ahead := self.cadence.next_start(now)) is not None:
