@@ -3,6 +3,13 @@ their abstract base :class:`RoomHandle` (the checks of their arguments: :mod:`tr
 
 A handle reads its room's status and failure (never blocking, from any thread) and mails the room
 what the caller asks for; the room actor alone changes the room.
+
+Every CUDA event a handle mails for a thread to wait on is blocking (:class:`~transfer_engine.events.BlockingEvent`):
+the completion waiter's ``synchronize()`` then sleeps in the driver. A caller's own ``ready=`` event
+(non-blocking unless made so) is not waited on as given: a side stream of the pool's device is made to
+wait for it and a blocking event recorded there after it stands in for it
+(:func:`~transfer_engine.events.blocking`; docs/DECISIONS.md, "An idle poller looks four times a
+second"). An event made by :func:`~transfer_engine.facade.recorded` is blocking already and goes as it is.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 from transfer_engine.actors.room import ReceiverRoomActor, RoomActor, SenderRoomActor
 from transfer_engine.engine.checks import check_pages, pages_array
 from transfer_engine.errors import ConfigError, FailureReason, LocalProtocolError, TransferFailed
-from transfer_engine.events import recorded
+from transfer_engine.events import Completion, blocking, blocking_event, recorded
 from transfer_engine.memory.layout import KVPool
 from transfer_engine.protocol.layers import LayerChunks
 from transfer_engine.protocol.polling import polled
@@ -149,7 +156,7 @@ class Sender(RoomHandle):
         self._sent = 0
         self._chunks = 0
         self._layers = LayerChunks(pool.layout.num_layers, layers_per_write)
-        self._waits: list[Ready] = []
+        self._waits: list[Completion] = []
         """The ``ready`` of each layers_ready() call since the last group went out (None left out)."""
         self._pending_stream: torch.cuda.Stream | None = None
         """CUDA: the stream of the layers_ready() calls without ``ready`` since the last event recorded
@@ -224,6 +231,8 @@ class Sender(RoomHandle):
         if ready is None and self._pool.device.type == "cuda" and not layerwise:
             # the KV of this chunk is written by work queued so far on the caller's stream
             ready = recorded(torch.cuda.current_stream(self._pool.device))
+        elif isinstance(ready, torch.cuda.Event):  # the caller's: waited on through a blocking event after it
+            ready = blocking_event(ready, self._pool.device)
         if layerwise:
             self._layers.open(self._chunks)
         self._sealed = last
@@ -267,9 +276,11 @@ class Sender(RoomHandle):
         if self._pending_stream is not None:
             self._waits.append(recorded(self._pending_stream))
             self._pending_stream = None
-        waits = tuple(self._waits)
-        self._waits = []
-        return None if writes_nothing else LayersReady(group, waits)
+        waits, self._waits = self._waits, []
+        if writes_nothing:
+            return None
+        # the caller's CUDA events: one blocking event after them all (module docstring)
+        return LayersReady(group, blocking(waits, self._pool.device) if cuda else tuple(waits))
 
     async def begin_chunk(
         self, pages: Sequence[int] | np.ndarray | Any, last: bool | None = None, aux_slot: int | None = None
@@ -294,7 +305,8 @@ class Sender(RoomHandle):
         ``ready``: on CUDA, an event recorded after the kernels that wrote the layers (None: the
         work queued so far on the caller's current stream; one event per group and stream is
         recorded for such calls, when the group closes, so a call that closes no group records
-        nothing); on CPU, a ``threading.Event`` the writing thread sets, or None when the layers are
+        nothing); the group's own events, if not blocking, are waited on through one blocking event
+        recorded after them all when the group closes (module docstring); on CPU, a ``threading.Event`` the writing thread sets, or None when the layers are
         written already. Called once per layer from a forward: a call costs microseconds and wakes
         nothing unless it closes a group. ConfigError for a range outside
         ``[0, num_layers]`` or a bad ``ready``; LocalProtocolError when no chunk is open, the range
@@ -324,7 +336,8 @@ class Sender(RoomHandle):
 
         ``last`` None means False, or, after :meth:`expect`, whether this chunk reaches the total.
         ``ready``: a CUDA event after which the chunk's KV is written (for a caller on another
-        thread or stream); without it, an event is recorded on the caller's current stream.
+        thread or stream; if not blocking, it is waited on through a blocking event recorded after
+        it, module docstring); without it, an event is recorded on the caller's current stream.
         Raises LayoutError/ConfigError for pages or an aux slot outside the pool or past the
         expected total, and LocalProtocolError after the last chunk or once the room is final.
         Nothing is queued then.
