@@ -138,8 +138,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     50 bytes each, counting ours and NIXL's) reaches the default, at 32M entries (about 1.6 GB)."""
     # --- what tuners set: poll cadences ---------------------------------------------------------
     poll_interval: float = 0.0002
-    """Sleep between NIXL polls while WRITEs or rooms are live: a quarter of it just after activity,
-    50x it when nothing can come (``actors.nixl_poller.poll_delay``)."""
+    """Sleep between NIXL polls while WRITEs or rooms are live: a quarter of it just after activity;
+    when nothing can come, 50x it for 10 s after a peer was added, else 0.25 s
+    (``actors.nixl_poller.poll_delay``)."""
     poll_spin: float = 0.0
     """After NIXL activity (a WRITE posted, a room started, a notification) poll without sleeping for
     this long: a sleep costs at least 1 ms (epoll's resolution) and a small WRITE and its notification
