@@ -315,7 +315,7 @@ if [ "$phase" = onegpu ] || [ "$phase" = onegpu2 ]; then  # the goal rows of the
   export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
   if [ "$phase" = onegpu ]; then
     if [ -n "${RERUN:-}" ]; then
-      TE_TEST_DEVICE=cuda timeout 110 python3 -m pytest -q -p no:cacheprovider -rfE $RERUN >"$OUT/og-rerun.log" 2>&1
+      TE_TEST_DEVICE=cuda timeout ${RERUN_LIMIT:-110} python3 -m pytest -q -p no:cacheprovider -rfE $RERUN >"$OUT/og-rerun.log" 2>&1
       say "rerun: rc $?, $(grep -E '[0-9]+ (passed|failed)' "$OUT/og-rerun.log" | tail -1)"
       grep -E "^(FAILED|ERROR) " "$OUT/og-rerun.log" | cut -c1-200 | head -12 | tee -a "$OUT/onegpu.txt"
     fi
@@ -405,10 +405,11 @@ if [ "$phase" = cuda ]; then  # every CUDA-only test CI cannot run, in one call 
   step integrity 150 env TE_TEST_DEVICE=cuda $PYT tests/integration/test_integrity_race.py \
     tests/integration/test_integrity_order.py tests/integration/test_integrity.py
   step chaos-integrity 90 env TE_TEST_DEVICE=cuda $PYT tests/chaos/test_integrity.py
-  step vllm-gpu 300 env TE_TEST_DEVICE=cuda $PYT tests/gpu/test_vllm_gpu.py
+  step vllm-gpu 300 env TE_TEST_DEVICE=cuda $PYT tests/gpu/test_vllm_gpu.py tests/gpu/test_link_gpu.py
   step kernel-path 120 env TE_TEST_DEVICE=cuda $PYT tests/gpu/test_kernel_path_gpu.py \
     tests/integration/test_kernel_path.py
-  step tables 100 env TE_TEST_DEVICE=cuda $PYT tests/integration/test_tables.py tests/integration/test_link_handshake.py
+  step tables 100 env TE_TEST_DEVICE=cuda $PYT tests/integration/test_tables.py tests/integration/test_link_handshake.py \
+    tests/integration/test_ready_events.py
   step integration 150 env TE_TEST_DEVICE=cuda $PYT tests/integration/test_matrix.py \
     tests/integration/test_staged.py tests/integration/test_failures.py tests/integration/test_matrix_strided.py \
     tests/integration/test_scattered_pages.py tests/integration/test_smoke.py
