@@ -331,7 +331,7 @@ if [ "$phase" = onegpu ] || [ "$phase" = onegpu2 ]; then  # the goal rows of the
     done
   else
     go() { [ $((SECONDS - start)) -lt ${STOP:-490} ] && return 0; say "$1: skipped, past ${STOP:-490} s"; return 1; }
-    for cap in 33554432 1; do  # descriptor tables A/B, direct realistic c8
+    for cap in ${TABLES_AB-33554432 1}; do  # descriptor tables A/B, direct realistic c8 (TABLES_AB= skips it)
       TE_TABLE_MAX_DESCRIPTORS=$cap timeout 70 python3 tools/bench_transfer.py $QWEN --path direct --page-table realistic \
         --concurrency 8 --rooms 16 --rounds 2 --lat-rooms 16 >"$OUT/og-tables-$cap.log" 2>&1
       say "direct realistic c8, TE_TABLE_MAX_DESCRIPTORS=$cap: rc $?"
