@@ -413,11 +413,11 @@ def prefill_main(args: argparse.Namespace, port: int, pipe: Connection, out: Con
             landed, notified = pipe.recv()
             marks = engine.take_trace()
             posted = _mark(marks, room, "p.posted")
-            # the poller's reply goes to the room (direct, slice) or to the worker (staged, host)
-            ended = (
-                "p.write_ended"
-                if any(s == "p.write_ended" for _, r, s in marks if r == room)
-                else "p.room:WriteEnded"
+            # the poller's reply goes to the room (direct, slice) or to the worker (staged, host); the copy
+            # kernel's worker answers the room itself (WriteDone) once its copy completed
+            steps_of = {s for _, r, s in marks if r == room}
+            ended = next(
+                (s for s in ("p.write_ended", "p.room:WriteEnded") if s in steps_of), "p.room:WriteDone"
             )
             seen = _mark(marks, room, ended)
             # the last group's steps at the worker (layer-wise): its loop learnt that the layers completed
