@@ -18,8 +18,8 @@ import pytest
 
 from tests.chaos.helpers import faulty_factory, make_engine
 from transfer_engine.engine import Receiver, Sender, TransferEngine
-from transfer_engine.errors import ConfigError
 from transfer_engine.engine.snapshot import build_snapshot
+from transfer_engine.errors import ConfigError
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.cost import DEFAULT_PRIOR_RATE, choose
 from transfer_engine.testing import patterns
