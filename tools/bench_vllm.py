@@ -50,16 +50,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-MODEL_CONFIG = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    vocab_size=1024,
-    max_position_embeddings=4096,
-)
+from tiny_model import make_model  # tools/ is on the path of a script run from it
+
 CONNECTOR = {
     "kv_connector": "TransferEngineConnector",
     "kv_connector_module_path": "transfer_engine.integrations.vllm.connector",
@@ -74,14 +66,6 @@ def free_port() -> int:
         with contextlib.suppress(OSError), socket.socket() as s:
             s.bind(("127.0.0.1", port))
             return port
-
-
-def make_model(path: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG)).save_pretrained(path)
 
 
 def serve(

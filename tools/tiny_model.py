@@ -27,7 +27,7 @@ CONFIG = dict(
     vocab_size=1024,
     max_position_embeddings=4096,
 )
-"""The Llama the vLLM tests run (tests/vllm/test_disaggregated.py)."""
+"""The Llama the vLLM tests run (tests/vllm/test_disaggregated.py imports it, as tools/bench_vllm.py does)."""
 
 
 def make_model(path: Path, *, layers: int = CONFIG["num_hidden_layers"], seed: int = 0) -> Path:

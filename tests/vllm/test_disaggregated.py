@@ -38,22 +38,14 @@ from typing import Any
 
 import pytest
 
+from tools.tiny_model import CONFIG as MODEL_CONFIG
+from tools.tiny_model import make_model
 from transfer_engine.observe.cli import fetch_snapshot
 from transfer_engine.observe.schema import RoomSnapshot
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 START_TIMEOUT = 420.0
-MODEL_CONFIG = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    vocab_size=1024,
-    max_position_embeddings=4096,
-)
 API_KEY = "te-test-key"
 """Every vLLM server requires it: each request through a router proves the router forwards it."""
 BLOCK_BYTES = 2 * 4 * 32 * 2 * 32 * 4
@@ -85,15 +77,6 @@ def free_port() -> int:
             s.bind(("127.0.0.1", port))
             _taken.add(port)
             return port
-
-
-def make_model(path: Path) -> None:
-    """A random-weight Llama (fixed seed) saved where vLLM can load it; no hub needed."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG)).save_pretrained(path)
 
 
 @dataclass
