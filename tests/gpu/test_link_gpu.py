@@ -61,6 +61,7 @@ def test_two_processes_on_cuda_probe_cuda_ipc() -> None:
             assert probe.transport == "cuda_ipc", probe
             assert probe.tcp_bytes < probe.nbytes // 2, probe
             assert probe.gbps >= MIN_GBPS, probe
+            print(f"the decode's link probe: {probe}")  # the figure docs/PERF.md quotes (pytest -s)
         finally:
             prefill.close()
     finally:
