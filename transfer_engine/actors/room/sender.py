@@ -154,6 +154,12 @@ class SenderRoomActor(RoomActor):
     def _on_request(self, req: m.TransferRequest, now: float) -> None:
         peer = self.ports.peers.get(req.agent)
         if peer is None:
+            if not req.slices and req.aux_slot is None and req.decode_rank not in self.requests:
+                # It asked nothing of this rank, and its engine has left since (PeerLeaving comes only
+                # after its rooms ended): the request still counts, so the room is not failed for it.
+                self.core.on_request(req.decode_rank, req.decode_tp, False, False, now)
+                self.requests[req.decode_rank] = req
+                return
             raise ProtocolError(f"TransferRequest from unknown decode agent {req.agent!r}")
         layout = self.ports.pool.layout
         me = self.ports.me
