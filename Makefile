@@ -1,6 +1,8 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # torch is installed first, pinned to the local CPU wheel, so pip never pulls a CUDA build here.
 PY      ?= python3
+# the slowest tests are listed at the end of every run, to keep CI under its 20 minutes
+PYTEST_ARGS ?= --durations=30
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
