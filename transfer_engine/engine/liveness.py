@@ -176,7 +176,11 @@ class Liveness:
             log.info("%s rank %d: peer %s (%s rank %d) left: %s", self.config.role, self.config.tp_rank,
                      peer.agent_name, message.side, peer.rank, message.detail)  # fmt: skip
             self.counters["peers_left"] += 1
-            await self._drop(peer, f"peer {peer.agent_name} left: {message.detail}")
+            # Marked first: a request of its still on the way is then told apart from a stranger's.
+            # Its stashed requests stay: it leaves only once its rooms ended, so what it asked of a
+            # room not opened here yet is what asks nothing (an empty slice list), and still counts.
+            self.peers.mark_left(peer.agent_name)
+            await self._drop(peer, f"peer {peer.agent_name} left: {message.detail}", keep_stash=True)
         return m.PeerLeavingAck(agent=self.agent_name)
 
     async def _peer_dead(self, peer: Peer, detail: str) -> None:
@@ -185,14 +189,16 @@ class Liveness:
         self.counters["peers_dead"] += 1
         await self._drop(peer, detail)
 
-    async def _drop(self, peer: Peer, detail: str) -> None:
+    async def _drop(self, peer: Peer, detail: str, keep_stash: bool = False) -> None:
         """Forget ``peer`` (dead or gone): the peer book, its instances, its socket, its stashed
-        requests; its rooms here fail PEER_DEAD with ``detail``; its WRITEs are abandoned."""
+        requests (unless ``keep_stash``: a peer that left in good order); its rooms here fail
+        PEER_DEAD with ``detail``; its WRITEs are abandoned."""
         peer.alive = False
         del self.peers[peer.agent_name]
         self._forget(peer)
         self._started.control.forget(peer.endpoint)
-        self._stash.forget(peer.agent_name)  # nobody left to answer, nor to renew them
+        if not keep_stash:
+            self._stash.forget(peer.agent_name)  # nobody left to answer, nor to renew them
         for actor in list(self.rooms.values()):
             await self.board.deliver(actor.room, PeerDead(peer.agent_name, detail))
         poller = self._started.poller

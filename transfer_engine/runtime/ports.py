@@ -197,10 +197,26 @@ class DrainPort(Protocol):
 
 
 class PeerBook(dict[str, Peer]):
-    """Remote ranks by NIXL agent name. The engine adds and removes them; actors only read."""
+    """Remote ranks by NIXL agent name. The engine adds and removes them; actors only read.
+
+    ``left`` names the last :data:`LEFT_KEPT` peers that left in good order (``PeerLeaving``, sent
+    only once their rooms ended), so that a request of theirs still on its way is told apart from
+    one of an agent never known."""
+
+    LEFT_KEPT = 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.left: dict[str, None] = {}
 
     def live(self) -> list[Peer]:
         return [peer for peer in self.values() if peer.alive]
+
+    def mark_left(self, agent: str) -> None:
+        """Remember that ``agent`` left in good order (the oldest such name is forgotten past LEFT_KEPT)."""
+        self.left[agent] = None
+        while len(self.left) > self.LEFT_KEPT:
+            del self.left[next(iter(self.left))]
 
 
 class RoomBoard:

@@ -125,7 +125,11 @@ class SenderRoomActor(RoomActor):
             case LocalAbort(detail=detail):
                 self._fail(FailureReason.ABORTED, detail)
             case PeerDead(agent=agent, detail=detail):
-                if any(p.agent_name == agent for p in self.peers.values()):
+                # a peer that left in good order fails only a room that still writes to it
+                left = agent in self.ports.peers.left
+                if any(
+                    p.agent_name == agent and (not left or self._writes_to(d)) for d, p in self.peers.items()
+                ):
                     self._fail(FailureReason.PEER_DEAD, detail)
             case Shutdown():
                 self._fail(FailureReason.SHUTDOWN, "engine closed")
@@ -154,7 +158,12 @@ class SenderRoomActor(RoomActor):
     def _on_request(self, req: m.TransferRequest, now: float) -> None:
         peer = self.ports.peers.get(req.agent)
         if peer is None:
-            if not req.slices and req.aux_slot is None and req.decode_rank not in self.requests:
+            if (
+                req.agent in self.ports.peers.left
+                and not req.slices
+                and req.aux_slot is None
+                and req.decode_rank not in self.requests
+            ):
                 # It asked nothing of this rank, and its engine has left since (PeerLeaving comes only
                 # after its rooms ended): the request still counts, so the room is not failed for it.
                 self.core.on_request(req.decode_rank, req.decode_tp, False, False, now)
@@ -205,6 +214,10 @@ class SenderRoomActor(RoomActor):
                 self._schedule_aux(req.decode_rank)
         finally:
             self._offer = False
+
+    def _writes_to(self, decode_rank: int) -> bool:
+        """Whether this room has chunks or the aux item to write to ``decode_rank``."""
+        return bool(self.requests[decode_rank].slices) or decode_rank in self.core.aux_targets
 
     def _aux_due(self) -> bool:
         """The last chunk is queued, and, when layer-wise, every layer of it is ready."""
