@@ -55,12 +55,17 @@ def emit(event: str, **fields: Any) -> None:
 async def prefill_room(
     sender: Sender, pages: np.ndarray, chunks: list[int], hold: bool, layers: int | None
 ) -> None:
-    """Send ``chunks`` of ``pages`` (``layers``: layer-wise, the room's layer count); see ``hold``."""
+    """Send ``chunks`` of ``pages`` (``layers``: layer-wise, the room's layer count); see ``hold``.
+
+    Emits ``asked`` once the room has its decode's request (it left Bootstrapping): a test that kills
+    a peer mid-room waits for it, since a room nobody asked for yet waits for any decode until its
+    bootstrap deadline instead of failing with one that died."""
     delay = 0.001
     while sender.poll() is RoomStatus.BOOTSTRAPPING:  # noqa: ASYNC110 (the engine has no event for it)
         await anyio.sleep(delay)
         delay = min(2 * delay, 0.01)
     if sender.poll() is not RoomStatus.FAILED:
+        emit("asked", room=sender.room)
         start = 0
         for i, k in enumerate(chunks):
             last = i == len(chunks) - 1

@@ -139,6 +139,7 @@ def open_rooms(
     prefill: RankProcess, decode: RankProcess, rooms: dict[int, int], *, hold: bool, layers: bool = False
 ) -> None:
     """Open each room (id -> first page) of 4 pages on both sides, in 2 chunks; held ones never finish.
+    Returns once the prefill's room has the decode's request (``asked``).
 
     ``layers``: sent layer-wise (a held one stops between two layers of its last chunk)."""
     for room, first in rooms.items():
@@ -147,6 +148,7 @@ def open_rooms(
         decode.expect("opened", room=room)
         prefill.send(cmd="send", room=room, pages=pages, chunks=[2, 2], hold=hold, layers=layers)
         prefill.expect("opened", room=room)
+        prefill.expect("asked", room=room)
 
 
 def start_rank(role: str, port: int) -> RankProcess:

@@ -176,10 +176,11 @@ async def test_every_flipped_room_is_caught_and_none_succeeds(
 async def test_a_flip_in_the_last_layer_group_fails_the_room_at_its_last_check(
     path: str, P: int, D: int
 ) -> None:
-    """Layer-wise, only the room's very last group is flipped: every group before it matched (each
-    checked as it landed), so the mismatch is found at the room's last check, the one left when
-    every byte has landed. The room still fails with INTEGRITY, its pages are not reported
-    loaded, and nothing leaks."""
+    """Layer-wise, only the room's very last group (prefill rank 0's) is flipped, and it is sent only
+    once every other group matched (each checked as it landed; separate WRITEs may land in any order,
+    so the test orders them): the mismatch is found at the room's last check, the one left when
+    every other byte has landed and matched. The room still fails with INTEGRITY, its pages are not
+    reported loaded, and nothing leaks."""
     layers = 3
 
     def last_group(payload: bytes) -> bool:
@@ -187,7 +188,7 @@ async def test_a_flip_in_the_last_layer_group_fails_the_room_at_its_last_check(
             return False
         landed = m.decode(payload)
         assert isinstance(landed, m.ChunkLanded)
-        return landed.last and landed.layers is not None and landed.layers[1] == layers
+        return landed.sender == 0 and landed.last and landed.layers is not None and landed.layers[1] == layers
 
     rule = Rule(Fault.FLIP, match=last_group)
     rng = random.Random(63)
@@ -198,21 +199,25 @@ async def test_a_flip_in_the_last_layer_group_fails_the_room_at_its_last_check(
             patterns.fill(engine.pool, 63, pages)
         receivers = [await engine.receiver(63, c.bootstrap, dst) for engine in c.decode]
         senders = [engine.sender(63) for engine in c.prefill]
-        for sender in senders:
+        decode = c.decode[0]
+        for rank, sender in enumerate(senders):
             await sender.begin_chunk(pages[:2], last=False)
             for layer in range(layers):
                 await sender.layers_ready(layer, layer + 1)
             await sender.begin_chunk(pages[2:], last=True)
-            for layer in range(layers):
-                with contextlib.suppress(LocalProtocolError):  # the room failed meanwhile
-                    await sender.layers_ready(layer, layer + 1)
+            for layer in range(layers if rank else layers - 1):
+                await sender.layers_ready(layer, layer + 1)
+        with anyio.fail_after(10):  # no event says a check matched
+            while decode.counters["integrity_match"] < 2 * layers * P - 1:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        with contextlib.suppress(LocalProtocolError):  # the room failed meanwhile
+            await senders[0].layers_ready(layers - 1, layers)
         failures = [await failure_of(receiver) for receiver in receivers]
         assert [f.reason for f in failures] == [FailureReason.INTEGRITY] * D
         assert f"layers [{layers - 1}, {layers})" in failures[0].detail
         assert rule.fired == 1
-        decode = c.decode[0]
         assert decode.counters["integrity_mismatch"] == 1
-        # every group but the flipped one matched: two chunks of four groups from each writer
+        # every group but the flipped one matched: two chunks of three groups from each writer
         assert decode.counters["integrity_match"] == 2 * layers * P - 1
         for sender in senders:
             assert await outcome(sender) in ("SUCCESS", "INTEGRITY")  # its WRITEs may all have ended

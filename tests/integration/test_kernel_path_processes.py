@@ -93,6 +93,7 @@ def test_decode_killed_mid_room_closes_the_mapping(device: str = "cpu") -> None:
         decode.expect("opened", room=5)
         prefill.send(cmd="send", room=5, pages=pages, chunks=[2, 2], hold=True, layers=True)
         prefill.expect("opened", room=5)
+        prefill.expect("asked", room=5)  # before it, the room would wait for any decode, not fail
         killed_at = decode.kill()
         expect_peer_dead(prefill, [5], killed_at)
         done = quit_rank(prefill)
@@ -111,6 +112,7 @@ def test_prefill_killed_mid_room_fails_the_decode_room(device: str = "cpu") -> N
         decode.expect("opened", room=6)
         prefill.send(cmd="send", room=6, pages=pages, chunks=[2, 2], hold=True, layers=False)
         prefill.expect("opened", room=6)
+        prefill.expect("asked", room=6)  # mid-room: it has mapped the decode's pool
         killed_at = prefill.kill()
         expect_peer_dead(decode, [6], killed_at)
         done = quit_rank(decode)
