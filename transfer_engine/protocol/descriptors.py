@@ -22,6 +22,9 @@ CPU's, FlashAttention's NHD or HND, SGLang's, ours) and the byte runs are comput
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import numpy as np
 import numpy.typing as npt
 
@@ -42,10 +45,14 @@ __all__ = [
 
 U64Array = npt.NDArray[np.uint64]
 I64Array = npt.NDArray[np.int64]
+_Array = TypeVar("_Array", I64Array, U64Array)
 
 
-def _index_array(values: npt.ArrayLike, name: str) -> I64Array:
-    """``values`` as a 1-D int64 array of non-negative integers, or :class:`ConfigError`."""
+# --- input checks, shared with protocol.tables ---------------------------------------------------
+
+
+def index_array(values: npt.ArrayLike, name: str) -> I64Array:
+    """``values`` (pages or slots) as a 1-D int64 array of non-negative integers, or :class:`ConfigError`."""
     array = np.asarray(values)
     if array.ndim != 1:
         raise ConfigError(f"{name} must be 1-D, got shape {array.shape}")
@@ -64,7 +71,7 @@ def _index_array(values: npt.ArrayLike, name: str) -> I64Array:
     return array.astype(np.int64, copy=False)
 
 
-def _address_array(values: npt.ArrayLike, name: str) -> U64Array:
+def address_array(values: npt.ArrayLike, name: str) -> U64Array:
     """``values`` as a 1-D uint64 array of addresses, or :class:`ConfigError`."""
     array = np.asarray(values)
     if array.ndim != 1:
@@ -78,17 +85,45 @@ def _address_array(values: npt.ArrayLike, name: str) -> U64Array:
     return array.astype(np.uint64, copy=False)
 
 
-def _check_bases(src_bases: npt.ArrayLike, dst_bases: npt.ArrayLike) -> tuple[U64Array, U64Array]:
-    src = _address_array(src_bases, "src_bases")
-    dst = _address_array(dst_bases, "dst_bases")
-    if src.shape != dst.shape:
-        raise ConfigError(f"src_bases has {src.size} tensors but dst_bases has {dst.size}")
-    return src, dst
+def region_arrays(side: str, bases: npt.ArrayLike, lengths: npt.ArrayLike) -> tuple[U64Array, U64Array]:
+    """``side``'s registered regions: ``(bases, lengths)`` as uint64 arrays of one value per region,
+    or :class:`ConfigError` naming ``{side}_bases``/``{side}_lengths``."""
+    return _paired(address_array, "regions", (f"{side}_bases", bases), (f"{side}_lengths", lengths))
+
+
+def check_head_slice(side: str, start: int, num_heads: int, held: int) -> None:
+    """:class:`ConfigError` unless heads ``[start, start + num_heads)`` lie within ``side``'s ``held`` heads."""
+    if start + num_heads > held:
+        raise ConfigError(f"{side} head slice [{start}, {start + num_heads}) does not fit in {held} heads")
+
+
+def _paired(
+    convert: Callable[[npt.ArrayLike, str], _Array],
+    unit: str,
+    first: tuple[str, npt.ArrayLike],
+    second: tuple[str, npt.ArrayLike],
+) -> tuple[_Array, _Array]:
+    """Two ``(name, values)`` arrays through ``convert``, or :class:`ConfigError` when they differ in
+    length (``unit``: what one element is, for the message)."""
+    a = convert(first[1], first[0])
+    b = convert(second[1], second[0])
+    if a.size != b.size:
+        raise ConfigError(f"{first[0]} has {a.size} {unit} but {second[0]} has {b.size}")
+    return a, b
 
 
 def _check_at_least(name: str, value: int, minimum: int) -> None:
     if value < minimum:
         raise ConfigError(f"{name}={value} must be >= {minimum}")
+
+
+def _runs(src: np.ndarray, dst: np.ndarray, step: int | np.uint64) -> tuple[I64Array, I64Array]:
+    """``(starts, counts)`` of the runs of positions over which ``src`` and ``dst`` (1-D, equal
+    lengths, at least one position) both advance by exactly ``step``: each run's first position and
+    its length, in position order."""
+    breaks = (np.diff(src) != step) | (np.diff(dst) != step)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    return starts, np.diff(np.append(starts, src.size))
 
 
 def page_runs(src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> I64Array:
@@ -99,17 +134,12 @@ def page_runs(src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> I64Array:
     order and their counts sum to the number of pages. Empty input gives shape ``(0, 3)``.
     Raises :class:`ConfigError` when the lengths differ or a page is negative.
     """
-    src = _index_array(src_pages, "src_pages")
-    dst = _index_array(dst_pages, "dst_pages")
-    if src.size != dst.size:
-        raise ConfigError(f"src_pages has {src.size} pages but dst_pages has {dst.size}")
+    src, dst = _paired(index_array, "pages", ("src_pages", src_pages), ("dst_pages", dst_pages))
     if src.size == 0:
         return np.zeros((0, 3), dtype=np.int64)
     if src.size == 1:  # a one-page chunk: skip the passes below (numpy costs ~2 us per call)
         return np.array([[src[0], dst[0], 1]], dtype=np.int64)
-    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
-    starts = np.flatnonzero(np.concatenate(([True], breaks)))
-    counts = np.diff(np.append(starts, src.size))
+    starts, counts = _runs(src, dst, 1)
     return np.stack([src[starts], dst[starts], counts], axis=1).astype(np.int64, copy=False)
 
 
@@ -127,7 +157,7 @@ def direct_descriptors(
     tensor ``t``: ``src = src_bases[t] + s * page_bytes``, ``dst = dst_bases[t] + d * page_bytes``,
     ``length = c * page_bytes``.
     """
-    src_b, dst_b = _check_bases(src_bases, dst_bases)
+    src_b, dst_b = _paired(address_array, "tensors", ("src_bases", src_bases), ("dst_bases", dst_bases))
     _check_at_least("page_bytes", page_bytes, 1)
     runs = page_runs(src_pages, dst_pages).astype(np.uint64)
     step = np.uint64(page_bytes)
@@ -147,7 +177,7 @@ def slots_of(
     the last page. Raises :class:`ConfigError` naming the values when the range does not lie inside
     ``[0, len(pages) * page_size)`` or ``page_size < 1``.
     """
-    page_array = _index_array(pages, "pages")
+    page_array = index_array(pages, "pages")
     _check_at_least("page_size", page_size, 1)
     capacity = page_array.size * page_size
     if num_tokens is None:
@@ -181,11 +211,8 @@ def slice_descriptors(
     ``length = num_heads * head_bytes``. Raises :class:`ConfigError` when the slot arrays differ in
     length, or the head slice does not fit inside a slot on either side.
     """
-    src_b, dst_b = _check_bases(src_bases, dst_bases)
-    src_s = _index_array(src_slots, "src_slots")
-    dst_s = _index_array(dst_slots, "dst_slots")
-    if src_s.size != dst_s.size:
-        raise ConfigError(f"src_slots has {src_s.size} tokens but dst_slots has {dst_s.size}")
+    src_b, dst_b = _paired(address_array, "tensors", ("src_bases", src_bases), ("dst_bases", dst_bases))
+    src_s, dst_s = _paired(index_array, "tokens", ("src_slots", src_slots), ("dst_slots", dst_slots))
     _check_at_least("head_bytes", head_bytes, 1)
     _check_at_least("num_heads", num_heads, 1)
     _check_at_least("src_head_start", src_head_start, 0)
@@ -257,6 +284,25 @@ def strides_table(strides: npt.ArrayLike, name: str) -> I64Array:
     return table.astype(np.int64, copy=False)
 
 
+def strides_pair(src_strides: npt.ArrayLike, dst_strides: npt.ArrayLike) -> tuple[I64Array, I64Array]:
+    """Both sides' :func:`strides_table`, or ConfigError when they describe different numbers of tensors
+    (tensor ``t`` of one side goes to tensor ``t`` of the other)."""
+    src = strides_table(src_strides, "src_strides")
+    dst = strides_table(dst_strides, "dst_strides")
+    if src.shape[0] != dst.shape[0]:
+        raise ConfigError(f"src_strides describes {src.shape[0]} tensors but dst_strides {dst.shape[0]}")
+    return src, dst
+
+
+def check_table_regions(side: str, table: I64Array, num_regions: int) -> None:
+    """ConfigError naming the first tensor of the strides ``table`` whose region is not one of
+    ``side``'s ``num_regions``."""
+    regions = table[:, 0]
+    if regions.size and int(regions.max()) >= num_regions:
+        t = int(np.argmax(regions >= num_regions))
+        raise ConfigError(f"{side} tensor {t} names region {int(regions[t])} of {num_regions}")
+
+
 def _run_addresses(
     side: str,
     bases: U64Array,
@@ -270,10 +316,8 @@ def _run_addresses(
 ) -> U64Array:
     """Start address of every (tensor, token, head) run of ``head_bytes``, tensor-major then token then
     head; ConfigError naming the tensor when a run leaves its region."""
+    check_table_regions(side, table, bases.size)
     regions = table[:, 0]
-    if regions.size and int(regions.max()) >= bases.size:
-        t = int(np.argmax(regions >= bases.size))
-        raise ConfigError(f"{side} tensor {t} names region {int(regions[t])} of {bases.size}")
     blocks, tokens = np.divmod(slots, page_size)
     heads = np.arange(head_start, head_start + num_heads, dtype=np.int64)
     # offsets within each tensor: (token, head) grid, then per tensor
@@ -323,35 +367,18 @@ def strided_descriptors(
     naming the value when the tables differ in size, a head slice does not fit a side's heads, a run
     leaves its region, or the slot arrays differ in length.
     """
-    src_b = _address_array(src_bases, "src_bases")
-    dst_b = _address_array(dst_bases, "dst_bases")
-    src_len = _address_array(src_lengths, "src_lengths")
-    dst_len = _address_array(dst_lengths, "dst_lengths")
-    for side, bases, lengths in (("src", src_b, src_len), ("dst", dst_b, dst_len)):
-        if bases.size != lengths.size:
-            raise ConfigError(f"{side}_bases has {bases.size} regions but {side}_lengths has {lengths.size}")
-    src_t = strides_table(src_strides, "src_strides")
-    dst_t = strides_table(dst_strides, "dst_strides")
-    if src_t.shape[0] != dst_t.shape[0]:
-        raise ConfigError(f"src_strides describes {src_t.shape[0]} tensors but dst_strides {dst_t.shape[0]}")
-    src_s = _index_array(src_slots, "src_slots")
-    dst_s = _index_array(dst_slots, "dst_slots")
-    if src_s.size != dst_s.size:
-        raise ConfigError(f"src_slots has {src_s.size} tokens but dst_slots has {dst_s.size}")
+    src_b, src_len = region_arrays("src", src_bases, src_lengths)
+    dst_b, dst_len = region_arrays("dst", dst_bases, dst_lengths)
+    src_t, dst_t = strides_pair(src_strides, dst_strides)
+    src_s, dst_s = _paired(index_array, "tokens", ("src_slots", src_slots), ("dst_slots", dst_slots))
     _check_at_least("head_bytes", head_bytes, 1)
     _check_at_least("num_heads", num_heads, 1)
     _check_at_least("src_page_size", src_page_size, 1)
     _check_at_least("dst_page_size", dst_page_size, 1)
     _check_at_least("src_head_start", src_head_start, 0)
     _check_at_least("dst_head_start", dst_head_start, 0)
-    for side, start, held in (
-        ("src", src_head_start, src_heads_local),
-        ("dst", dst_head_start, dst_heads_local),
-    ):
-        if start + num_heads > held:
-            raise ConfigError(
-                f"{side} head slice [{start}, {start + num_heads}) does not fit in {held} heads"
-            )
+    check_head_slice("src", src_head_start, num_heads, src_heads_local)
+    check_head_slice("dst", dst_head_start, num_heads, dst_heads_local)
     src = _run_addresses(
         "src", src_b, src_len, src_t, src_s, src_page_size, src_head_start, num_heads, head_bytes
     )
@@ -363,10 +390,8 @@ def strided_descriptors(
     order = np.argsort(src, kind="stable")
     src, dst = src[order], dst[order]
     step = np.uint64(head_bytes)
-    breaks = (np.diff(src) != step) | (np.diff(dst) != step)
-    starts = np.flatnonzero(np.concatenate(([True], breaks)))
-    counts = np.diff(np.append(starts, src.size)).astype(np.uint64)
-    return src[starts], dst[starts], counts * step
+    starts, counts = _runs(src, dst, step)
+    return src[starts], dst[starts], counts.astype(np.uint64) * step
 
 
 def slice_pieces_per_page(

@@ -65,7 +65,14 @@ import numpy as np
 import numpy.typing as npt
 
 from transfer_engine.errors import ConfigError
-from transfer_engine.protocol.descriptors import strides_table
+from transfer_engine.protocol.descriptors import (
+    check_head_slice,
+    check_table_regions,
+    index_array,
+    region_arrays,
+    strides_pair,
+    strides_table,
+)
 
 __all__ = [
     "Side",
@@ -93,19 +100,6 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or int(value) < minimum:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
     return int(value)
-
-
-def _pages(values: npt.ArrayLike, name: str) -> I64Array:
-    array = np.asarray(values)
-    if array.ndim != 1:
-        raise ConfigError(f"{name} must be 1-D, got shape {array.shape}")
-    if array.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(array.dtype, np.integer):
-        raise ConfigError(f"{name} must hold integers, got dtype {array.dtype}")
-    if int(array.min()) < 0:
-        raise ConfigError(f"{name} must be >= 0, got {int(array.min())}")
-    return array.astype(np.int64, copy=False)
 
 
 def _divisors(n: int) -> list[int]:
@@ -292,10 +286,7 @@ def decide_table(
     Called once per pair at handshake (a few ms at most). Raises :class:`ConfigError` naming the
     value: tables of other sizes or shapes, a head slice outside a side's heads, a bound below 1.
     """
-    src_t = strides_table(src_strides, "src_strides")
-    dst_t = strides_table(dst_strides, "dst_strides")
-    if src_t.shape[0] != dst_t.shape[0]:
-        raise ConfigError(f"src_strides describes {src_t.shape[0]} tensors but dst_strides {dst_t.shape[0]}")
+    src_t, dst_t = strides_pair(src_strides, dst_strides)
     count = src_t.shape[0]
     if count == 0 or (not mla and count % 2):
         raise ConfigError(
@@ -313,10 +304,7 @@ def decide_table(
     ):
         starts[side] = _check_int(f"{side}_head_start", start, 0)
         _check_int(f"{side}_heads_local", held, 1)
-        if starts[side] + num_heads > held:
-            raise ConfigError(
-                f"{side} head slice [{start}, {start + num_heads}) does not fit in {held} heads"
-            )
+        check_head_slice(side, starts[side], num_heads, held)
     if group_layers is None:
         max_layers = num_layers
     else:
@@ -393,23 +381,12 @@ def side_entries(
     value for bad arguments.
     """
     side = _side(side)
-    base = np.asarray(bases)
-    length = np.asarray(lengths)
-    for name, array in ((f"{side}_bases", base), (f"{side}_lengths", length)):
-        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-            raise ConfigError(f"{name} must be a 1-D integer array, got {array.dtype} {array.shape}")
-        if array.size and np.issubdtype(array.dtype, np.signedinteger) and int(array.min()) < 0:
-            raise ConfigError(f"{name} must be >= 0, got {int(array.min())}")
-    if base.size != length.size:
-        raise ConfigError(f"{side}_bases has {base.size} regions but {side}_lengths has {length.size}")
+    base, length = region_arrays(side, bases, lengths)
     table = strides_table(strides, f"{side}_strides")
     if table.shape[0] != spec.num_tensors:
         raise ConfigError(f"{side}_strides describes {table.shape[0]} tensors, the spec {spec.num_tensors}")
     num_pages = _check_int("num_pages", num_pages, 1)
-    bad = np.flatnonzero(table[:, 0] >= base.size)
-    if bad.size:
-        t = int(bad[0])
-        raise ConfigError(f"{side} tensor {t} names region {int(table[t, 0])} of {base.size}")
+    check_table_regions(side, table, base.size)
     offered = _SideStrides(table, spec.num_layers, spec.mla)
     for name, size, stride in spec.order:
         got = offered.of(name, size)
@@ -438,7 +415,7 @@ def side_entries(
             )
     u64 = np.uint64
     units = spec.num_units
-    start = base.astype(u64)[rows[:, 0]] + rows[:, 1].astype(u64)  # (units,)
+    start = base[rows[:, 0]] + rows[:, 1].astype(u64)  # (units,)
     within = (
         np.arange(per_page, dtype=u64)[:, None] * (rows[:, 4] * g).astype(u64)[None, :]
     )  # (groups, units)
@@ -470,8 +447,8 @@ def chunk_groups(
     docstring says). Computed once per chunk, shared by its layer groups (:func:`group_indices`).
     Raises :class:`ConfigError` naming the value when the tokens do not lie inside either side's
     pages or do not start and end on a token group."""
-    src = _pages(src_pages, "src_pages")
-    dst = _pages(dst_pages, "dst_pages")
+    src = index_array(src_pages, "src_pages")
+    dst = index_array(dst_pages, "dst_pages")
     g = spec.tokens_per_entry
     rs, rd = spec.src_page_size // g, spec.dst_page_size // g
     start = _check_int("dst_start_token", dst_start_token, 0)
