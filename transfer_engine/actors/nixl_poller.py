@@ -230,7 +230,7 @@ class NixlPoller:
             raise TransportError(f"the notification of WRITE {handle} could not be sealed: {exc}") from exc
 
     def table(self, peer: str, key: Hashable) -> int | None:
-        """The id of ``peer``'s descriptor tables prepared under ``key``, if they are (and still open)."""
+        """The transport's :meth:`~transfer_engine.transport.interface.Transport.table`."""
         return self.transport.table(peer, key)
 
     def prepare_table(
@@ -243,8 +243,8 @@ class NixlPoller:
         local_device: int,
         max_descriptors: int,
     ) -> int:
-        """Prepare ``peer``'s descriptor tables under ``key`` once (the transport's ``prepare_table``);
-        they live until the peer is removed. Raises as :meth:`prepare_write`."""
+        """The transport's :meth:`~transfer_engine.transport.interface.Transport.prepare_table`; its
+        refusals and the tables prepared are counted."""
         table = self._counted(
             lambda: self.transport.prepare_table(
                 peer, key, local, remote, local_mem, local_device, max_descriptors
@@ -256,8 +256,8 @@ class NixlPoller:
     def prepare_from_table(
         self, table: int, src_index: np.ndarray, dst_index: np.ndarray, spec: WriteSpec
     ) -> int:
-        """Make the WRITE ``spec`` of the entries ``src_index`` of ``table`` to its entries ``dst_index``,
-        without starting it; as :meth:`prepare_write` otherwise."""
+        """The transport's :meth:`~transfer_engine.transport.interface.Transport.prepare_from_table`;
+        its refusals counted and its seal kept, as :meth:`prepare_write`'s."""
         return self._sealing(
             self._counted(lambda: self.transport.prepare_from_table(table, src_index, dst_index, spec)), spec
         )

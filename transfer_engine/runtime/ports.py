@@ -104,8 +104,7 @@ class WritePort(Protocol):
         ...
 
     def table(self, peer: str, key: Hashable) -> int | None:
-        """The id of ``peer``'s descriptor tables prepared under ``key`` (:meth:`prepare_table`), while
-        the peer is known; None before, and after it was removed."""
+        """As :meth:`Transport.table <transfer_engine.transport.interface.Transport.table>`."""
         ...
 
     def prepare_table(
@@ -118,17 +117,15 @@ class WritePort(Protocol):
         local_device: int,
         max_descriptors: int,
     ) -> int:
-        """Prepare both sides' descriptor tables of (``peer``, ``key``) once, for every WRITE between
-        them (:meth:`prepare_from_table`); released when the peer is removed or the transport closes.
-        TransportError (its text the reason) when they cannot be: more than ``max_descriptors`` a side,
-        NIXL refusing, a remote row outside the peer's regions (AddressRangeError)."""
+        """As :meth:`Transport.prepare_table <transfer_engine.transport.interface.Transport.prepare_table>`
+        (the contract of descriptor tables is there)."""
         ...
 
     def prepare_from_table(
         self, table: int, src_index: np.ndarray, dst_index: np.ndarray, spec: WriteSpec
     ) -> int:
-        """Make the WRITE ``spec``, entries ``src_index`` of ``table``'s local side to entries
-        ``dst_index`` of its remote side, without starting it; as :meth:`prepare_write` otherwise."""
+        """As :meth:`Transport.prepare_from_table
+        <transfer_engine.transport.interface.Transport.prepare_from_table>`."""
         ...
 
     def start_write(

@@ -169,7 +169,12 @@ class Transport(Protocol):
     def prepare_lists(self, spec: WriteSpec) -> int: ...
     def prepare_indexed(self, lists: int, index: np.ndarray, spec: WriteSpec) -> int: ...
     def close_lists(self, lists: int) -> None: ...
-    def table(self, peer: str, key: Hashable) -> int | None: ...
+
+    def table(self, peer: str, key: Hashable) -> int | None:
+        """The id of ``peer``'s descriptor tables prepared under ``key`` (:meth:`prepare_table`), while
+        the peer is known; None before, and after it was removed."""
+        ...
+
     def prepare_table(
         self,
         peer: str,
@@ -179,10 +184,28 @@ class Transport(Protocol):
         local_mem: str,
         local_device: int,
         max_descriptors: int,
-    ) -> int: ...
+    ) -> int:
+        """Prepare both sides' descriptor tables of the pair (``peer``, ``key``) once: ``local`` over
+        this agent's memory (``local_mem`` on ``local_device``), ``remote`` over the peer's, for every
+        WRITE between them (:meth:`prepare_from_table`). Returns their id, which :meth:`table` finds
+        until the peer is removed or the transport closes; each side is released once the last WRITE
+        made from it is. TransportError, nothing prepared, its text the reason the caller logs, when
+        they cannot be: more than ``max_descriptors`` descriptors a side
+        (``EngineConfig.table_max_descriptors``), an unknown peer, tables of the pair prepared
+        already, entries of unequal lengths, the transfer library refusing, or a remote row outside
+        the peer's registered regions (AddressRangeError)."""
+        ...
+
     def prepare_from_table(
         self, table: int, src_index: np.ndarray, dst_index: np.ndarray, spec: WriteSpec
-    ) -> int: ...
+    ) -> int:
+        """Make the WRITE ``spec``, entries ``src_index`` of ``table``'s local side to entries
+        ``dst_index`` of its remote side (equal lengths), without starting it; a handle as
+        :meth:`prepare_write` returns. ``spec`` is what those entries move, to the table's peer.
+        TransportError, nothing made, when an index is outside its side, the tables are gone or
+        another peer's, or the transfer library refuses."""
+        ...
+
     def live_tables(self) -> int: ...
     def start_write(self, handle: int, notif: bytes = b"") -> int: ...
     def state(self, handle: int) -> XferState: ...

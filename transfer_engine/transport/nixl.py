@@ -335,7 +335,7 @@ class NixlTransport:
 
     @_serialized
     def table(self, peer: str, key: Hashable) -> int | None:
-        """The id of ``peer``'s open descriptor tables prepared under ``key``, if there are any."""
+        """See :meth:`Transport.table <transfer_engine.transport.interface.Transport.table>`."""
         return self._tables.get((peer, key))
 
     @_serialized
@@ -349,18 +349,12 @@ class NixlTransport:
         local_device: int,
         max_descriptors: int,
     ) -> int:
-        """Prepare both sides' descriptor tables of the pair (``peer``, ``key``) once: ``local`` over this
-        agent's memory, ``remote`` over the peer's, for every WRITE between them
-        (:meth:`prepare_from_table`); returns their id, which :meth:`table` finds until the peer is
-        removed (:meth:`remove_peer`) or the transport closed. Each row is one strided NIXL descriptor;
-        a NIXL that refuses strided lists gets every entry listed (once, for every table after).
-
-        Every remote row is checked against the peer's registered regions (AddressRangeError); NIXL
-        checks the local rows when it prepares them. TransportError, nothing prepared, when NIXL
-        refuses, when either side would hand NIXL more than ``max_descriptors`` descriptors
-        (``EngineConfig.table_max_descriptors``), or for DRAM memory that this agent spreads over its
-        posting threads (:func:`~transfer_engine.transport.posting.spread` cuts each WRITE's own
-        descriptors; an index names a table's). The error's text is the reason the caller logs."""
+        """See :meth:`Transport.prepare_table <transfer_engine.transport.interface.Transport.prepare_table>`
+        for the contract. Here: each row is one strided NIXL descriptor; a NIXL that refuses strided
+        lists gets every entry listed (once, for every table after). The remote rows are checked here,
+        the local ones by NIXL as it prepares them. Also refused (TransportError): DRAM memory that
+        this agent spreads over its posting threads (:func:`~transfer_engine.transport.posting.spread`
+        cuts each WRITE's own descriptors; an index names a table's)."""
         if (peer, key) in self._tables:
             raise TransportError(f"tables {key!r} for {peer} are prepared already")
         remote_peer = self._peers.get(peer)
@@ -435,11 +429,9 @@ class NixlTransport:
     def prepare_from_table(
         self, table: int, src_index: np.ndarray, dst_index: np.ndarray, spec: WriteSpec
     ) -> int:
-        """Make the WRITE ``spec`` of the entries ``src_index`` of ``table``'s local side to the entries
-        ``dst_index`` of its remote side (equal lengths, int32 or int64), with ``spec.notif``; ``spec``
-        is what those entries move (its peer must be the table's). Returns a handle as
-        :meth:`prepare_write` does. TransportError when an index is outside its side or NIXL refuses;
-        nothing is made then."""
+        """See :meth:`Transport.prepare_from_table
+        <transfer_engine.transport.interface.Transport.prepare_from_table>`; the indices are int32 or
+        int64 and the WRITE carries ``spec.notif``."""
         shared = self._lists.get(table)
         if shared is None or shared.table is None or not shared.open:
             raise TransportError(f"no open descriptor tables {table} (never prepared, or their peer is gone)")
