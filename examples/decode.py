@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 import common
+import side
 
 DEFAULT_WAITING_TIMEOUT = 120.0
 ENGINE_SKIP = (
@@ -42,9 +43,6 @@ ENGINE_SKIP = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from transfer_engine.config import EngineConfig
-    from transfer_engine.errors import ConfigError
-
     parser = argparse.ArgumentParser(
         description="Decode ranks of the transfer_engine example.", allow_abbrev=False
     )
@@ -66,76 +64,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "lines on stdout, for pd_demo",
     )
     parser.add_argument("--json-out", default="", help="also write the summary as JSON to this file")
-    common.add_workload_arguments(parser)
-    group = parser.add_argument_group("engine (EngineConfig fields; TE_* environment variables apply too)")
-    ours = {a.dest for a in parser._actions}
-    EngineConfig.add_arguments(group, skip=(*ENGINE_SKIP, *ours))  # type: ignore[arg-type]
-    args = parser.parse_args(argv)
-    if args.tp < 1:
-        parser.error(f"--tp={args.tp} must be >= 1")
-    problem = common.check_workload(args)
-    if problem:
-        parser.error(problem)
-    try:
-        EngineConfig.from_args(args, role="decode", tp_size=args.tp, tp_rank=0)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    return args
+    return side.parse_args(parser, argv, "decode", ENGINE_SKIP)
 
 
 def decode_rank(rank: int, args: argparse.Namespace, events: Any) -> None:
     """Entry point of one rank process."""
-    import anyio
-
-    name = f"decode rank {rank}/{args.tp}"
-    common.rank_entry(lambda: anyio.run(serve, rank, args, events), name, args, events)
+    side.run_rank(serve, "decode", rank, args, events)
 
 
 async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     import anyio
     import numpy as np
-    import torch
 
     from transfer_engine.config import EngineConfig
     from transfer_engine.engine import Receiver, TransferEngine
     from transfer_engine.errors import PeerUnreachableError, TransferError, TransferFailed
-    from transfer_engine.memory.layout import KVPool
     from transfer_engine.testing import patterns
 
-    D = args.tp
-    name = f"decode rank {rank}/{D}"
     overrides = {}
     if args.waiting_timeout is None and "TE_WAITING_TIMEOUT" not in os.environ:
         # A room whose prefill side ended before our request arrived is never answered; without an
         # input deadline it would wait forever. The schedule keeps the prefill close behind us.
         overrides["waiting_timeout"] = DEFAULT_WAITING_TIMEOUT
     overrides.update(common.staging_defaults(args))
-    cfg = EngineConfig.from_args(args, role="decode", tp_size=D, tp_rank=rank, **overrides)
-    layout = common.make_layout(args)
+    cfg = EngineConfig.from_args(args, role="decode", tp_size=args.tp, tp_rank=rank, **overrides)
     plans = common.make_schedule(args)
-    device = common.device_for(args.device, rank)
-    itemsize = torch.empty(0, dtype=layout.dtype).element_size()
-    page_bytes = layout.page_size * layout.heads_local(D) * layout.head_dim * itemsize * layout.num_kv_tensors
-    num_pages = common.pool_pages(args, page_bytes)
-    use_aux = args.aux_bytes > 0
-    pool = KVPool.allocate(
-        layout,
-        D,
-        rank,
-        num_pages,
-        device=device,
-        aux_slots=args.inflight if use_aux else 0,
-        aux_item_bytes=args.aux_bytes,
-    )
-    alloc = common.PageAllocator(num_pages, f"decode:{args.seed}:{rank}")
-    aux_slots = list(range(args.inflight))
-    window = anyio.Semaphore(args.inflight)
+    kv = side.RankPool("decode", rank, args)
+    name, pool = kv.name, kv.pool
     stand_in = common.stand_in_executor(args)  # one verify at a time, off the event loop
     stats: dict[str, Any] = {"ok": 0, "failed": 0, "bytes": 0, "start": 0.0, "end": 0.0}
     trace = common.ExampleTrace("decode", rank)
 
     def verify(room: int, pages: np.ndarray, slot: int | None) -> str | None:
-        tokens = len(pages) * layout.page_size  # whole pages: every byte the prefill wrote
+        tokens = len(pages) * pool.layout.page_size  # whole pages: every byte the prefill wrote
         bad = patterns.mismatches(pool, room, pages, tokens)
         if bad:
             return f"{bad} wrong elements in {tokens} tokens"
@@ -155,17 +116,14 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
             trace.mark(plan.room, "verified")
             if problem is None:
                 ok = True
-                nbytes = plan.num_pages * page_bytes + (args.aux_bytes if use_aux else 0)
+                nbytes = kv.room_bytes(plan)
             else:
                 common.say(f"{name}: room {plan.room} (#{plan.index}): {problem}")
         except TransferFailed as exc:  # wait() raises only once the room is quiescent
             if stats["failed"] < 5:
                 common.say(f"{name}: room {plan.room} (#{plan.index}) failed: {exc}")
         finally:
-            alloc.free(pages)
-            if slot is not None:
-                aux_slots.append(slot)
-            window.release()
+            kv.give_back(pages, slot)
         stats["ok" if ok else "failed"] += 1
         stats["bytes"] += nbytes
         stats["end"] = time.time()
@@ -189,13 +147,7 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     warned: list[str] = []
 
     async with TransferEngine(cfg, pool) as engine:
-        common.say(
-            f"{name}: control endpoint {engine.endpoint} (agent {engine.agent_name}); "
-            f"pool {num_pages} pages = {common.human_bytes(num_pages * page_bytes)} on {device}"
-        )
-        metrics = f", metrics {engine.metrics_endpoint}" if engine.metrics_endpoint else ""
-        common.say(f"{name}: introspect {engine.introspect_endpoint}{metrics}")
-        events.put(("up", rank, engine.endpoint))
+        kv.say_up(engine, events)
         async with common.STOP.cancel_on_signal():
             try:
                 await connect(engine)
@@ -207,30 +159,21 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
                 plans_to_run = plans
             async with anyio.create_task_group() as tg:
                 for plan in plans_to_run:
-                    await window.acquire()
-                    trace.mark(plan.room, "window")
-                    pages = await alloc.alloc(plan.num_pages)
-                    slot = aux_slots.pop() if use_aux else None
+                    pages, slot = await kv.take(plan, trace)
                     t0 = time.monotonic()
                     trace.mark(plan.room, "opened")
                     try:
                         receiver = await engine.receiver(plan.room, args.bootstrap, pages, aux_slot=slot)
                     except TransferError as exc:  # nothing was registered: stop the schedule here
                         common.say(f"{name}: cannot open room {plan.room} (#{plan.index}): {exc}; stopping")
-                        alloc.free(pages)
-                        window.release()
+                        kv.give_back(pages, slot)
                         break
                     tg.start_soon(finish_room, plan, receiver, pages, slot, t0)
         trace.dump(engine.me.trace.take())
     stand_in.shutdown(wait=False)
     total = len(plans)
-    missing = total - stats["ok"] - stats["failed"]
     elapsed = max(0.0, stats["end"] - stats["start"]) if stats["start"] else 0.0
-    common.say(
-        f"{name}: rooms ok={stats['ok']} failed={stats['failed']} not-run={missing} of {total}, "
-        f"{common.human_bytes(stats['bytes'])} verified in {elapsed:.2f} s"
-        + (f" (stopped by {common.STOP.name})" if common.STOP.signum else "")
-    )
+    kv.say_end(stats, total, f"verified in {elapsed:.2f} s")
     events.put(("done", rank, {**stats, "rooms": total}))
     return 0 if stats["ok"] == total else 1
 

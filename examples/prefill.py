@@ -24,14 +24,12 @@ import time
 from typing import Any
 
 import common
+import side
 
 ENGINE_SKIP = ("role", "tp_size", "tp_rank", "agent_name")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from transfer_engine.config import EngineConfig
-    from transfer_engine.errors import ConfigError
-
     parser = argparse.ArgumentParser(
         description="Prefill ranks of the transfer_engine example.", allow_abbrev=False
     )
@@ -50,29 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "engine fails a room whose early WRITE finishes before the last request arrives "
         "(PROTOCOL: event Landed is not allowed in state BOOTSTRAPPING)",
     )
-    common.add_workload_arguments(parser)
-    group = parser.add_argument_group("engine (EngineConfig fields; TE_* environment variables apply too)")
-    ours = {a.dest for a in parser._actions}
-    EngineConfig.add_arguments(group, skip=(*ENGINE_SKIP, *ours))  # type: ignore[arg-type]
-    args = parser.parse_args(argv)
-    if args.tp < 1:
-        parser.error(f"--tp={args.tp} must be >= 1")
-    problem = common.check_workload(args)
-    if problem:
-        parser.error(problem)
-    try:
-        EngineConfig.from_args(args, role="prefill", tp_size=args.tp, tp_rank=0)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    return args
+    return side.parse_args(parser, argv, "prefill", ENGINE_SKIP)
 
 
 def prefill_rank(rank: int, args: argparse.Namespace, events: Any) -> None:
     """Entry point of one rank process."""
-    import anyio
-
-    name = f"prefill rank {rank}/{args.tp}"
-    common.rank_entry(lambda: anyio.run(serve, rank, args, events), name, args, events)
+    side.run_rank(serve, "prefill", rank, args, events)
 
 
 async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
@@ -83,34 +64,15 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     from transfer_engine.config import EngineConfig
     from transfer_engine.engine import Sender, TransferEngine
     from transfer_engine.errors import TransferError
-    from transfer_engine.memory.layout import KVPool
     from transfer_engine.testing import patterns
 
-    P = args.tp
-    name = f"prefill rank {rank}/{P}"
     cfg = EngineConfig.from_args(
-        args, role="prefill", tp_size=P, tp_rank=rank, **common.staging_defaults(args)
+        args, role="prefill", tp_size=args.tp, tp_rank=rank, **common.staging_defaults(args)
     )
-    layout = common.make_layout(args)
     plans = common.make_schedule(args)
-    device = common.device_for(args.device, rank)
-    itemsize = torch.empty(0, dtype=layout.dtype).element_size()
-    page_bytes = layout.page_size * layout.heads_local(P) * layout.head_dim * itemsize * layout.num_kv_tensors
-    num_pages = common.pool_pages(args, page_bytes)
-    use_aux = args.aux_bytes > 0
-    pool = KVPool.allocate(
-        layout,
-        P,
-        rank,
-        num_pages,
-        device=device,
-        aux_slots=args.inflight if use_aux else 0,
-        aux_item_bytes=args.aux_bytes,
-    )
-    alloc = common.PageAllocator(num_pages, f"prefill:{args.seed}:{rank}")
+    kv = side.RankPool("prefill", rank, args)
+    name, pool = kv.name, kv.pool
     started = finished = time.monotonic()
-    aux_slots = list(range(args.inflight))
-    window = anyio.Semaphore(args.inflight)
     stand_in = common.stand_in_executor(args)  # one fill at a time, off the event loop
     stats = {"ok": 0, "failed": 0, "bytes": 0}
     trace = common.ExampleTrace("prefill", rank)
@@ -141,7 +103,7 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
             await sender.wait()
             trace.mark(plan.room, "done")
             stats["ok"] += 1
-            stats["bytes"] += plan.num_pages * page_bytes + (args.aux_bytes if use_aux else 0)
+            stats["bytes"] += kv.room_bytes(plan)
         except TransferError as exc:
             stats["failed"] += 1
             if stats["failed"] <= 5:
@@ -150,16 +112,11 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
                 await sender.abort(f"prefill rank {rank}: {exc}")  # returns once no WRITE can land
         finally:
             finished = time.monotonic()
-            alloc.free(pages)
-            if slot is not None:
-                aux_slots.append(slot)
-            window.release()
+            kv.give_back(pages, slot)
 
     async def prepare(plan: common.RoomPlan) -> tuple[np.ndarray, int | None]:
         """Take a window slot and pages for ``plan`` and compute its KV (the pattern fill)."""
-        await window.acquire()
-        pages = await alloc.alloc(plan.num_pages)
-        slot = aux_slots.pop() if use_aux else None
+        pages, slot = await kv.take(plan)
         await common.on_stand_in(stand_in, fill, plan.room, pages, slot)
         return pages, slot
 
@@ -170,13 +127,7 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     ready = [await prepare(plan) for plan in plans[: args.inflight]]
     async with TransferEngine(cfg, pool) as engine:
         where = f", bootstrap server {cfg.bootstrap_endpoint}" if cfg.hosts_bootstrap else ""
-        common.say(
-            f"{name}: control endpoint {engine.endpoint} (agent {engine.agent_name}{where}); "
-            f"pool {num_pages} pages = {common.human_bytes(num_pages * page_bytes)} on {device}"
-        )
-        metrics = f", metrics {engine.metrics_endpoint}" if engine.metrics_endpoint else ""
-        common.say(f"{name}: introspect {engine.introspect_endpoint}{metrics}")
-        events.put(("up", rank, engine.endpoint))
+        kv.say_up(engine, events, where)
         async with common.STOP.cancel_on_signal():
             async with anyio.create_task_group() as tg:
                 started = time.monotonic()
@@ -193,12 +144,7 @@ async def serve(rank: int, args: argparse.Namespace, events: Any) -> int:
     stand_in.shutdown(wait=False)
     elapsed = max(0.0, finished - started)
     total = len(plans)
-    missing = total - stats["ok"] - stats["failed"]
-    common.say(
-        f"{name}: rooms ok={stats['ok']} failed={stats['failed']} not-run={missing} of {total}, "
-        f"{common.human_bytes(stats['bytes'])} in {elapsed:.2f} s"
-        + (f" (stopped by {common.STOP.name})" if common.STOP.signum else "")
-    )
+    kv.say_end(stats, total, f"in {elapsed:.2f} s")
     events.put(("done", rank, {**stats, "rooms": total, "seconds": elapsed}))
     return 0 if stats["ok"] == total else 1
 
