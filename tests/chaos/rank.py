@@ -30,11 +30,14 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import numpy as np
+import torch
+from anyio.abc import TaskGroup
 
 from tests.integration.harness import small_layout
 from transfer_engine.config import EngineConfig
@@ -81,69 +84,96 @@ async def prefill_room(
     await sender.wait()
 
 
-async def serve(args: argparse.Namespace) -> int:
-    cfg = EngineConfig(
+async def serve_commands(
+    engine: TransferEngine,
+    pool: KVPool,
+    rooms: TaskGroup,
+    bootstrap: str,
+    room_fields: Callable[[int, Sender | Receiver], dict[str, Any]] | None = None,
+) -> None:
+    """Run the commands of stdin (this module's docstring) until ``quit`` or its end, each room's work a
+    task of ``rooms``; then wait, 30 s at most, until ``engine`` holds no room.
+
+    Emits ``opened`` (or ``error``) for each command and ``room`` once its room ended;
+    ``room_fields(room, handle)``, called then, gives more fields of that ``room`` event."""
+    pages_of: dict[int, np.ndarray] = {}
+
+    async def finish(room: int, handle: Sender | Receiver, work: Any) -> None:
+        try:
+            await work
+            ok, reason, detail = True, None, ""
+            if isinstance(handle, Receiver):
+                tokens = len(pages_of[room]) * pool.layout.page_size
+                bad = patterns.mismatches(pool, room, pages_of[room], tokens)
+                ok, detail = bad == 0, f"{bad} wrong elements"
+        except TransferFailed as exc:
+            ok, reason, detail = False, exc.reason.name, exc.detail
+        more = room_fields(room, handle) if room_fields is not None else {}
+        emit("room", room=room, ok=ok, reason=reason, detail=detail, **more)
+
+    while True:
+        line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+        if not line or json.loads(line)["cmd"] == "quit":
+            break
+        cmd = json.loads(line)
+        room, pages = int(cmd["room"]), np.array(cmd["pages"], dtype=np.int64)
+        pages_of[room] = pages
+        try:
+            if cmd["cmd"] == "send":
+                patterns.fill(pool, room, pages)
+                if pool.device.type == "cuda":
+                    torch.cuda.synchronize()  # the WRITE reads this memory: it must be written first
+                sender = engine.sender(room)
+                layers = pool.layout.num_layers if cmd.get("layers") else None
+                work = prefill_room(sender, pages, cmd["chunks"], cmd["hold"], layers)
+                rooms.start_soon(finish, room, sender, work)
+            else:
+                receiver = await engine.receiver(room, bootstrap, pages)
+                rooms.start_soon(finish, room, receiver, receiver.wait())
+        except TransferError as exc:
+            emit("error", room=room, error=f"{type(exc).__name__}: {exc}")
+            continue
+        emit("opened", room=room)
+    with anyio.fail_after(30):
+        while engine.rooms:  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+
+
+def rank_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every rank process of this kind takes: ``--role``, ``--bootstrap-port``, ``--heartbeat``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--role", choices=["prefill", "decode"], required=True)
+    parser.add_argument("--bootstrap-port", type=int, required=True)
+    parser.add_argument("--heartbeat", type=float, default=0.5)
+    return parser
+
+
+def rank_config(args: argparse.Namespace, **fields: Any) -> EngineConfig:
+    """The engine of a rank process of this kind (flags of :func:`rank_parser`; ``fields``: more)."""
+    return EngineConfig(
         role=args.role,
-        host=args.host,
-        bootstrap_host=args.bootstrap_host,
         bootstrap_port=args.bootstrap_port,
         heartbeat_interval=args.heartbeat,
         connect_timeout=2.0,
         num_workers=1,
         layers_per_write=1,
+        **fields,
     )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    cfg = rank_config(args, host=args.host, bootstrap_host=args.bootstrap_host)
     pool = KVPool.allocate(small_layout(), 1, 0, NUM_PAGES, aux_slots=0, aux_item_bytes=0)
     bootstrap = f"tcp://{args.bootstrap_host}:{args.bootstrap_port}"
     async with TransferEngine(cfg, pool) as engine, anyio.create_task_group() as rooms:
         emit("up", endpoint=engine.endpoint, agent=engine.agent_name)
-
-        async def finish(room: int, handle: Sender | Receiver, work: Any) -> None:
-            try:
-                await work
-                ok, reason, detail = True, None, ""
-                if isinstance(handle, Receiver):
-                    bad = patterns.mismatches(
-                        pool, room, pages_of[room], len(pages_of[room]) * pool.layout.page_size
-                    )
-                    ok, detail = bad == 0, f"{bad} wrong elements"
-            except TransferFailed as exc:
-                ok, reason, detail = False, exc.reason.name, exc.detail
-            emit("room", room=room, ok=ok, reason=reason, detail=detail)
-
-        pages_of: dict[int, np.ndarray] = {}
-        while True:
-            line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
-            if not line or json.loads(line)["cmd"] == "quit":
-                break
-            cmd = json.loads(line)
-            room, pages = int(cmd["room"]), np.array(cmd["pages"], dtype=np.int64)
-            pages_of[room] = pages
-            try:
-                if cmd["cmd"] == "send":
-                    patterns.fill(pool, room, pages)
-                    sender = engine.sender(room)
-                    layers = pool.layout.num_layers if cmd.get("layers") else None
-                    work = prefill_room(sender, pages, cmd["chunks"], cmd["hold"], layers)
-                    rooms.start_soon(finish, room, sender, work)
-                else:
-                    receiver = await engine.receiver(room, bootstrap, pages)
-                    rooms.start_soon(finish, room, receiver, receiver.wait())
-            except TransferError as exc:
-                emit("error", room=room, error=f"{type(exc).__name__}: {exc}")
-                continue
-            emit("opened", room=room)
-        with anyio.fail_after(30):
-            while engine.rooms:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
+        await serve_commands(engine, pool, rooms, bootstrap)
         emit("leaks", leaks=engine.leaks())
     return 0
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--role", choices=["prefill", "decode"], required=True)
-    parser.add_argument("--bootstrap-port", type=int, required=True)
-    parser.add_argument("--heartbeat", type=float, default=0.5)
+    parser = rank_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="address this rank binds and is reached at")
     parser.add_argument("--bootstrap-host", default="127.0.0.1", help="address of the prefill's bootstrap")
     return anyio.run(serve, parser.parse_args())
