@@ -103,7 +103,14 @@ from transfer_engine.testing import pagetables
 from transfer_engine.testing.cluster import free_port
 
 # tools/ is the script's folder, first on sys.path (also in the spawned children)
-from bench_transfer import GcPauses, RawPair, gc_line, raw_wait_notifs  # isort: skip
+from bench_transfer import (  # isort: skip
+    GcPauses,
+    RawPair,
+    add_page_table_arguments,
+    gc_line,
+    raw_transfer,
+    raw_wait_notifs,
+)
 
 TRACE = 1 << 16
 ANCHOR_WITHIN_S = 50e-6
@@ -202,11 +209,7 @@ def _raw_group(
         assert pipe.recv() == "armed"
         time.sleep(0.001)  # the decode is polling
         posted = time.monotonic()
-        state = raw.agent.transfer(handle)
-        while state == "PROC":
-            state = raw.agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise RuntimeError(f"raw WRITE ended {state}")
+        raw_transfer(raw, handle)
         times.append(pipe.recv() - posted)
         raw.agent.release_xfer_handle(handle)
     pipe.send("end")
@@ -622,13 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument(
-        "--page-table",
-        default="contiguous",
-        choices=[s.value for s in pagetables.PageTableShape],
-        help="how each room's pages lie in the pools (transfer_engine.testing.pagetables)",
-    )
-    parser.add_argument("--page-seed", type=int, default=0, help="seed of the page tables")
+    add_page_table_arguments(parser)
     parser.add_argument(
         "--hidden", type=int, default=5120, help="simulated layer: [tokens, hidden] @ [hidden, ffn]"
     )

@@ -201,6 +201,22 @@ def _pool_pages(args: argparse.Namespace) -> int:
     return pagetables.pool_pages(args.page_table, _room_pages_count(args), args.concurrency)
 
 
+def _side_pool(args: argparse.Namespace, side: str, rank: int) -> KVPool:
+    """The pool of ``side``'s rank ``rank``: ``_pool_pages`` pages in ``--pool-layout``, on the rank's
+    device (with CUDA, made this process's current device first)."""
+    device = _device(args, side, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return KVPool.allocate(
+        _layout(args),
+        args.prefill_tp if side == "prefill" else args.decode_tp,
+        rank,
+        _pool_pages(args),
+        device=device,
+        page_major=args.pool_layout == "page-major",
+    )
+
+
 class RawPair:
     """A raw NIXL agent on each side of the benchmark, with one registered buffer each."""
 
@@ -222,13 +238,18 @@ class RawPair:
         )
 
 
-def _raw_write(raw: RawPair, peer: str, dst: Any, nbytes: int, notif: bytes) -> None:
-    handle = raw.agent.initialize_xfer("WRITE", raw.descs(nbytes), dst, peer, notif)
+def raw_transfer(raw: RawPair, handle: Any) -> None:
+    """Post the raw WRITE ``handle`` and spin on its state until it is done; RuntimeError if it fails."""
     state = raw.agent.transfer(handle)
     while state == "PROC":
         state = raw.agent.check_xfer_state(handle)
     if state != "DONE":
         raise RuntimeError(f"raw WRITE ended {state}")
+
+
+def _raw_write(raw: RawPair, peer: str, dst: Any, nbytes: int, notif: bytes) -> None:
+    handle = raw.agent.initialize_xfer("WRITE", raw.descs(nbytes), dst, peer, notif)
+    raw_transfer(raw, handle)
     raw.agent.release_xfer_handle(handle)
 
 
@@ -299,19 +320,8 @@ def prefill_main(
 async def _prefill(
     args: argparse.Namespace, rank: int, port: int, conn: Connection | None, barrier: Barrier
 ) -> None:
-    layout = _layout(args)
-    device = _device(args, "prefill", rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    pages_per_room = math.ceil(args.tokens / args.page_size)
-    pool = KVPool.allocate(
-        layout,
-        args.prefill_tp,
-        rank,
-        _pool_pages(args),
-        device=device,
-        page_major=args.pool_layout == "page-major",
-    )
+    pool = _side_pool(args, "prefill", rank)
+    device, pages_per_room = pool.device, _room_pages_count(args)
     cfg = _config(args, "prefill", rank, port)
     raw: RawPair | None = None
     peer = ""
@@ -412,19 +422,8 @@ def _p(values: list[float], q: float) -> float:
 async def _decode(
     args: argparse.Namespace, rank: int, port: int, conn: Connection | None, barrier: Barrier, out: Any
 ) -> None:
-    layout = _layout(args)
-    device = _device(args, "decode", rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    pages_per_room = math.ceil(args.tokens / args.page_size)
-    pool = KVPool.allocate(
-        layout,
-        args.decode_tp,
-        rank,
-        _pool_pages(args),
-        device=device,
-        page_major=args.pool_layout == "page-major",
-    )
+    pool = _side_pool(args, "decode", rank)
+    layout, device, pages_per_room = pool.layout, pool.device, _room_pages_count(args)
     if args.path == "kernel" and device.type == "cpu":  # host memory the prefill can map: shared
         for t in pool.tensors:
             t.share_memory_()
@@ -658,6 +657,17 @@ def _peer_copy_gbps(args: argparse.Namespace, nbytes: int) -> float | None:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+def add_page_table_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--page-table`` and ``--page-seed``: how each room's pages lie in the pools of both sides."""
+    parser.add_argument(
+        "--page-table",
+        default="contiguous",
+        choices=[s.value for s in pagetables.PageTableShape],
+        help="how each room's pages lie in the pools (transfer_engine.testing.pagetables)",
+    )
+    parser.add_argument("--page-seed", type=int, default=0, help="seed of the page tables")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -679,13 +689,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=2)
     parser.add_argument("--rooms", type=int, default=24)
-    parser.add_argument(
-        "--page-table",
-        default="contiguous",
-        choices=[s.value for s in pagetables.PageTableShape],
-        help="how each room's pages lie in the pools (transfer_engine.testing.pagetables)",
-    )
-    parser.add_argument("--page-seed", type=int, default=0, help="seed of the page tables")
+    add_page_table_arguments(parser)
     parser.add_argument(
         "--pool-layout",
         default="tensors",

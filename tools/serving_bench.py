@@ -47,8 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.common import percentile  # noqa: E402
 from examples.serving import client  # noqa: E402
-from examples.serving.model import ModelConfig  # noqa: E402
-from examples.serving.run import Cluster, ClusterSpec  # noqa: E402
+from examples.serving.run import MODEL_SHAPE, Cluster, ClusterSpec, add_model_arguments, model_from  # noqa: E402
 
 
 def engine_options(pairs: list[str]) -> list[tuple[str, Any]]:
@@ -239,8 +238,7 @@ async def lag_phase(cluster: Cluster, args: argparse.Namespace, vocab: int, out:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn")
-    model = ModelConfig(**{n: getattr(args, f"model_{n}") for n in names})
+    model = model_from(args, MODEL_SHAPE)
     spec = ClusterSpec(
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
@@ -327,11 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FIELD=VALUE",
         help="EngineConfig field for every rank",
     )
-    d = ModelConfig()
-    for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn"):
-        parser.add_argument(
-            f"--model-{name.replace('_', '-')}", type=int, default=getattr(d, name), dest=f"model_{name}"
-        )
+    add_model_arguments(parser, MODEL_SHAPE)  # the weights' seed is ModelConfig's
     args = parser.parse_args(argv)
     out = anyio.run(main_async, args)
     if args.json_out:

@@ -296,6 +296,26 @@ async def settle(cluster: Cluster, limit_s: float = 30.0) -> dict[str, Any]:
         await anyio.sleep(0.1)
 
 
+MODEL_SHAPE = ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn")
+"""The :class:`ModelConfig` fields of the model's shape."""
+MODEL_FIELDS = (*MODEL_SHAPE, "seed")
+"""Those and the seed of its weights: what ``python -m examples.serving`` sets."""
+
+
+def add_model_arguments(parser: argparse._ActionsContainer, fields: tuple[str, ...] = MODEL_FIELDS) -> None:
+    """A ``--model-<field>`` flag (``args.model_<field>``, ModelConfig's default) for each of ``fields``."""
+    d = ModelConfig()
+    for name in fields:
+        parser.add_argument(
+            f"--model-{name.replace('_', '-')}", type=int, default=getattr(d, name), dest=f"model_{name}"
+        )
+
+
+def model_from(args: argparse.Namespace, fields: tuple[str, ...] = MODEL_FIELDS) -> ModelConfig:
+    """The model of the flags of :func:`add_model_arguments` (ModelConfig's defaults for the rest)."""
+    return ModelConfig(**{n: getattr(args, f"model_{n}") for n in fields})
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m examples.serving",
@@ -323,19 +343,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the prefill sends each request's last chunk layer by layer from its forward",
     )
     parser.add_argument("--log-level", default="WARNING", help="log level of the rank processes")
-    g = parser.add_argument_group("model (fixed-seed weights)")
-    d = ModelConfig()
-    for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "seed"):
-        g.add_argument(
-            f"--model-{name.replace('_', '-')}", type=int, default=getattr(d, name), dest=f"model_{name}"
-        )
+    add_model_arguments(parser.add_argument_group("model (fixed-seed weights)"))
     client_mod.add_workload_arguments(parser)
     return parser.parse_args(argv)
 
 
 def spec_from(args: argparse.Namespace, items: list[client_mod.Item]) -> ClusterSpec:
-    names = ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "seed")
-    model = ModelConfig(**{n: getattr(args, f"model_{n}") for n in names})
+    model = model_from(args)
     longest = max((len(it.prompt) + it.max_new for it in items), default=1)
     return ClusterSpec(
         prefill_tp=args.prefill_tp,
