@@ -119,7 +119,13 @@ def test_quick_start_runs_as_written(program: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{name}: ok" in done.stdout.splitlines(), done.stdout
     assert "decode: room WAITING_FOR_INPUT" in done.stdout  # statuses print by name
-    noise = [ln for ln in done.stderr.splitlines() if ln.strip() and "NIXL INFO" not in ln]
+    # A loaded machine may hold the loop a second or more: the engine says so ("heartbeat loop stalled
+    # ..."), and the run still has to end ok; that line is the load's, not the quick start's.
+    noise = [
+        ln
+        for ln in done.stderr.splitlines()
+        if ln.strip() and "NIXL INFO" not in ln and "heartbeat loop stalled" not in ln
+    ]
     assert not noise, "stderr:\n" + "\n".join(noise[:30])
     assert not done.stderr or done.stderr.endswith("\n")
     seen = json.loads(out.read_text())
