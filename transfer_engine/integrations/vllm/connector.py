@@ -162,7 +162,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
         tc = self._kv_transfer_config
         if tc.kv_role not in ("kv_producer", "kv_consumer"):
@@ -232,7 +232,7 @@ class TransferEngineConnector(KVConnectorBase_V1):
         return TransferStats(data=data) if data is not None else TransferStats()
 
     @classmethod
-    def build_prom_metrics(  # type: ignore[override]
+    def build_prom_metrics(
         cls,
         vllm_config: VllmConfig,
         metric_types: dict[type[PromMetric], type[PromMetric]],

@@ -27,6 +27,10 @@ class TransferStats(KVConnectorStats):
     to its end), ``failures`` (failed rooms by kind: ``timeout``, ``aborted``, ``unreachable``,
     ``digest``, ``failed``). Rooms are counted on TP rank 0 only; bytes on every rank."""
 
+    data: dict[str, Any]
+    """vLLM's field (its base class declares it), restated for the type checker, which does not read
+    vLLM's source (docs/DECISIONS.md, "The type check does not follow vLLM")."""
+
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
