@@ -355,6 +355,7 @@ class TransferEngine:
         self.costs.queued(room, bootstrap, 0 if checked is None else len(checked) * self.pool.page_bytes)
         if checked is not None:  # its requests leave now (without pages: at its first landing)
             self.costs.started(room, time.monotonic())
+            actor.send_unsent()  # here, not a loop turn later in the room's task
         log.debug("decode room %d: %s, %d writers, path %s (%s)", room, bootstrap, len(writers), path, why)
         return Receiver(actor, self.pool)
 

@@ -143,7 +143,7 @@ class ReceiverRoomActor(ReceiverChecks, RoomActor):
         """Whether the room's pages were given (:meth:`set_pages`) and its TransferRequests sent."""
         self.core.bootstrapped(list(writers), None, time.monotonic())
         self._unsent: RequestPages | None = None
-        """Pages given at creation whose TransferRequests go out when the room starts running."""
+        """Pages given at creation whose TransferRequests have not gone out yet (:meth:`send_unsent`)."""
         if request is not None:
             self.set_pages(request.pages)
             self._unsent = request
@@ -179,6 +179,12 @@ class ReceiverRoomActor(ReceiverChecks, RoomActor):
         self._send_requests(mail)
 
     async def started(self) -> None:
+        self.send_unsent()
+
+    def send_unsent(self) -> None:
+        """Send the TransferRequests of the pages given at creation, once: the engine calls it in
+        ``receiver()`` right after the room is on the board (a loop turn sooner than the room's
+        task would), and the task's start finds nothing left to send."""
         if self._unsent is not None:
             request, self._unsent = self._unsent, None
             self._send_requests(request)
