@@ -21,11 +21,21 @@ KiB of 8-byte units), and each program copies BLOCK consecutive (entry, piece) p
 (the table's ``align``): the same tiling as the gather kernel (``kernels/gather.py``). Addresses are
 absolute: the kernel casts them to pointers, so the two tables may name any memory the device can
 reach (its own, a peer GPU's mapped through CUDA IPC, pinned host memory).
+
+With ``checksum`` (integrity, docs/INTEGRITY.md) the same launch also sums what it copies, as
+``kernels.checksum`` defines the sum, in the same pass (the source is read once, for both): the
+copied words are weighed by their positions in the whole the sum is defined over (for the kernel
+path, a chunk's or layer group's gather layout), which a :class:`WordOrder` states per entry. Each
+program adds its weighted words into one partial (``kernels/_bytesum.py``'s ``combine``, mod 2**64),
+and one ``sum`` of the partials lands in ``checksum`` on the copy's stream. That is a kernel of its
+own (``_copy_sum_kernel``: the copy, then the sum of what it loaded); without ``checksum`` the plain
+copy's kernel and launch are untouched.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._bytesum import MASK64, WORD, as_int64, check_out, combine, finish
 from ._common import (
     INT_VIEW,
     Impl,
@@ -51,7 +62,14 @@ from ._common import (
     use_on_current_stream,
 )
 
-__all__ = ["DEFAULT_CONFIG", "EntryTable", "copy_entries", "copy_entries_reference", "entry_table"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "EntryTable",
+    "WordOrder",
+    "copy_entries",
+    "copy_entries_reference",
+    "entry_table",
+]
 
 DEFAULT_CONFIG = LaunchConfig(block_bytes=32768, num_warps=4)
 """Launch shape of :func:`copy_entries` (the gather's, whose tiling it shares; docs/PERF.md)."""
@@ -91,6 +109,76 @@ def _copy_kernel(
     else:
         mask = ok[:, None] & (cols < ROW)
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+@triton.jit(do_not_specialize=["step0", "step1", "step2", "step3"])  # steps follow the chunk's tokens
+def _copy_sum_kernel(
+    src_table,  # as _copy_kernel's
+    dst_table,
+    src_idx,
+    dst_idx,
+    n,
+    first,  # *i64 [n]: WordOrder.first, the position of each entry's first word
+    partials,  # *i64 [programs]: each program's checksum of what it copied
+    step0,  # WordOrder.dims' steps, innermost first (0 past its dims)
+    step1,
+    step2,
+    step3,
+    UNIT_TYPE: tl.constexpr,  # as _copy_kernel's, 4- or 8-byte units only
+    ALIGN: tl.constexpr,
+    ROW: tl.constexpr,
+    PIECE: tl.constexpr,
+    NPIECE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,
+    WORDS: tl.constexpr,  # 32-bit words per unit: 1 (4-byte units) or 2 (8-byte)
+    RUN_UNITS: tl.constexpr,  # WordOrder.run in units: a unit's words are in one run
+    C0: tl.constexpr,  # WordOrder.dims' counts, innermost first (1 past its dims)
+    C1: tl.constexpr,
+    C2: tl.constexpr,
+    C3: tl.constexpr,
+):
+    # _copy_kernel's copy, then the weighted sum of the units it moved (kernels/checksum.py)
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    e = r // NPIECE
+    ok = e < n
+    s = tl.load(src_idx + e, mask=ok, other=0).to(tl.int64)
+    d = tl.load(dst_idx + e, mask=ok, other=0).to(tl.int64)
+    src_addr = tl.multiple_of(tl.load(src_table + s, mask=ok, other=0), ALIGN)
+    dst_addr = tl.multiple_of(tl.load(dst_table + d, mask=ok, other=0), ALIGN)
+    cols = ((r % NPIECE) * PIECE)[:, None] + tl.arange(0, PIECE)[None, :]
+    src = src_addr.to(tl.pointer_type(UNIT_TYPE))[:, None] + cols
+    dst = dst_addr.to(tl.pointer_type(UNIT_TYPE))[:, None] + cols
+    if EVEN:
+        mask = ok[:, None]
+    else:
+        mask = ok[:, None] & (cols < ROW)
+    values = tl.load(src, mask=mask)
+    tl.store(dst, values, mask=mask)
+    # WordOrder's rule at unit granularity (an entry is under 2**31 units): the unit's run split
+    # innermost first into the dims' indices, each weighed by its step; a dim of count 1 is not
+    # compiled in
+    unit = cols.to(tl.int32)
+    run = unit // RUN_UNITS
+    pos = tl.load(first + e, mask=ok, other=0)[:, None] + ((unit % RUN_UNITS) * WORDS).to(tl.int64)
+    if C0 > 1:
+        pos += (run % C0).to(tl.int64) * step0
+        run = run // C0
+    if C1 > 1:
+        pos += (run % C1).to(tl.int64) * step1
+        run = run // C1
+    if C2 > 1:
+        pos += (run % C2).to(tl.int64) * step2
+        run = run // C2
+    if C3 > 1:
+        pos += (run % C3).to(tl.int64) * step3
+    wide = values.to(tl.int64)
+    if WORDS == 2:  # the unit's words sit at pos and pos + 1
+        part = (wide & 0xFFFFFFFF) * (pos + 1) + ((wide >> 32) & 0xFFFFFFFF) * (pos + 2)
+    else:
+        part = (wide & 0xFFFFFFFF) * (pos + 1)
+    part = tl.where(mask, part, 0)
+    tl.store(partials + tl.program_id(0), tl.reduce(tl.reduce(part, 1, combine), 0, combine))
 
 
 _TRITON_UNIT = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -151,6 +239,74 @@ def entry_table(addr: npt.ArrayLike, entry_bytes: int, device: torch.device | st
     return EntryTable(array, entry_bytes, dev, pow2_divisor(gcd, 16))
 
 
+MAX_DIMS = 4
+"""Dimensions a :class:`WordOrder` may split an entry's runs into (kv, layer, head, token)."""
+
+
+@dataclass(frozen=True, eq=False)
+class WordOrder:
+    """Where the words a copy moves sit in the whole its checksum is defined over (``kernels/
+    checksum.py``: word ``i`` of the whole weighs ``i + 1``).
+
+    Entry ``k`` of a copy (the bytes of ``src_idx[k]``'s entry, in address order, read 4 at a time
+    as little-endian words) is ``entry_bytes / (4 * run)`` runs of ``run`` words, each run
+    consecutive in the whole. Word ``c`` of the entry sits at::
+
+        first[k] + c % run + i_0 * step_0 + i_1 * step_1 + ...
+
+    where ``(i_0, i_1, ...)`` is the run ``c // run`` written in the mixed radix of ``dims``
+    (``(count, step)`` pairs, innermost first: ``c // run = i_0 + count_0 * (i_1 + count_1 *
+    (...))``, at most :data:`MAX_DIMS` of them). ``first``: int ``[n]`` host array, every position
+    ``>= 0``; ``run * prod(counts) * 4`` must equal ``entry_bytes``. An odd ``run`` makes the
+    kernel copy in 4-byte units (an 8-byte one could straddle two runs). The kernel path's (a
+    chunk's gather layout) is made by ``transfer_engine.actors.worker.kernel.gather_order``.
+    """
+
+    first: npt.NDArray[np.int64]
+    run: int
+    dims: tuple[tuple[int, int], ...] = ()
+
+    def offsets(self) -> npt.NDArray[np.int64]:
+        """int64 ``[entry words]``: each word's position past its entry's ``first``."""
+        words = self.run * math.prod(count for count, _ in self.dims)
+        c = np.arange(words, dtype=np.int64)
+        out = c % self.run
+        runs = c // self.run
+        for count, step in self.dims:
+            out += (runs % count) * step
+            runs //= count
+        return out
+
+
+def _check_order(order: WordOrder, n: int, entry_bytes: int) -> npt.NDArray[np.int64]:
+    """``order.first`` as an int64 host array, once ``order`` fits a copy of ``n`` entries of
+    ``entry_bytes`` (:class:`KernelInputError` naming what does not)."""
+    if not isinstance(order, WordOrder):
+        raise KernelInputError(f"order must be a WordOrder, got {type(order).__name__}")
+    first = np.asarray(order.first)
+    if first.ndim != 1 or not np.issubdtype(first.dtype, np.integer):
+        raise KernelInputError(f"order.first must be a 1-D integer array, got {first.dtype} {first.shape}")
+    if first.size != n:
+        raise KernelInputError(f"order.first has {first.size} entries, the copy {n}")
+    if n and int(first.min()) < 0:
+        raise KernelInputError(f"order.first holds {int(first.min())}: positions are >= 0")
+    if not isinstance(order.run, int) or order.run < 1:
+        raise KernelInputError(f"order.run={order.run!r} must be an int >= 1")
+    if len(order.dims) > MAX_DIMS:
+        raise KernelInputError(f"order has {len(order.dims)} dims; at most {MAX_DIMS}")
+    for count, step in order.dims:
+        if not isinstance(count, int) or not isinstance(step, int) or count < 1 or step < 0:
+            raise KernelInputError(
+                f"order dim (count={count!r}, step={step!r}) needs ints, count >= 1, step >= 0"
+            )
+    words = order.run * math.prod(count for count, _ in order.dims)
+    if words * WORD != entry_bytes:
+        raise KernelInputError(
+            f"order covers {words} words of {WORD} bytes per entry; the entries are {entry_bytes} bytes"
+        )
+    return np.ascontiguousarray(first, dtype=np.int64)
+
+
 def _check_pair(src: EntryTable, dst: EntryTable) -> None:
     if not isinstance(src, EntryTable) or not isinstance(dst, EntryTable):
         raise KernelInputError("src and dst must be EntryTables (kernels.copy.entry_table)")
@@ -191,6 +347,8 @@ def copy_entries(
     stream: torch.cuda.Stream | None = None,
     impl: Impl = "auto",
     config: LaunchConfig | None = None,
+    checksum: torch.Tensor | None = None,
+    order: WordOrder | None = None,
 ) -> None:
     """Copy ``entry_bytes`` from ``src.addr[src_idx[i]]`` to ``dst.addr[dst_idx[i]]`` for every ``i``.
 
@@ -205,7 +363,15 @@ def copy_entries(
     this returns. On CPU the copy is done when this returns (the reference, or the interpreted kernel
     with ``TRITON_INTERPRET=1`` / ``impl="triton"``).
 
-    ``n == 0``: nothing is launched.
+    ``checksum`` (with ``order``): int64 ``[1]`` on the tables' device or in pinned host memory (CPU
+    tables: on CPU), which receives the checksum of the copied words at the positions ``order``
+    gives them (``kernels.checksum``'s sum, taken in the same pass as the copy), on ``stream`` too:
+    read it once the stream passed this point. ``order.first`` is uploaded with the indices. The
+    entries must be whole 4-byte words (``order`` says how many); with 4- or 8-byte copy units the
+    kernel sums as it copies, with narrower ones (an address or the entry size only 1- or 2-byte
+    aligned) the reference copies and sums.
+
+    ``n == 0``: nothing is launched (``checksum`` gets 0).
     """
     _check_pair(src, dst)
     device = src.device
@@ -213,41 +379,85 @@ def copy_entries(
     s_idx, d_idx = _check_indices(src_idx, dst_idx, src, dst)
     n = int(s_idx.size)
     which = resolve_impl(impl, device)
+    if (checksum is None) != (order is None):
+        raise KernelInputError("checksum and order go together: the sum needs its words' positions")
+    first = None
+    if order is not None:
+        check_out(device, checksum)
+        first = _check_order(order, n, src.entry_bytes)
     if n == 0:
+        if checksum is not None:
+            with launcher(device, stream):
+                checksum.reshape(-1)[:1].zero_()
         return
     cfg = config or DEFAULT_CONFIG
     with launcher(device, stream):
-        if which == "torch":
-            copy_entries_reference(src, dst, s_idx, d_idx)
-            return
         align = min(src.align, dst.align)
         unit = min(align, 8)
+        if order is not None and order.run % 2:  # a run of odd words: 8-byte units would straddle runs
+            unit = min(unit, WORD)
+        if which == "torch" or (checksum is not None and unit < WORD):
+            total = copy_entries_reference(src, dst, s_idx, d_idx, order=order)
+            if checksum is not None:
+                assert total is not None
+                finish(total, checksum)
+            return
         row = src.entry_bytes // unit
         piece, even = column_block(row)
         npiece = triton.cdiv(row, piece)
         block = piece_block(cfg.block_bytes, piece * unit)
         s_dev, d_dev = (_indices_on(a, device) for a in (s_idx, d_idx))
-        kernel = _copy_kernel if which == "jit" else triton_int(_copy_kernel)
         grid = (triton.cdiv(n * npiece, block),)
+        if order is None or checksum is None or first is None:
+            kernel = _copy_kernel if which == "jit" else triton_int(_copy_kernel)
+            kernel[grid](  # type: ignore[index]
+                src.on_device(),
+                dst.on_device(),
+                s_dev,
+                d_dev,
+                n,
+                UNIT_TYPE=_TRITON_UNIT[unit],
+                ALIGN=align,
+                UNIT=unit,
+                ROW=row,
+                PIECE=piece,
+                NPIECE=npiece,
+                BLOCK=block,
+                EVEN=even,
+                num_warps=cfg.num_warps,
+            )
+            return
+        dims = (*order.dims, *((1, 0),) * (MAX_DIMS - len(order.dims)))
+        partials = torch.empty(grid[0], dtype=torch.int64, device=device)
+        kernel = _copy_sum_kernel if which == "jit" else triton_int(_copy_sum_kernel)
         kernel[grid](  # type: ignore[index]
             src.on_device(),
             dst.on_device(),
             s_dev,
             d_dev,
             n,
+            _indices_on(first, device),
+            partials,
+            *(step for _, step in dims),
             UNIT_TYPE=_TRITON_UNIT[unit],
             ALIGN=align,
-            UNIT=unit,
             ROW=row,
             PIECE=piece,
             NPIECE=npiece,
             BLOCK=block,
             EVEN=even,
+            WORDS=unit // WORD,
+            RUN_UNITS=order.run * WORD // unit,
+            C0=dims[0][0],
+            C1=dims[1][0],
+            C2=dims[2][0],
+            C3=dims[3][0],
             num_warps=cfg.num_warps,
         )
+        finish(partials.sum(), checksum)
 
 
-def _indices_on(array: npt.NDArray[np.int32], device: torch.device) -> torch.Tensor:
+def _indices_on(array: npt.NDArray[np.int32] | npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
     """``array`` on ``device``, uploaded on the current stream (pinned, asynchronous) on CUDA."""
     tensor, _, _ = upload(torch.from_numpy(array), device)
     return tensor
@@ -278,7 +488,9 @@ def copy_entries_reference(
     dst: EntryTable,
     src_idx: npt.ArrayLike,
     dst_idx: npt.ArrayLike,
-) -> None:
+    *,
+    order: WordOrder | None = None,
+) -> torch.Tensor | None:
     """Pure-torch :func:`copy_entries` (the reference the kernel is tested against, and the CPU copy).
 
     Views the memory between the lowest and the highest entry each side's indices name as one byte
@@ -286,19 +498,25 @@ def copy_entries_reference(
     scatters them to the destination's, ``_REFERENCE_UNITS`` units per pass, through integer views
     (every bit pattern survives). On CUDA it runs on the current stream. Indices as for
     :func:`copy_entries`, unchecked here beyond their lengths.
+
+    With ``order`` (checked as :func:`copy_entries` checks it) it also sums the gathered units, as
+    they are scattered, at the positions ``order`` gives them, and returns the checksum: int64
+    ``[1]`` on the tables' device (host memory: numpy, a bounded block of entries at a time; device
+    memory: torch, on the current stream). Without it, returns None.
     """
     s_idx = np.asarray(src_idx, dtype=np.int64)
     d_idx = np.asarray(dst_idx, dtype=np.int64)
     if s_idx.size != d_idx.size:
         raise KernelInputError(f"src_idx has {s_idx.size} entries, dst_idx {d_idx.size}")
+    device = src.device
+    summed = None if order is None else _ReferenceSum(order, s_idx.size, src.entry_bytes, device)
     if s_idx.size == 0:
-        return
+        return None if summed is None else summed.result()
     size = src.entry_bytes
     unit = min(src.align, dst.align, 8)
     int_dtype = INT_VIEW[unit]
     row = size // unit
     per_pass = max(1, _REFERENCE_UNITS // row)
-    device = src.device
     cols = torch.arange(row, dtype=torch.int64, device=device)
     for start in range(0, s_idx.size, per_pass):
         s_addr = src.addr[s_idx[start : start + per_pass]]
@@ -310,4 +528,55 @@ def copy_entries_reference(
             first = torch.from_numpy(((addr - np.uint64(low)) // np.uint64(unit)).astype(np.int64))
             views.append((base, (first.to(device)[:, None] + cols[None, :]).reshape(-1)))
         (s_base, s_off), (d_base, d_off) = views
-        d_base[d_off] = s_base[s_off]
+        values = s_base[s_off]
+        d_base[d_off] = values
+        if summed is not None:
+            summed.add(values.view(s_addr.size, row), start)
+    return None if summed is None else summed.result()
+
+
+_REFERENCE_SUM_WORDS = 1 << 16
+"""Words the host reference weighs at a time: its uint64 temporaries stay in cache."""
+
+
+class _ReferenceSum:
+    """The reference's checksum of what it copies, pass by pass: entry ``k``'s words ``w`` add
+    ``first[k] * sum(w) + sum((offsets + 1) * w)`` (:meth:`WordOrder.offsets`), mod 2**64."""
+
+    def __init__(self, order: WordOrder, n: int, entry_bytes: int, device: torch.device) -> None:
+        self.first = _check_order(order, n, entry_bytes)
+        self.device = device
+        weights = order.offsets() + 1
+        self.host = device.type == "cpu"
+        if self.host:
+            self.weights = weights.astype(np.uint64)
+            self.total = 0
+        else:
+            self.weights_dev = torch.from_numpy(weights).to(device)
+            self.total_dev = torch.zeros((), dtype=torch.int64, device=device)
+
+    def add(self, values: torch.Tensor, start: int) -> None:
+        """``values``: the units of entries ``[start, start + len(values))``, one row per entry."""
+        words = values.contiguous().view(torch.int32)  # [entries, entry words], little-endian words
+        first = self.first[start : start + words.shape[0]]
+        if self.host:
+            host = words.numpy().view(np.uint32)
+            rows = max(1, _REFERENCE_SUM_WORDS // host.shape[1])
+            total = self.total
+            for r in range(0, host.shape[0], rows):
+                block = host[r : r + rows].astype(np.uint64)
+                total += int(
+                    np.dot(first[r : r + rows].astype(np.uint64), block.sum(axis=1, dtype=np.uint64))
+                )
+                total += int((block @ self.weights).sum(dtype=np.uint64))
+            self.total = total & MASK64
+            return
+        wide = words.to(torch.int64) & 0xFFFFFFFF
+        pos = torch.from_numpy(first).to(self.device)[:, None] + self.weights_dev[None, :]
+        self.total_dev += (wide * pos).sum()
+
+    def result(self) -> torch.Tensor:
+        """The checksum so far: int64 ``[1]`` on the tables' device."""
+        if self.host:
+            return torch.tensor([as_int64(self.total)], dtype=torch.int64)
+        return self.total_dev.reshape(1)

@@ -5,6 +5,13 @@ layer groups, on a non-default stream on CUDA.
 
 The tables and indices come from ``protocol.tables`` exactly as the kernel path makes them (entry
 addresses of every page once per pair, int32 indices per copy); the expectation never calls them.
+
+The copy that sums what it copies (integrity, ``copy_entries(checksum=..., order=...)``): its sum is
+the checksum's definition (``checksum_numpy``) over the chunk's gather layout built here by plain
+indexing, and the decode's check over the destination pages (``checksum_heads``), over layouts whose
+entries are a head, a token's heads, a page, K and V side by side, and every layer of a block; whole
+chunks and layer groups, head slices, a chunk starting inside the request; and over raw orders
+(8-byte units whose runs split them, units under 4 bytes, which the reference sums).
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ import numpy as np
 import pytest
 import torch
 
+from transfer_engine.actors.worker.kernel import gather_order
 from transfer_engine.kernels import KernelInputError
-from transfer_engine.kernels.copy import copy_entries, copy_entries_reference, entry_table
+from transfer_engine.kernels.checksum import MASK64, checksum_heads, checksum_numpy, checksum_value
+from transfer_engine.kernels.copy import WordOrder, copy_entries, copy_entries_reference, entry_table
 from transfer_engine.protocol import tables
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8]
@@ -75,13 +84,22 @@ class Side:
 def _side(kind: str, layers: int, pages: int, page: int, heads: int, dim: int, dtype: torch.dtype,
           device: str, gen: torch.Generator) -> Side:  # fmt: skip
     """KV of ``kind``: "contiguous" (one ``[slots, heads, dim]`` tensor per K and V), "nhd" / "hnd"
-    (per layer one ``(2, pages, page, heads, dim)`` / ``(2, pages, heads, page, dim)`` tensor)."""
+    (per layer one ``(2, pages, page, heads, dim)`` / ``(2, pages, heads, page, dim)`` tensor),
+    "vllm_cpu" (per layer ``(pages, heads, page, 2 * dim)``: a head's K and V side by side) or
+    "blocks" (one ``(pages, layers, 2, page, heads, dim)`` tensor: a page holds every layer)."""
     item = torch.empty((), dtype=dtype).element_size()
     memory: list[torch.Tensor] = []
     views: list[torch.Tensor] = []
     if kind == "contiguous":
         memory = [_random((pages * page, heads, dim), dtype, gen).to(device) for _ in range(2 * layers)]
         views = [t.view(pages, page, heads, dim) for t in memory]
+    elif kind == "vllm_cpu":
+        memory = [_random((pages, heads, page, 2 * dim), dtype, gen).to(device) for _ in range(layers)]
+        per = [m.permute(0, 2, 1, 3) for m in memory]
+        views = [p[..., :dim] for p in per] + [p[..., dim:] for p in per]
+    elif kind == "blocks":
+        memory = [_random((pages, layers, 2, page, heads, dim), dtype, gen).to(device)]
+        views = [memory[0][:, i, 0] for i in range(layers)] + [memory[0][:, i, 1] for i in range(layers)]
     else:
         shape = (2, pages, page, heads, dim) if kind == "nhd" else (2, pages, heads, page, dim)
         memory = [_random(shape, dtype, gen).to(device) for _ in range(layers)]
@@ -286,3 +304,229 @@ def test_copy_never_synchronizes() -> None:
     stream.synchronize()
     want = src.view(256, 4096)[torch.from_numpy(perm[::-1].copy()).long().cuda()]
     assert torch.equal(dst.view(256, 4096)[torch.from_numpy(perm).long().cuda()], want)
+
+
+def _gather_layout(side: Side, pages: list[int], tokens: int, h0: int, nh: int, rows: list[int]) -> bytes:
+    """The bytes ``gather_heads`` would write for a chunk of ``tokens`` from the start of ``pages``:
+    ``[T, tokens, nh, dim]`` over the tensors ``rows`` in that order, by plain per-token indexing."""
+    parts = []
+    for t in rows:
+        view = side.views[t].view(torch.uint8)
+        for i in range(tokens):
+            parts.append(view[pages[i // side.page_size], i % side.page_size, h0 : h0 + nh].cpu())
+    return torch.stack(parts).numpy().tobytes()
+
+
+SUM_CASES = [
+    # (src kind, dst kind, src page, dst page, src heads, dst heads, src head start, dst head start, heads moved)
+    pytest.param("contiguous", "contiguous", 16, 16, 4, 4, 0, 0, 4, id="contig-page"),
+    pytest.param("hnd", "nhd", 16, 4, 4, 4, 0, 0, 4, id="hnd-to-nhd-head"),
+    pytest.param("nhd", "contiguous", 16, 1, 4, 2, 2, 0, 2, id="nhd-slice-token"),
+    pytest.param("contiguous", "hnd", 4, 16, 2, 4, 0, 2, 2, id="contig-into-hnd-slice"),
+    pytest.param("vllm_cpu", "vllm_cpu", 4, 4, 2, 2, 0, 0, 2, id="vllm-kv-fused"),
+    pytest.param("blocks", "blocks", 4, 4, 2, 2, 0, 0, 2, id="blocks-every-layer"),
+    pytest.param("blocks", "blocks", 4, 4, 4, 2, 2, 0, 2, id="blocks-slice"),
+]
+
+
+@pytest.mark.parametrize("group", [None, (2, 4)], ids=["chunk", "layers-2-4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=str)
+@pytest.mark.parametrize(("sk", "dk", "sps", "dps", "sh", "dh", "s0", "d0", "nh"), SUM_CASES)
+def test_fused_sum_is_the_checksum_of_the_gather_layout(where: Where, dtype: torch.dtype, sk: str, dk: str,
+                                                        sps: int, dps: int, sh: int, dh: int, s0: int, d0: int,
+                                                        nh: int, group: tuple[int, int] | None) -> None:  # fmt: skip
+    """A chunk (or layer group) copied with its sum, as the kernel path copies it: the sum equals the
+    checksum's definition over the writer's gather layout and the decode's check over the pages it
+    landed in (so the decode compares equal), equals the reference's, and the bytes are exact."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"sum{sk}{dk}{sps}{dps}{sh}{dtype}{group}".encode()))
+    layers, dim = 4, 8
+    src = _side(sk, layers, 64 // sps, sps, sh, dim, dtype, where.device, gen)
+    dst = _side(dk, layers, 64 // dps, dps, dh, dim, dtype, where.device, gen)
+    head_bytes = dim * torch.empty((), dtype=dtype).element_size()
+    spec = tables.decide_table(src.rows, dst.rows, head_bytes, sps, dps, s0, d0, nh, sh, dh,
+                               group_layers=None if group is None else group[1] - group[0])  # fmt: skip
+    s_addr, _ = tables.side_entries(spec, "src", src.bases, src.lengths, src.rows, len(src.views[0]))
+    d_addr, _ = tables.side_entries(spec, "dst", dst.bases, dst.lengths, dst.rows, len(dst.views[0]))
+    s_table = entry_table(s_addr, spec.entry_bytes, where.device)
+    d_table = entry_table(d_addr, spec.entry_bytes, where.device)
+    rng = np.random.default_rng(11)
+    start, tokens = 16, 32  # the request's second chunk: tokens [16, 48) of 48
+    src_pages = rng.permutation(len(src.views[0]))[: tokens // sps].tolist()
+    dst_pages = rng.permutation(len(dst.views[0]))[: (start + tokens) // dps].tolist()
+    rows = (
+        list(range(2 * layers)) if group is None else [*range(*group), *(layers + r for r in range(*group))]
+    )
+    picked = None if group is None else np.array(rows)
+    s_idx, d_idx = tables.write_indices(spec, src_pages, dst_pages, picked, dst_start_token=start,
+                                        num_tokens=tokens)  # fmt: skip
+    order = gather_order(spec, picked, tokens)
+    before = [v.clone() for v in dst.views]
+    stream = torch.cuda.Stream() if where.device == "cuda" else None
+    out = torch.full((1,), -1, dtype=torch.int64, pin_memory=where.device == "cuda")
+    copy_entries(s_table, d_table, s_idx, d_idx, stream=stream, impl=where.impl, checksum=out, order=order)
+    if stream is not None:
+        stream.synchronize()
+    summed = checksum_value(out)
+    want = checksum_numpy(_gather_layout(src, src_pages, tokens, s0, nh, rows))
+    assert summed == want
+    slots = torch.tensor([dst_pages[(start + i) // dps] * dps + (start + i) % dps for i in range(tokens)])
+    landed = checksum_heads([dst.views[t] for t in rows], slots, d0, nh,
+                            impl="auto" if where.device == "cuda" else "torch")  # fmt: skip
+    assert checksum_value(landed) == want
+    for t in range(2 * layers):  # bytes exact: the chunk's tokens of the group's tensors, nothing else
+        expect = before[t].clone().view(torch.uint8)
+        if t in rows:
+            s = src.views[t].view(torch.uint8)
+            for i in range(tokens):
+                q = start + i
+                expect[dst_pages[q // dps], q % dps, d0 : d0 + nh] = s[
+                    src_pages[i // sps], i % sps, s0 : s0 + nh
+                ]
+        assert torch.equal(_bytes(dst.views[t]), _bytes(expect)), f"tensor {t}"
+    for v, b in zip(dst.views, before, strict=True):
+        v.copy_(b)
+    reference = copy_entries_reference(s_table, d_table, s_idx, d_idx, order=order)
+    assert reference is not None and checksum_value(reference) == want
+
+
+@pytest.mark.parametrize("group", [None, (2, 4)], ids=["chunk", "layers-2-4"])
+def test_fused_sum_of_latents(where: Where, group: tuple[int, int] | None) -> None:
+    """MLA: one latent per layer (``[C_0..C_{L-1}]``, one head), whole chunks and layer groups."""
+    gen = torch.Generator().manual_seed(5)
+    latents, dim, ps = 8, 16, 4
+    src = _side("contiguous", latents // 2, 16, ps, 1, dim, torch.bfloat16, where.device, gen)
+    dst = _side("contiguous", latents // 2, 16, ps, 1, dim, torch.bfloat16, where.device, gen)
+    spec = tables.decide_table(src.rows, dst.rows, 2 * dim, ps, ps, 0, 0, 1, 1, 1, mla=True,
+                               group_layers=None if group is None else group[1] - group[0])  # fmt: skip
+    s_table = entry_table(tables.side_entries(spec, "src", src.bases, src.lengths, src.rows, 16)[0],
+                          spec.entry_bytes, where.device)  # fmt: skip
+    d_table = entry_table(tables.side_entries(spec, "dst", dst.bases, dst.lengths, dst.rows, 16)[0],
+                          spec.entry_bytes, where.device)  # fmt: skip
+    rows = list(range(latents)) if group is None else list(range(*group))
+    picked = None if group is None else np.array(rows)
+    s_idx, d_idx = tables.write_indices(spec, [3, 1, 4], [5, 9, 2], picked)
+    out = torch.zeros(1, dtype=torch.int64, pin_memory=where.device == "cuda")
+    copy_entries(s_table, d_table, s_idx, d_idx, impl=where.impl, checksum=out,
+                 order=gather_order(spec, picked, 12))  # fmt: skip
+    if where.device == "cuda":
+        torch.cuda.synchronize()
+    assert checksum_value(out) == checksum_numpy(_gather_layout(src, [3, 1, 4], 12, 0, 1, rows))
+
+
+def _defined_sum(src: torch.Tensor, entry_bytes: int, s_idx: np.ndarray, order: WordOrder) -> int:
+    """The definition with every word's position written out: ``sum((pos + 1) * w) mod 2**64``."""
+    words = src.cpu().numpy().view("<u4").reshape(-1, entry_bytes // 4)[s_idx].astype(np.uint64)
+    pos = np.asarray(order.first)[:, None] + order.offsets()[None, :]
+    return int((words * (pos + 1).astype(np.uint64)).sum(dtype=np.uint64)) & MASK64
+
+
+ORDERS = [
+    # (entry bytes, dst byte offset (alignment), run words, dims)
+    pytest.param(48, 0, 12, (), id="one-run"),
+    pytest.param(48, 0, 2, ((3, 40), (2, 7)), id="runs-of-8B"),
+    pytest.param(24, 0, 3, ((2, 100),), id="8B-units-split-by-runs"),
+    pytest.param(96, 0, 1, ((2, 5), (3, 50), (2, 1000), (2, 9)), id="four-dims"),
+    pytest.param(2048 + 32, 0, 8, ((65, 16),), id="multi-piece"),
+    pytest.param(48, 2, 4, ((3, 10),), id="2B-aligned-dst-reference"),
+    pytest.param(48, 1, 4, ((3, 10),), id="1B-aligned-dst-reference"),
+]
+
+
+@pytest.mark.parametrize(("entry_bytes", "offset", "run", "dims"), ORDERS)
+def test_fused_sum_over_raw_orders(where: Where, entry_bytes: int, offset: int, run: int,
+                                   dims: tuple[tuple[int, int], ...]) -> None:  # fmt: skip
+    """Any order (4- and 8-byte units, runs splitting 8-byte units, four dims, masked pieces, and
+    units under 4 bytes summed by the reference): the sum is the definition, the bytes the copy's."""
+    gen = torch.Generator().manual_seed(entry_bytes + offset)
+    n = 24
+    src = torch.randint(0, 256, (n * entry_bytes,), dtype=torch.uint8, generator=gen).to(where.device)
+    out = torch.zeros(n * entry_bytes + 16, dtype=torch.uint8, device=where.device)
+    rng = np.random.default_rng(entry_bytes)
+    s_idx, d_idx = rng.permutation(n)[:17], rng.permutation(n)[:17]
+    order = WordOrder(rng.integers(0, 1 << 40, 17).astype(np.int64), run, dims)
+    s_table = entry_table(
+        src.data_ptr() + np.arange(n, dtype=np.uint64) * entry_bytes, entry_bytes, where.device
+    )
+    d_table = entry_table(out.data_ptr() + offset + np.arange(n, dtype=np.uint64) * entry_bytes, entry_bytes,
+                          where.device)  # fmt: skip
+    summed = torch.zeros(1, dtype=torch.int64, device=where.device)
+    copy_entries(s_table, d_table, s_idx, d_idx, impl=where.impl, checksum=summed, order=order)
+    want = _defined_sum(src, entry_bytes, s_idx, order)
+    assert checksum_value(summed) == want
+    got = out.cpu()[offset:][: n * entry_bytes].view(n, entry_bytes)
+    for s, d in zip(s_idx, d_idx, strict=True):
+        assert torch.equal(got[d], src.cpu().view(n, entry_bytes)[s])
+    reference = copy_entries_reference(s_table, d_table, s_idx, d_idx, order=order)
+    assert reference is not None and checksum_value(reference) == want
+
+
+def test_empty_summed_copy_is_zero(where: Where) -> None:
+    buf = torch.zeros(64, dtype=torch.uint8, device=where.device)
+    table = entry_table(buf.data_ptr() + np.arange(4, dtype=np.uint64) * 16, 16, where.device)
+    out = torch.full((1,), 7, dtype=torch.int64, device=where.device)
+    copy_entries(table, table, np.zeros(0, np.int32), np.zeros(0, np.int32), impl=where.impl,
+                 checksum=out, order=WordOrder(np.zeros(0, np.int64), 4))  # fmt: skip
+    assert checksum_value(out) == 0 and int(buf.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(
+    ("order", "checksum", "match"),
+    [
+        (WordOrder(np.zeros(2, np.int64), 4), None, "checksum and order go together"),
+        (None, torch.zeros(1, dtype=torch.int64), "checksum and order go together"),
+        (WordOrder(np.zeros(3, np.int64), 4), torch.zeros(1, dtype=torch.int64), "order.first has 3 entries"),
+        (WordOrder(np.array([0, -1]), 4), torch.zeros(1, dtype=torch.int64), "holds -1"),
+        (WordOrder(np.zeros(2, np.int64), 3), torch.zeros(1, dtype=torch.int64), "covers 3 words"),
+        (WordOrder(np.zeros(2, np.int64), 1, ((2, 1),) * 5), torch.zeros(1, dtype=torch.int64), "5 dims"),
+        (WordOrder(np.zeros(2, np.int64), 2, ((2, -1),)), torch.zeros(1, dtype=torch.int64), "step=-1"),
+        (WordOrder(np.zeros(2, np.int64), 4), torch.zeros(1, dtype=torch.int32), "int64"),
+    ],
+)
+def test_bad_sums_raise_before_launch(
+    order: WordOrder | None, checksum: torch.Tensor | None, match: str
+) -> None:
+    buf = torch.zeros(64, dtype=torch.uint8)
+    table = entry_table(buf.data_ptr() + np.arange(4, dtype=np.uint64) * 16, 16, "cpu")
+    with pytest.raises(KernelInputError, match=match):
+        copy_entries(table, table, [0, 1], [2, 3], checksum=checksum, order=order)
+    assert int(buf.count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+def test_summed_copy_never_synchronizes_and_lands_before_its_event() -> None:
+    """The sum lands in pinned host memory on the copy's stream, before an event recorded after the
+    call: with sync debug mode "error" the wrapper makes no synchronising call, and the value read
+    once the event completed is the definition's, while the current stream is held by other work."""
+    n, entry_bytes = 256, 4096
+    src = torch.randint(0, 256, (n * entry_bytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(n * entry_bytes, dtype=torch.uint8, device="cuda")
+    s_table = entry_table(src.data_ptr() + np.arange(n, dtype=np.uint64) * entry_bytes, entry_bytes, "cuda")
+    d_table = entry_table(dst.data_ptr() + np.arange(n, dtype=np.uint64) * entry_bytes, entry_bytes, "cuda")
+    stream = torch.cuda.Stream()
+    perm = np.random.default_rng(0).permutation(n).astype(np.int32)
+    order = WordOrder(np.arange(n, dtype=np.int64) * 3 * entry_bytes, 8, ((entry_bytes // 32, 24),))
+    out = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    copy_entries(s_table, d_table, perm, perm, stream=stream, checksum=out, order=order)  # compiles, uploads
+    stream.synchronize()
+    busy = torch.randn(4096, 4096, device="cuda")
+    prototype = "Synchronization debug mode is a prototype"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", prototype, UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warnings.filterwarnings("ignore", prototype, UserWarning)
+            for _ in range(8):  # the current stream is held: nothing of the sum may wait for it
+                busy = busy @ busy
+            out.zero_()
+            copy_entries(s_table, d_table, perm[::-1].copy(), perm, stream=stream, checksum=out, order=order)
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+    finally:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", prototype, UserWarning)
+            torch.cuda.set_sync_debug_mode("default")
+    done.synchronize()
+    assert checksum_value(out) == _defined_sum(src, entry_bytes, perm[::-1].copy(), order)
+    torch.cuda.synchronize()

@@ -21,10 +21,22 @@ delivers it to the room exactly as it delivers NIXL's notifications. The job is 
 ``WriteDone``) only after that: so a room's ``AbortAck``, sent once no job of it is out, is sent only
 once no copy of it is in flight, and the decode frees the room's pages only after it.
 
+Integrity on (docs/INTEGRITY.md): the copy sums what it copies, in the same pass
+(``copy_entries(checksum=..., order=...)``), each word weighed by its position in the chunk's (or
+layer group's) gather layout, the order the direct path's seal and the decode's check sum in
+(:func:`gather_order`, made with the indices). The ``ChunkLanded`` carries that sum as its
+``checksum``, and the decode checks the landed pages against it as it checks a direct WRITE's. The
+fence: on CUDA the kernel, the reduction of its partials and the copy of the sum into pinned host
+memory are all enqueued on the side stream, and the completion event is recorded on that stream
+after them; the callback that reads the sum runs only once the completion waiter saw that event
+complete, so the value in pinned memory is final when it is read, and the notification it rides on
+leaves only then. On CPU the copy thread writes the sum before it sets the ``threading.Event`` the
+callback waits for. No other stream or thread touches the sum.
+
 Falls back to NIXL (the direct part, with the job's path naming neither direct nor a staged path, it
 moves the head slice) when this process has no usable mapping of the decode's pool (mapping closed,
-or the peer re-said hello), or when integrity is on (the kernel path carries no checksum yet): the
-reason is logged once per decode agent.
+or the peer re-said hello), or its tables cannot be made: the reason is logged once per decode
+agent.
 """
 
 from __future__ import annotations
@@ -42,7 +54,8 @@ import torch
 
 from transfer_engine.errors import ConfigError, FailureReason, TransferError
 from transfer_engine.kernels import KernelInputError
-from transfer_engine.kernels.copy import EntryTable, copy_entries, entry_table
+from transfer_engine.kernels.checksum import WORD, checksum_value
+from transfer_engine.kernels.copy import EntryTable, WordOrder, copy_entries, entry_table
 from transfer_engine.memory.ipc import MappedPool
 from transfer_engine.memory.layout import KVPool, stride_rows_of
 from transfer_engine.protocol import descriptors, tables
@@ -73,12 +86,15 @@ class _Tables:
 
 @dataclass(eq=False, slots=True)
 class _Copy:
-    """One copy in flight: its job, the mapping it writes into, what says it completed."""
+    """One copy in flight: its job, the mapping it writes into, what says it completed, and (integrity
+    on) where its checksum lands: int64 ``[1]``, pinned host memory on CUDA, read once ``done``
+    completed."""
 
     job: WriteJob
     mapping: MappedPool
     done: Completion
     nbytes: int
+    checksum: torch.Tensor | None = None
     error: str = ""
 
 
@@ -151,15 +167,9 @@ class KernelPath:
         """Copy ``job``'s KV now (ordered after its CUDA events), hold it until its host events are
         set, or hand it to NIXL when the kernel path cannot carry it."""
         mapping = job.peer.mapping
-        why = ""
         if not isinstance(mapping, MappedPool) or not mapping.usable:
-            why = "the decode's pool is not mapped in this process"
-        elif self.checked():
-            why = "integrity is on (the kernel path carries no checksum)"
-        if why:
-            await self._fall_back(job, why)
+            await self._fall_back(job, "the decode's pool is not mapped in this process")
             return
-        assert isinstance(mapping, MappedPool)
         waits = [w for w in (*job.waits, job.ready) if w is not None]
         pending = [w for w in waits if isinstance(w, threading.Event) and not w.is_set()]
         if pending:
@@ -173,7 +183,7 @@ class KernelPath:
             await self._fall_back(job, f"no tables: {exc}")
             return
         try:
-            src_idx, dst_idx = self._indices(job, pair.spec)
+            src_idx, dst_idx, order = self._indices(job, pair.spec, summed=self.checked())
             if len(src_idx) == 0:
                 raise TransferError(f"room {job.room}: empty copy")
         except (ConfigError, TransferError) as exc:
@@ -186,7 +196,7 @@ class KernelPath:
         self._used.add(mapping)
         copy = _Copy(job, mapping, threading.Event(), len(src_idx) * pair.spec.entry_bytes)
         try:
-            self._start(copy, pair, src_idx, dst_idx, waits)
+            self._start(copy, pair, src_idx, dst_idx, order, waits)
         except (KernelInputError, TransferError, RuntimeError) as exc:
             mapping.release()
             log.warning("worker %d: room %d: copy not started: %s", self.index, job.room, exc)
@@ -198,21 +208,36 @@ class KernelPath:
         self.completions.notify(copy.done, functools.partial(self._copied, copy))
 
     def _start(
-        self, copy: _Copy, pair: _Tables, src_idx: np.ndarray, dst_idx: np.ndarray, waits: Sequence[object]
+        self,
+        copy: _Copy,
+        pair: _Tables,
+        src_idx: np.ndarray,
+        dst_idx: np.ndarray,
+        order: WordOrder | None,
+        waits: Sequence[object],
     ) -> None:
-        """Start ``copy``: on the side stream after the job's CUDA events, or on this part's thread."""
+        """Start ``copy``: on the side stream after the job's CUDA events, or on this part's thread.
+        With ``order`` (integrity on) the copy also sums what it copies into ``copy.checksum``; on
+        CUDA the sum's copy into pinned host memory is enqueued on the side stream before the
+        completion event is recorded there (the module docstring's fence)."""
         if self.pool.device.type == "cuda":
             stream = self._side_stream()
             for wait in waits:
                 if isinstance(wait, torch.cuda.Event):
                     stream.wait_event(wait)
-            copy_entries(pair.src, pair.dst, src_idx, dst_idx, stream=stream)
+            if order is not None:
+                copy.checksum = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            copy_entries(
+                pair.src, pair.dst, src_idx, dst_idx, stream=stream, checksum=copy.checksum, order=order
+            )
             copy.done = recorded(stream)
             return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kernel-copy-{self.index}")
         assert isinstance(copy.done, threading.Event)
-        self._thread.submit(_copy_on_thread, copy, pair, src_idx, dst_idx)
+        if order is not None:
+            copy.checksum = torch.zeros(1, dtype=torch.int64)
+        self._thread.submit(_copy_on_thread, copy, pair, src_idx, dst_idx, order)
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -262,22 +287,22 @@ class KernelPath:
         self.counters["kernel_tables"] += 1
         return found
 
-    def _indices(self, job: WriteJob, spec: tables.TableSpec) -> tuple[np.ndarray, np.ndarray]:
-        """The int32 entry indices of ``job``'s copy (its chunk's tokens, its group's tensors)."""
+    def _indices(
+        self, job: WriteJob, spec: tables.TableSpec, *, summed: bool
+    ) -> tuple[np.ndarray, np.ndarray, WordOrder | None]:
+        """The int32 entry indices of ``job``'s copy (its chunk's tokens, its group's tensors), and
+        with ``summed`` (integrity on) where its words sit in the chunk's gather layout."""
         chunk = job.chunk
         assert chunk is not None
         src_ps, dst_ps = self.pool.layout.page_size, job.peer.layout.page_size
         dst_pages = _request_pages(job.request)
         start = chunk.page_start * src_ps
         tokens = descriptors.chunk_tokens(start, chunk.num_pages, src_ps, len(dst_pages) * dst_ps)
-        return tables.write_indices(
-            spec,
-            job.src_pages,
-            dst_pages,
-            group_rows(job, self.pool),
-            dst_start_token=start,
-            num_tokens=tokens,
+        rows = group_rows(job, self.pool)
+        src_idx, dst_idx = tables.write_indices(
+            spec, job.src_pages, dst_pages, rows, dst_start_token=start, num_tokens=tokens
         )
+        return src_idx, dst_idx, gather_order(spec, rows, tokens) if summed else None
 
     # --- completions (on the loop, from the completion waiter) ----------------------------------------
 
@@ -295,7 +320,8 @@ class KernelPath:
         if ok:
             self.trace.mark(job.room, "transferred")
             self.counters["kernel_bytes"] += copy.nbytes
-            ok = self.outbox.send(job.peer.endpoint, _landed(job))
+            summed = None if copy.checksum is None else checksum_value(copy.checksum)
+            ok = self.outbox.send(job.peer.endpoint, _landed(job, summed))
             detail = "" if ok else "the kernel path's notification was dropped"
         self._finished.append((job, ok, detail))
         self.inbox.wake()
@@ -338,10 +364,13 @@ class KernelPath:
         self._used.clear()
 
 
-def _copy_on_thread(copy: _Copy, pair: _Tables, src_idx: np.ndarray, dst_idx: np.ndarray) -> None:
-    """This part's copy thread (CPU pools): the copy, then ``copy.done`` set, whatever happened."""
+def _copy_on_thread(
+    copy: _Copy, pair: _Tables, src_idx: np.ndarray, dst_idx: np.ndarray, order: WordOrder | None
+) -> None:
+    """This part's copy thread (CPU pools): the copy (and its sum into ``copy.checksum``), then
+    ``copy.done`` set, whatever happened."""
     try:
-        copy_entries(pair.src, pair.dst, src_idx, dst_idx)
+        copy_entries(pair.src, pair.dst, src_idx, dst_idx, checksum=copy.checksum, order=order)
     except Exception as exc:  # the loop answers the job failed; the thread goes on
         copy.error = f"kernel path copy failed: {type(exc).__name__}: {exc}"
     finally:
@@ -357,8 +386,48 @@ def _request_pages(req: m.TransferRequest) -> np.ndarray:
     return np.asarray(pages, dtype=np.int64)
 
 
-def _landed(job: WriteJob) -> m.ChunkLanded:
-    """The notification of ``job``'s copy: the ``ChunkLanded`` its WRITE would have carried."""
+def gather_order(spec: tables.TableSpec, rows: np.ndarray | None, num_tokens: int) -> WordOrder:
+    """Where the words of the copy ``tables.write_indices(spec, ..., rows, num_tokens=num_tokens)``
+    makes sit in that chunk's (or layer group's) gather layout ``[T, tokens, num_heads, head_dim]``:
+    the order the checksum is defined over (docs/INTEGRITY.md, "What is checked"), ``T`` the tensors
+    ``rows`` names in its order (``protocol.layers.group_tensors``: K of each layer, then V) or every
+    tensor, ``num_heads`` the spec's head slice.
+
+    In head-sized runs (``W = head_bytes / 4`` words), run ``(t, token, head)`` of the layout starts
+    at word ``((t * tokens + token) * num_heads + head) * W``. ``write_indices`` lists a copy's
+    entries unit by unit (``units_of``, ascending), then token group by token group (``g`` tokens
+    each) in the chunk's order, then head group by head group (``k`` heads each); so entry ``(u, q,
+    h)`` starts at run ``(T index of unit u's first tensor, q * g, h * k)``. Inside an entry its runs
+    follow ``spec.order`` (innermost first), each dimension a fixed step in the layout: a head ``W``,
+    a token ``num_heads * W``, a layer one tensor (``tokens * num_heads * W``), K to V as many
+    tensors as the copy has layers. Vectorized over entries (outer sums, as ``group_indices``).
+    Raises ConfigError when a head is not whole 4-byte words (integrity refuses such pools)."""
+    if spec.head_bytes % WORD:
+        raise ConfigError(f"heads of {spec.head_bytes} bytes are not whole {WORD}-byte words: no checksum")
+    run = spec.head_bytes // WORD
+    n, g, k = spec.num_heads, spec.tokens_per_entry, spec.heads_per_entry
+    tensors = np.arange(spec.num_tensors, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+    position = np.full(spec.num_tensors, -1, dtype=np.int64)
+    position[tensors] = np.arange(tensors.size, dtype=np.int64)
+    units = tables.units_of(spec, rows)
+    layers, m = spec.num_layers, spec.layers_per_entry
+    if spec.mla or spec.kv_fused:  # TableSpec.unit_rows(u)[0], for every unit at once
+        first_rows = units * m
+    else:
+        first_rows = (units // (layers // m)) * layers + (units % (layers // m)) * m
+    tensor = n * num_tokens * run
+    step = {"head": run, "token": n * run, "layer": tensor}
+    step["kv"] = (tensors.size if spec.mla else tensors.size // 2) * tensor
+    t0 = position[first_rows]
+    token0 = np.arange(num_tokens // g, dtype=np.int64) * g
+    head0 = np.arange(spec.head_groups, dtype=np.int64) * k
+    first = ((t0[:, None, None] * num_tokens + token0[None, :, None]) * n + head0[None, None, :]) * run
+    return WordOrder(first.reshape(-1), run, tuple((size, step[name]) for name, size, _ in spec.order))
+
+
+def _landed(job: WriteJob, checksum: int | None) -> m.ChunkLanded:
+    """The notification of ``job``'s copy: the ``ChunkLanded`` its WRITE would have carried (with its
+    checksum, integrity on)."""
     chunk = job.chunk
     assert chunk is not None
     return m.ChunkLanded(
@@ -370,4 +439,5 @@ def _landed(job: WriteJob) -> m.ChunkLanded:
         num_pages=chunk.num_pages,
         region=-1,
         layers=None if job.group is None else job.group.layers,
+        checksum=checksum,
     )
