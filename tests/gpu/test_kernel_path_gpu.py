@@ -8,6 +8,11 @@ Two real processes on this host (both on ``cuda:0`` when one GPU is visible): by
 flight) and a prefill killed mid-room; the same cases the CPU suite runs through ``/dev/shm``
 (``tests/integration/test_kernel_path_processes.py``). And the driver calls themselves: an export
 from a child process mapped here, written by the kernel, read back there.
+
+Integrity on the kernel path (issue 42 item 3), in one process on CUDA pools (``TE_TEST_DEVICE=cuda``:
+the cases of ``tests/integration/test_kernel_path_integrity.py``): the copy kernel's fused sum, landed in
+pinned memory on the side stream before the copy's completion event, matches the decode's check of
+every chunk and layer group; a copy corrupted after it summed fails only its room, INTEGRITY.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.integration import test_kernel_path_integrity as integrity
 from tests.integration import test_kernel_path_processes as cases
+from tests.integration.harness import DEVICE
 from transfer_engine.kernels.copy import copy_entries, entry_table
 from transfer_engine.memory import ipc
 from transfer_engine.protocol.messages import MemRegion
@@ -43,6 +50,38 @@ def test_prefill_killed_mid_room_fails_the_decode_room_cuda() -> None:
     cases.test_prefill_killed_mid_room_fails_the_decode_room("cuda")
 
 
+on_cuda_pools = pytest.mark.skipif(
+    DEVICE != "cuda", reason="the in-process cases make their pools on TE_TEST_DEVICE: set it to cuda"
+)
+
+
+@on_cuda_pools
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("P", "D", "kinds", "layers", "mla"),
+    [
+        pytest.param(1, 1, ("contiguous", "contiguous"), 0, False, id="1x1-contiguous"),
+        pytest.param(1, 1, ("flash_nhd", "flash_hnd"), 0, False, id="1x1-nhd-to-hnd"),
+        pytest.param(2, 1, ("contiguous", "contiguous"), 0, False, id="2x1-hetero-tp"),
+        pytest.param(1, 2, ("flash_nhd", "contiguous"), 0, False, id="1x2-slices"),
+        pytest.param(2, 2, ("contiguous", "contiguous"), 2, False, id="2x2-layerwise"),
+        pytest.param(1, 1, ("vllm_cpu", "vllm_cpu"), 2, False, id="1x1-vllm-kv-fused-layerwise"),
+        pytest.param(1, 1, ("contiguous", "contiguous"), 1, True, id="1x1-mla-layerwise"),
+    ],
+)
+async def test_integrity_keeps_the_kernel_path_cuda(
+    P: int, D: int, kinds: tuple[str, str], layers: int, mla: bool
+) -> None:
+    await integrity.rooms_keep_the_kernel_path(P, D, kinds, layers, mla)
+
+
+@on_cuda_pools
+@pytest.mark.anyio
+@pytest.mark.parametrize("layers", [0, 1], ids=["chunks", "layers"])
+async def test_a_flipped_copy_fails_its_room_only_cuda(layers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    await integrity.a_flipped_copy_fails_its_room_only(layers, monkeypatch)
+
+
 def _exporter(conn: Connection) -> None:
     """A child process: two regions inside one caching-allocator block, exported; then their sums."""
     torch.cuda.set_device(0)
@@ -51,6 +90,7 @@ def _exporter(conn: Connection) -> None:
         MemRegion(block.data_ptr() + 4096, 1 << 20, 0),
         MemRegion(block.data_ptr() + (2 << 20), 1 << 20, 0),
     ]
+    torch.cuda.synchronize()  # the zeros are in place before the parent may write
     conn.send((ipc.export_pool(regions, torch.device("cuda:0")), regions))
     conn.recv()  # the parent wrote
     torch.cuda.synchronize()
@@ -81,6 +121,7 @@ def test_cuda_ipc_export_map_copy_close() -> None:
         idx = np.arange(2 * entries, dtype=np.int32)
         assert mapping.acquire()
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # the source was filled on the current stream
         copy_entries(s_table, d_table, idx, idx[::-1].copy(), stream=stream)
         stream.synchronize()
         mapping.release()
