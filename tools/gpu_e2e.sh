@@ -12,6 +12,7 @@
 #   tools/gpu_e2e.sh pagetables     # TWO GPUs: the goal table's rows over realistic/scattered/contiguous page tables (< 8 min)
 #   tools/gpu_e2e.sh pipeline       # TWO GPUs: staged chunks cut in 8/16/32-layer groups, A/B against whole, c1 and c8 (< 5 min)
 #   tools/gpu_e2e.sh kernelpath     # ONE GPU is enough: the kernel path's CUDA tests, then its bench against raw NIXL (< 3 min)
+#   tools/gpu_e2e.sh copycheck      # ONE GPU: the copy kernel's launch shapes alone, tests named in RERUN, integrity on the kernel path (< 7 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -256,6 +257,34 @@ if [ "$phase" = percall ]; then  # per-room overhead on ONE GPU (both processes 
       --rounds 4 --lat-rooms 40 --ab $ab --json 2>&1 | grep -v "NIXL INFO" | tee "$OUT/percall-$path-c$conc-$ab.txt" \
       | grep -E "^path=|--ab|post_write|granted|StagingGrant|gathered|posted|notif|Scattered|d.waited|Error|Traceback"
   done
+  exit 0
+fi
+if [ "$phase" = copycheck ]; then  # the copy kernel and integrity on the kernel path, ONE GPU, one call (< 7 min)
+  # 1. the CUDA tests named in RERUN (node ids or files; the failures of the last cuda phase and the new ones)
+  # 2. tools/bench_copy.py: the copy kernel alone against a plain device copy of the room's bytes, per launch
+  #    shape (COPY_CONFIGS), Qwen3-32B-shaped rooms of 32 KiB entries (page 16) and 2 KiB entries (page 1)
+  # 3. the integrity phase's A/B rows on the kernel path (IV_ROWS, default kernel:1 kernel:8) and the vLLM
+  #    core's false failures with integrity on under auto (the kernel path on one host)
+  # Lines in $OUT/copycheck.txt, logs as $OUT/cc-*.log.
+  start=$SECONDS
+  say() { echo "$*" | tee -a "$OUT/copycheck.txt"; }
+  : >"$OUT/copycheck.txt"
+  if [ -n "${RERUN:-}" ]; then
+    # shellcheck disable=SC2086
+    TE_TEST_DEVICE=cuda timeout ${RERUN_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rfE $RERUN >"$OUT/cc-rerun.log" 2>&1
+    say "rerun: rc $?, $(grep -v "NIXL INFO" "$OUT/cc-rerun.log" | grep -E '[0-9]+ (passed|failed)' | tail -1), $((SECONDS - start)) s"
+    grep -E "^(FAILED|ERROR) " "$OUT/cc-rerun.log" | cut -c1-200 | head -12 | tee -a "$OUT/copycheck.txt"
+  fi
+  for ps in 16 1; do
+    timeout 45 python3 tools/bench_copy.py --page-size $ps --reps 15 \
+      --configs "${COPY_CONFIGS:-32768:4,65536:4,65536:8,131072:4,131072:8,262144:8,16384:4,8192:2,16384:2}" \
+      >"$OUT/cc-copy-$ps.log" 2>&1
+    say "bench_copy page size $ps: rc $?"
+    grep -v "NIXL INFO" "$OUT/cc-copy-$ps.log" | grep -v '^{' | tee -a "$OUT/copycheck.txt"
+  done
+  OUT=$OUT BUDGET=${IV_BUDGET:-330} IV_ROWS=${IV_ROWS:-"kernel:1 kernel:8"} bash "$0" integrity 2>&1 | grep -v "NIXL INFO" \
+    | tail -14 | tee -a "$OUT/copycheck.txt"
+  say "copycheck: $((SECONDS - start)) s, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   exit 0
 fi
 if [ "$phase" = kernelpath ]; then  # issue 40 item 2, one call (< 3 min; BUDGET s, default 170)
