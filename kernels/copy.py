@@ -406,7 +406,7 @@ def copy_entries(
         piece, even = column_block(row)
         npiece = triton.cdiv(row, piece)
         block = piece_block(cfg.block_bytes, piece * unit)
-        s_dev, d_dev = (_indices_on(a, device) for a in (s_idx, d_idx))
+        s_dev, d_dev = _indices_on(device, s_idx, d_idx)
         grid = (triton.cdiv(n * npiece, block),)
         if order is None or checksum is None or first is None:
             kernel = _copy_kernel if which == "jit" else triton_int(_copy_kernel)
@@ -436,7 +436,7 @@ def copy_entries(
             s_dev,
             d_dev,
             n,
-            _indices_on(first, device),
+            _indices_on(device, first)[0],
             partials,
             *(step for _, step in dims),
             UNIT_TYPE=_TRITON_UNIT[unit],
@@ -457,10 +457,24 @@ def copy_entries(
         finish(partials.sum(), checksum)
 
 
-def _indices_on(array: npt.NDArray[np.int32] | npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
-    """``array`` on ``device``, uploaded on the current stream (pinned, asynchronous) on CUDA."""
-    tensor, _, _ = upload(torch.from_numpy(array), device)
-    return tensor
+def _indices_on(
+    device: torch.device, *arrays: npt.NDArray[np.int32] | npt.NDArray[np.int64]
+) -> list[torch.Tensor]:
+    """``arrays`` (of one dtype) on ``device``. On CUDA: written straight into one pinned buffer and sent
+    with ONE asynchronous copy on the current stream, the launch's, which is therefore ordered after it
+    with no event (torch's pinned-memory cache keeps the buffer until that copy ran); each array is a
+    view of the copy. On CPU: the arrays themselves. A small copy's host call is mostly these uploads
+    (docs/PERF.md, "The kernel path on one H200")."""
+    if device.type != "cuda":
+        return [torch.from_numpy(a) for a in arrays]
+    sizes = [int(a.size) for a in arrays]
+    staged = torch.empty(sum(sizes), dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=True)
+    host = staged.numpy()
+    at = 0
+    for array, size in zip(arrays, sizes, strict=True):
+        host[at : at + size] = array
+        at += size
+    return list(staged.to(device, non_blocking=True).split(sizes))
 
 
 class _CudaSpan:
