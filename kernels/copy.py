@@ -64,15 +64,36 @@ from ._common import (
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "LARGE_ENTRY_CONFIG",
+    "SMALL_ENTRY_CONFIG",
     "EntryTable",
     "WordOrder",
     "copy_entries",
     "copy_entries_reference",
     "entry_table",
+    "plain_config",
 ]
 
 DEFAULT_CONFIG = LaunchConfig(block_bytes=32768, num_warps=4)
-"""Launch shape of :func:`copy_entries` (the gather's, whose tiling it shares; docs/PERF.md)."""
+"""Launch shape of the summing copy (the gather's, whose tiling it shares; docs/PERF.md)."""
+
+LARGE_ENTRY_CONFIG = LaunchConfig(block_bytes=131072, num_warps=8)
+"""Launch shape of the plain copy for entries of at least ``LARGE_ENTRY_BYTES``: 512 bytes a thread
+(0.68-0.70 of a device copy on one H200 against 0.60-0.61 for ``DEFAULT_CONFIG``, 32 KiB entries, two
+runs of ``tools/bench_copy.py``; 1 KiB a thread spills and falls to 0.17)."""
+
+SMALL_ENTRY_CONFIG = LaunchConfig(block_bytes=16384, num_warps=4)
+"""Launch shape of the plain copy for smaller entries (2 KiB entries: 0.36-0.46 of a device copy,
+against 0.31-0.42 for ``DEFAULT_CONFIG``, same runs)."""
+
+LARGE_ENTRY_BYTES = 8192
+
+
+def plain_config(entry_bytes: int) -> LaunchConfig:
+    """The plain copy's launch shape for entries of ``entry_bytes`` (docs/PERF.md, "The kernel path on
+    one H200")."""
+    return LARGE_ENTRY_CONFIG if entry_bytes >= LARGE_ENTRY_BYTES else SMALL_ENTRY_CONFIG
+
 
 _REFERENCE_UNITS = 1 << 22
 """Copy units gathered per pass of the reference: bounds its index temporaries (32 MiB)."""
@@ -371,6 +392,9 @@ def copy_entries(
     kernel sums as it copies, with narrower ones (an address or the entry size only 1- or 2-byte
     aligned) the reference copies and sums.
 
+    ``config``: the launch shape; by default :func:`plain_config` of the entry size for the plain
+    copy, ``DEFAULT_CONFIG`` for the summing one.
+
     ``n == 0``: nothing is launched (``checksum`` gets 0).
     """
     _check_pair(src, dst)
@@ -390,7 +414,7 @@ def copy_entries(
             with launcher(device, stream):
                 checksum.reshape(-1)[:1].zero_()
         return
-    cfg = config or DEFAULT_CONFIG
+    cfg = config or (DEFAULT_CONFIG if order is not None else plain_config(src.entry_bytes))
     with launcher(device, stream):
         align = min(src.align, dst.align)
         unit = min(align, 8)

@@ -9,7 +9,7 @@ room. Per launch shape (``--configs block_bytes:num_warps,...``): the kernel's G
 ratio, and the host's time to check, upload and launch (``perf_counter``, median). Every copy is checked
 bit-exact once per shape. One line per shape, then one JSON line.
 
-    python tools/bench_copy.py --device cuda --page-size 16 --configs 32768:4,65536:8,16384:4,8192:4
+    python tools/bench_copy.py --device cuda --page-size 16 --configs default,32768:4,65536:4,131072:8
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from transfer_engine.kernels._common import LaunchConfig
-from transfer_engine.kernels.copy import copy_entries, entry_table
+from transfer_engine.kernels.copy import copy_entries, entry_table, plain_config
 
 
 def main() -> None:
@@ -35,7 +35,11 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens a room copies")
     ap.add_argument("--pool-rooms", type=int, default=3, help="pool size, in rooms")
-    ap.add_argument("--configs", default="32768:4,65536:8,16384:4,8192:4,32768:8,131072:16")
+    ap.add_argument(
+        "--configs",
+        default="default,32768:4,65536:4,131072:8,16384:4",
+        help="block_bytes:num_warps,...; default: copy_entries' own choice for the entry size",
+    )
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -91,8 +95,12 @@ def main() -> None:
         f"raw copy {raw_ms:.3f} ms = {raw_gbs:.0f} GB/s"
     )
     for spec in args.configs.split(","):
-        block_bytes, warps = (int(x) for x in spec.split(":"))
-        cfg = LaunchConfig(block_bytes=block_bytes, num_warps=warps)
+        if spec == "default":  # what the kernel path launches: copy_entries' own choice for the entry size
+            cfg = plain_config(page_bytes)
+        else:
+            block_bytes, warps = (int(x) for x in spec.split(":"))
+            cfg = LaunchConfig(block_bytes=block_bytes, num_warps=warps)
+        block_bytes, warps = cfg.block_bytes, cfg.num_warps
         dst.zero_()
         copy_entries(src_t, dst_t, s_idx, d_idx, config=cfg)
         got = dst.view(tensors, pool_pages, -1)[:, torch.as_tensor(dst_pages, device=dev)]
