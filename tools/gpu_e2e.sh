@@ -12,6 +12,7 @@
 #   tools/gpu_e2e.sh pagetables     # TWO GPUs: the goal table's rows over realistic/scattered/contiguous page tables (< 8 min)
 #   tools/gpu_e2e.sh pipeline       # TWO GPUs: staged chunks cut in 8/16/32-layer groups, A/B against whole, c1 and c8 (< 5 min)
 #   tools/gpu_e2e.sh kernelpath     # ONE GPU is enough: the kernel path's CUDA tests, then its bench against raw NIXL (< 3 min)
+#   tools/gpu_e2e.sh kernelrows     # ONE GPU: the goal rows the kernel path moves (copy alone, page tables, vLLM tail, small rooms) (< 9 min)
 #   tools/gpu_e2e.sh copycheck      # ONE GPU: the copy kernel's launch shapes alone, tests named in RERUN, integrity on the kernel path (< 7 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
 set -uo pipefail
@@ -92,17 +93,20 @@ if [ "$phase" = pagetables ]; then  # page tables as serving hands them out: TWO
   start=$SECONDS
   budget=${BUDGET:-360}
   : >"$OUT/pagetables.md"
-  echo "| measure | page table | tokens | tail ms | raw group WRITE ms | over ms |" | tee -a "$OUT/pagetables.md"
-  timeout 150 python3 tools/bench_layerwise.py $LW --path auto --page-table realistic \
-    --per-write 1 --reps 4 --room-timeout 20 >"$OUT/pt-layerwise.log" 2>&1 \
-    || echo "bench_layerwise rc=$? (see $OUT/pt-layerwise.log)"
-  awk '$3 == "layers" { printf "| layer-wise tail, %s %s | %s | %s | %s | %s | %s |\n", $3, $4, $NF, $1, $5, $8, $9 }' \
-    "$OUT/pt-layerwise.log" | tee -a "$OUT/pagetables.md"
+  if [ "$LW" != none ]; then  # (PT_LAYERWISE=none: no layer-wise rows)
+    echo "| measure | page table | tokens | tail ms | raw group WRITE ms | over ms |" | tee -a "$OUT/pagetables.md"
+    timeout 150 python3 tools/bench_layerwise.py $LW --path auto --page-table realistic \
+      --per-write 1 --reps 4 --room-timeout 20 >"$OUT/pt-layerwise.log" 2>&1 \
+      || echo "bench_layerwise rc=$? (see $OUT/pt-layerwise.log)"
+    awk '$3 == "layers" { printf "| layer-wise tail, %s %s | %s | %s | %s | %s | %s |\n", $3, $4, $NF, $1, $5, $8, $9 }' \
+      "$OUT/pt-layerwise.log" | tee -a "$OUT/pagetables.md"
+  fi
   echo "| row | path asked (taken) | page table | P->D | in flight | NIXL_UCX_SGL_ENABLE | engine / raw (rounds) | engine GB/s | raw GB/s | descriptors/room | small room added ms (raw p50) | GC full collections ms (prefill, decode) | mismatches | why (the decode's choice) |" \
     | tee -a "$OUT/pagetables.md"
-  row() {  # row NAME SGL ARGS...: one bench_transfer run, one markdown row
+  row() {  # row NAME SGL ARGS...: one bench_transfer run, one markdown row (PT_ROWS, if set: only the rows it names)
     local name=$1 sgl=$2
     shift 2
+    [ -n "${PT_ROWS:-}" ] && [[ " $PT_ROWS " != *" $name "* ]] && return
     if [ $((SECONDS - start)) -gt "$budget" ]; then
       echo "| $name | skipped: the phase's $budget s were spent |" | tee -a "$OUT/pagetables.md"
       return
@@ -151,6 +155,8 @@ EOF
   row direct-realistic-c8 0 --path direct --page-table realistic $C8
   row auto-scattered-c8 0 --path auto --page-table scattered $C8
   row auto-scattered-c1 0 --path auto --page-table scattered $C1
+  row auto-realistic-c8-page1 0 --path auto --page-table realistic $C8 --page-size 1
+  row auto-realistic-c1-page1 0 --path auto --page-table realistic $C1 --page-size 1
   echo "pagetables: $((SECONDS - start)) s"
   exit 0
 fi
@@ -257,6 +263,41 @@ if [ "$phase" = percall ]; then  # per-room overhead on ONE GPU (both processes 
       --rounds 4 --lat-rooms 40 --ab $ab --json 2>&1 | grep -v "NIXL INFO" | tee "$OUT/percall-$path-c$conc-$ab.txt" \
       | grep -E "^path=|--ab|post_write|granted|StagingGrant|gathered|posted|notif|Scattered|d.waited|Error|Traceback"
   done
+  exit 0
+fi
+if [ "$phase" = kernelrows ]; then  # the goal rows the kernel path moves, ONE H200, one call (< 9 min)
+  # 1. the copy kernel alone at its default launch shape and two others (bench_copy, 32 KiB entries)
+  # 2. pagetables rows: auto (the kernel path on one host) over realistic and scattered pages, c8 and c1,
+  #    page sizes 16 and 1; direct contiguous c1 and c8 (NIXL) beside them
+  # 3. the vLLM core's tail under auto, 64 layers in groups of 4, 1K/4K/16K tokens; the layer-wise tail
+  # 4. small rooms: capacity at 32 in flight, and the kernel path's small room with integrity on/off (--trace)
+  # Lines in $OUT/kernelrows.txt, logs as $OUT/kr-*.log.
+  start=$SECONDS
+  say() { echo "$*" | tee -a "$OUT/kernelrows.txt"; }
+  : >"$OUT/kernelrows.txt"
+  QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"
+  export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
+  timeout 40 python3 tools/bench_copy.py --page-size 16 --reps 15 --configs default,32768:4,65536:4 >"$OUT/kr-copy.log" 2>&1
+  say "bench_copy: rc $?"; grep -v "NIXL INFO" "$OUT/kr-copy.log" | grep -v '^{' | tee -a "$OUT/kernelrows.txt"
+  OUT=$OUT BUDGET=${PT_BUDGET:-240} PT_LAYERWISE=none PT_ROWS=${PT_ROWS:-"auto-realistic-c8 auto-realistic-c1 auto-scattered-c8 auto-scattered-c1
+    auto-realistic-c8-page1 auto-realistic-c1-page1 direct-contiguous-c1 direct-contiguous-c8"} bash "$0" pagetables 2>&1 \
+    | grep -v "NIXL INFO" | grep -E "^\|" | tee -a "$OUT/kernelrows.txt"
+  timeout 100 python3 tools/bench_vllm_core.py --tokens 1024,4096,16384 --reps ${VREPS:-3} --path auto --integrity off \
+    >"$OUT/kr-vllm.log" 2>&1
+  say "vllm core tail, --path auto (the copy kernel): rc $?"
+  grep -v "NIXL INFO" "$OUT/kr-vllm.log" | grep -E "^tokens=" | sed -E 's/ prefill=.*reported loaded:/:/' | cut -c1-220 \
+    | tee -a "$OUT/kernelrows.txt"
+  timeout 70 python3 tools/bench_layerwise.py --device cuda --tokens 1024,16384 --path auto --page-table realistic \
+    --per-write 1,4 --reps 3 --room-timeout 20 >"$OUT/kr-layerwise.log" 2>&1
+  say "bench_layerwise auto realistic: rc $?"; grep -v "NIXL INFO" "$OUT/kr-layerwise.log" | tail -8 | tee -a "$OUT/kernelrows.txt"
+  timeout 45 python3 tools/bench_transfer.py $QWEN --tokens 16 --concurrency 32 --rooms 1000 --rounds 1 --lat-rooms 50 \
+    >"$OUT/kr-capacity.log" 2>&1
+  say "capacity (one-page rooms, 32 in flight, auto): rc $?"; grep -E "^path=" "$OUT/kr-capacity.log" | cut -c1-600 | tee -a "$OUT/kernelrows.txt"
+  timeout 45 python3 tools/bench_transfer.py $QWEN --tokens 16 --path kernel --rooms 8 --rounds 2 --lat-rooms 60 \
+    --ab integrity --trace >"$OUT/kr-small.log" 2>&1
+  say "kernel path small room, integrity A/B, trace: rc $?"
+  grep -v "NIXL INFO" "$OUT/kr-small.log" | grep -vE "^\s*$" | grep -B1 -A28 "^path=" | cut -c1-400 | tee -a "$OUT/kernelrows.txt"
+  say "kernelrows: $((SECONDS - start)) s"
   exit 0
 fi
 if [ "$phase" = copycheck ]; then  # the copy kernel and integrity on the kernel path, ONE GPU, one call (< 7 min)
