@@ -4,10 +4,12 @@ What the kernel path's throughput rows (``bench_transfer.py --path kernel``) hol
 NIXL copy; this isolates the kernel from the engine's control: two pools on one device, described as
 entry tables the way the kernel path describes them ((tensor, page) entries of ``page_size`` tokens of
 every head), a room's pages scattered over the pool as a busy pool hands them out, and one launch per
-room. Per launch shape (``--configs block_bytes:num_warps,...``): the kernel's GB/s (CUDA events, median of
-``--reps``), the ceiling (``torch`` copy of one contiguous buffer of the room's bytes, same run), their
-ratio, and the host's time to check, upload and launch (``perf_counter``, median). Every copy is checked
-bit-exact once per shape. One line per shape, then one JSON line.
+room. Per launch shape (``--configs block_bytes:num_warps,...``; ``default``: the one ``copy_entries``
+picks): the device time of the call (CUDA events around it, with the stream held busy by a device-side
+wait queued before it, so the host's checks, upload and launch are not in it), the ceiling (``torch``
+copy of one contiguous buffer of the room's bytes, timed the same way), their ratio, and the host call's
+time (``perf_counter``). ``--reps`` rounds over every shape and the ceiling, each round in a rotated
+order; medians. Every shape is checked bit-exact once. One line per shape, then one JSON line.
 
     python tools/bench_copy.py --device cuda --page-size 16 --configs default,32768:4,65536:4,131072:8
 """
@@ -24,6 +26,9 @@ import torch
 
 from transfer_engine.kernels._common import LaunchConfig
 from transfer_engine.kernels.copy import copy_entries, entry_table, plain_config
+
+SLEEP_CYCLES = 4_000_000
+"""A device-side wait queued before each timed call (about 2 ms on an H200), longer than its host call."""
 
 
 def main() -> None:
@@ -67,51 +72,68 @@ def main() -> None:
     flat_a = torch.empty(nbytes // 2, dtype=torch.int16, device=dev)
     flat_b = torch.empty_like(flat_a)
 
-    def timed(fn) -> tuple[float, float]:  # (device ms median, host ms median)
-        dev_ms, host_ms = [], []
-        for _ in range(args.reps):
-            if dev.type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                t0 = time.perf_counter()
-                fn()
-                host_ms.append((time.perf_counter() - t0) * 1e3)
-                b.record()
-                b.synchronize()
-                dev_ms.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                host_ms.append((time.perf_counter() - t0) * 1e3)
-                dev_ms.append(host_ms[-1])
-        return statistics.median(dev_ms), statistics.median(host_ms)
+    def one(fn) -> tuple[float, float]:  # (device ms, host ms) of one call
+        if dev.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            host = (time.perf_counter() - t0) * 1e3
+            return host, host
+        # the stream is kept busy while the host call runs, so the events time the device's work alone
+        torch.cuda._sleep(SLEEP_CYCLES)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        fn()
+        host = (time.perf_counter() - t0) * 1e3
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b), host
 
-    raw_ms, _ = timed(lambda: flat_b.copy_(flat_a))
-    raw_gbs = nbytes / raw_ms / 1e6
-    want = src.view(tensors, pool_pages, -1)[:, torch.as_tensor(src_pages, device=dev)]
-    rows = []
-    print(
-        f"room {nbytes / 1e9:.3f} GB, {s_idx.size} entries of {page_bytes} B, page size {args.page_size}; "
-        f"raw copy {raw_ms:.3f} ms = {raw_gbs:.0f} GB/s"
-    )
+    def raw() -> None:
+        flat_b.copy_(flat_a)
+
+    for _ in range(20):  # clocks up before anything is timed
+        raw()
+    configs: list[LaunchConfig] = []
     for spec in args.configs.split(","):
         if spec == "default":  # what the kernel path launches: copy_entries' own choice for the entry size
-            cfg = plain_config(page_bytes)
+            configs.append(plain_config(page_bytes))
         else:
             block_bytes, warps = (int(x) for x in spec.split(":"))
-            cfg = LaunchConfig(block_bytes=block_bytes, num_warps=warps)
-        block_bytes, warps = cfg.block_bytes, cfg.num_warps
+            configs.append(LaunchConfig(block_bytes=block_bytes, num_warps=warps))
+    want = src.view(tensors, pool_pages, -1)[:, torch.as_tensor(src_pages, device=dev)]
+    exact = []
+    for cfg in configs:  # each shape checked bit-exact once (its first launch also compiles it)
         dst.zero_()
         copy_entries(src_t, dst_t, s_idx, d_idx, config=cfg)
         got = dst.view(tensors, pool_pages, -1)[:, torch.as_tensor(dst_pages, device=dev)]
-        exact = bool(torch.equal(got, want))
-        ms, host = timed(lambda cfg=cfg: copy_entries(src_t, dst_t, s_idx, d_idx, config=cfg))
+        exact.append(bool(torch.equal(got, want)))
+    # rounds over every shape and the raw copy, each round in a rotated order (no shape always first)
+    samples: dict[int, list[tuple[float, float]]] = {i: [] for i in range(-1, len(configs))}
+    order = list(range(-1, len(configs)))
+    for r in range(args.reps):
+        for i in order[r % len(order) :] + order[: r % len(order)]:
+            if i < 0:
+                samples[i].append(one(raw))
+            else:
+                cfg = configs[i]
+                samples[i].append(one(lambda cfg=cfg: copy_entries(src_t, dst_t, s_idx, d_idx, config=cfg)))
+    raw_ms = statistics.median(d for d, _ in samples[-1])
+    raw_gbs = nbytes / raw_ms / 1e6
+    print(
+        f"room {nbytes / 1e9:.3f} GB, {s_idx.size} entries of {page_bytes} B, page size {args.page_size}; "
+        f"raw copy {raw_ms:.3f} ms = {raw_gbs:.0f} GB/s (device time, median of {args.reps} rotated rounds)"
+    )
+    rows = []
+    for i, cfg in enumerate(configs):
+        ms = statistics.median(d for d, _ in samples[i])
+        host = statistics.median(h for _, h in samples[i])
         gbs = nbytes / ms / 1e6
-        rows.append({"block_bytes": block_bytes, "num_warps": warps, "ms": ms, "gbs": gbs,
-                     "ratio": gbs / raw_gbs, "host_ms": host, "exact": exact})  # fmt: skip
+        rows.append({"block_bytes": cfg.block_bytes, "num_warps": cfg.num_warps, "ms": ms, "gbs": gbs,
+                     "ratio": gbs / raw_gbs, "host_ms": host, "exact": exact[i]})  # fmt: skip
         print(
-            f"block_bytes={block_bytes} num_warps={warps}: {ms:.3f} ms = {gbs:.0f} GB/s, {gbs / raw_gbs:.2f} of raw; "
-            f"host {host:.3f} ms; exact {exact}"
+            f"block_bytes={cfg.block_bytes} num_warps={cfg.num_warps}: {ms:.3f} ms = {gbs:.0f} GB/s, "
+            f"{gbs / raw_gbs:.2f} of raw; host call {host:.3f} ms; exact {exact[i]}"
         )
     print(json.dumps({"page_size": args.page_size, "entry_bytes": page_bytes, "entries": int(s_idx.size),
                       "room_bytes": nbytes, "raw_gbs": raw_gbs, "rows": rows}))  # fmt: skip
