@@ -64,36 +64,18 @@ from ._common import (
 
 __all__ = [
     "DEFAULT_CONFIG",
-    "LARGE_ENTRY_CONFIG",
-    "SMALL_ENTRY_CONFIG",
     "EntryTable",
     "WordOrder",
     "copy_entries",
     "copy_entries_reference",
     "entry_table",
-    "plain_config",
 ]
 
 DEFAULT_CONFIG = LaunchConfig(block_bytes=32768, num_warps=4)
-"""Launch shape of the summing copy (the gather's, whose tiling it shares; docs/PERF.md)."""
-
-LARGE_ENTRY_CONFIG = LaunchConfig(block_bytes=131072, num_warps=8)
-"""Launch shape of the plain copy for entries of at least ``LARGE_ENTRY_BYTES``: 512 bytes a thread
-(0.68-0.70 of a device copy on one H200 against 0.60-0.61 for ``DEFAULT_CONFIG``, 32 KiB entries, two
-runs of ``tools/bench_copy.py``; 1 KiB a thread spills and falls to 0.17)."""
-
-SMALL_ENTRY_CONFIG = LaunchConfig(block_bytes=16384, num_warps=4)
-"""Launch shape of the plain copy for smaller entries (2 KiB entries: 0.36-0.46 of a device copy,
-against 0.31-0.42 for ``DEFAULT_CONFIG``, same runs)."""
-
-LARGE_ENTRY_BYTES = 8192
-
-
-def plain_config(entry_bytes: int) -> LaunchConfig:
-    """The plain copy's launch shape for entries of ``entry_bytes`` (docs/PERF.md, "The kernel path on
-    one H200")."""
-    return LARGE_ENTRY_CONFIG if entry_bytes >= LARGE_ENTRY_BYTES else SMALL_ENTRY_CONFIG
-
+"""Launch shape of :func:`copy_entries` (the gather's, whose tiling it shares). On one H200 the copy's
+device time reads 0.91 of a device copy of the same bytes with it for 32 KiB entries and 0.80 for 2
+KiB ones; 16 and 64 KiB programs read the same, 128 KiB programs of 8 warps 0.87 and 0.43
+(``tools/bench_copy.py``, docs/PERF.md "The kernel path on one H200")."""
 
 _REFERENCE_UNITS = 1 << 22
 """Copy units gathered per pass of the reference: bounds its index temporaries (32 MiB)."""
@@ -337,6 +319,14 @@ def _check_pair(src: EntryTable, dst: EntryTable) -> None:
         raise KernelInputError(f"src table is for {src.device}, dst table for {dst.device}")
 
 
+def _out_of_range(array: np.ndarray, size: int) -> bool:
+    """Whether an index of ``array`` lies outside ``[0, size)``. One pass for int32 (the engine's
+    indices): read as unsigned, a negative index is above every table size (2**31 and up)."""
+    if array.dtype == np.int32:
+        return int(array.view(np.uint32).max()) >= size
+    return int(array.min()) < 0 or int(array.max()) >= size
+
+
 def _check_indices(
     src_idx: npt.ArrayLike, dst_idx: npt.ArrayLike, src: EntryTable, dst: EntryTable
 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
@@ -350,7 +340,7 @@ def _check_indices(
         array = np.asarray(values)
         if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
             raise KernelInputError(f"{name} must be a 1-D integer array, got {array.dtype} {array.shape}")
-        if array.size and (int(array.min()) < 0 or int(array.max()) >= len(table)):
+        if array.size and _out_of_range(array, len(table)):
             bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
             raise KernelInputError(f"{name} holds {bad}, outside the table's [0, {len(table)})")
         out.append(np.ascontiguousarray(array, dtype=np.int32))
@@ -392,8 +382,7 @@ def copy_entries(
     kernel sums as it copies, with narrower ones (an address or the entry size only 1- or 2-byte
     aligned) the reference copies and sums.
 
-    ``config``: the launch shape; by default :func:`plain_config` of the entry size for the plain
-    copy, ``DEFAULT_CONFIG`` for the summing one.
+    ``config``: the launch shape (default ``DEFAULT_CONFIG``).
 
     ``n == 0``: nothing is launched (``checksum`` gets 0).
     """
@@ -414,7 +403,7 @@ def copy_entries(
             with launcher(device, stream):
                 checksum.reshape(-1)[:1].zero_()
         return
-    cfg = config or (DEFAULT_CONFIG if order is not None else plain_config(src.entry_bytes))
+    cfg = config or DEFAULT_CONFIG
     with launcher(device, stream):
         align = min(src.align, dst.align)
         unit = min(align, 8)

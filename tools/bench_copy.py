@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from transfer_engine.kernels._common import LaunchConfig
-from transfer_engine.kernels.copy import copy_entries, entry_table, plain_config
+from transfer_engine.kernels.copy import DEFAULT_CONFIG, copy_entries, entry_table
 
 SLEEP_CYCLES = 4_000_000
 """A device-side wait queued before each timed call (about 2 ms on an H200), longer than its host call."""
@@ -97,7 +97,7 @@ def main() -> None:
     configs: list[LaunchConfig] = []
     for spec in args.configs.split(","):
         if spec == "default":  # what the kernel path launches: copy_entries' own choice for the entry size
-            configs.append(plain_config(page_bytes))
+            configs.append(DEFAULT_CONFIG)
         else:
             block_bytes, warps = (int(x) for x in spec.split(":"))
             configs.append(LaunchConfig(block_bytes=block_bytes, num_warps=warps))

@@ -239,6 +239,10 @@ def test_empty_copy_launches_nothing(where: Where) -> None:
     [
         ([0, 4], [0, 1], "src_idx holds 4"),
         ([0, 1], [-1, 1], "dst_idx holds -1"),
+        # int32, the engine's indices: one unsigned pass sees a negative index as out of range
+        (np.array([0, 4], np.int32), np.array([0, 1], np.int32), "src_idx holds 4"),
+        (np.array([0, 1], np.int32), np.array([-1, 1], np.int32), "dst_idx holds -1"),
+        (np.array([0, 1], np.int32), np.array([-(2**31), 1], np.int32), "dst_idx holds -2147483648"),
         ([0, 1], [0], "src_idx has 2 entries, dst_idx 1"),
         ([[0]], [[0]], "1-D integer array"),
         ([0.5], [0], "1-D integer array"),
