@@ -12,8 +12,11 @@ each copy is two int32 index arrays into them (``protocol.tables.write_indices``
 Any page table and any head slice is expressed by the tables and the indices, so one kernel serves
 every layout. :class:`EntryTable` holds one side's table, uploaded to the device once;
 :func:`copy_entries` checks the indices on the host, uploads them on the given stream and launches;
-:func:`copy_entries_reference` is the pure-torch reference (and the CPU implementation): the same
-arguments, a vectorized gather and scatter over views of the memory the addresses name.
+:func:`copy_outer` takes a copy whose indices are outer sums (``offsets[u] + cols[j]``, every copy
+the kernel path makes: ``protocol.tables.write_factors``) as the factors, so U + 2C integers go up
+for U x C entries and the kernel adds them; :func:`copy_entries_reference` is the pure-torch
+reference (and the CPU implementation): the same arguments, a vectorized gather and scatter over
+views of the memory the addresses name.
 
 Launch shape: an entry is split into NPIECE equal power-of-two pieces (one piece for entries up to 2
 KiB of 8-byte units), and each program copies BLOCK consecutive (entry, piece) pairs, about
@@ -68,6 +71,7 @@ __all__ = [
     "WordOrder",
     "copy_entries",
     "copy_entries_reference",
+    "copy_outer",
     "entry_table",
 ]
 
@@ -81,13 +85,15 @@ _REFERENCE_UNITS = 1 << 22
 """Copy units gathered per pass of the reference: bounds its index temporaries (32 MiB)."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "cols"])  # both follow the room: one compiled kernel serves every size
 def _copy_kernel(
     src_table,  # *i64 [Ns]: absolute address of each source entry
     dst_table,  # *i64 [Nd]: absolute address of each destination entry
-    src_idx,  # *i32 [n]
-    dst_idx,  # *i32 [n]
-    n,
+    offsets,  # *i32 [n // cols]: pair (u, j) copies entry offsets[u] + src_cols[j] ...
+    src_cols,  # *i32 [cols]
+    dst_cols,  # *i32 [cols]: ... onto entry offsets[u] + dst_cols[j]
+    n,  # pairs in all
+    cols,  # pairs per offset
     UNIT_TYPE: tl.constexpr,  # the integer type of one copy unit (1, 2, 4 or 8 bytes)
     ALIGN: tl.constexpr,  # bytes every entry address is a multiple of (<= 16)
     UNIT: tl.constexpr,  # bytes per unit
@@ -100,17 +106,20 @@ def _copy_kernel(
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     e = r // NPIECE
     ok = e < n
-    s = tl.load(src_idx + e, mask=ok, other=0).to(tl.int64)
-    d = tl.load(dst_idx + e, mask=ok, other=0).to(tl.int64)
+    u = e // cols
+    j = e - u * cols
+    base = tl.load(offsets + u, mask=ok, other=0)
+    s = (base + tl.load(src_cols + j, mask=ok, other=0)).to(tl.int64)
+    d = (base + tl.load(dst_cols + j, mask=ok, other=0)).to(tl.int64)
     src_addr = tl.multiple_of(tl.load(src_table + s, mask=ok, other=0), ALIGN)
     dst_addr = tl.multiple_of(tl.load(dst_table + d, mask=ok, other=0), ALIGN)
-    cols = ((r % NPIECE) * PIECE)[:, None] + tl.arange(0, PIECE)[None, :]
-    src = src_addr.to(tl.pointer_type(UNIT_TYPE))[:, None] + cols
-    dst = dst_addr.to(tl.pointer_type(UNIT_TYPE))[:, None] + cols
+    within = ((r % NPIECE) * PIECE)[:, None] + tl.arange(0, PIECE)[None, :]
+    src = src_addr.to(tl.pointer_type(UNIT_TYPE))[:, None] + within
+    dst = dst_addr.to(tl.pointer_type(UNIT_TYPE))[:, None] + within
     if EVEN:
         mask = ok[:, None]
     else:
-        mask = ok[:, None] & (cols < ROW)
+        mask = ok[:, None] & (within < ROW)
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
@@ -415,31 +424,15 @@ def copy_entries(
                 assert total is not None
                 finish(total, checksum)
             return
+        if order is None or checksum is None or first is None:
+            _launch_plain(src, dst, which, cfg, unit, _NO_OFFSET, s_idx, d_idx)
+            return
         row = src.entry_bytes // unit
         piece, even = column_block(row)
         npiece = triton.cdiv(row, piece)
         block = piece_block(cfg.block_bytes, piece * unit)
         s_dev, d_dev = _indices_on(device, s_idx, d_idx)
         grid = (triton.cdiv(n * npiece, block),)
-        if order is None or checksum is None or first is None:
-            kernel = _copy_kernel if which == "jit" else triton_int(_copy_kernel)
-            kernel[grid](  # type: ignore[index]
-                src.on_device(),
-                dst.on_device(),
-                s_dev,
-                d_dev,
-                n,
-                UNIT_TYPE=_TRITON_UNIT[unit],
-                ALIGN=align,
-                UNIT=unit,
-                ROW=row,
-                PIECE=piece,
-                NPIECE=npiece,
-                BLOCK=block,
-                EVEN=even,
-                num_warps=cfg.num_warps,
-            )
-            return
         dims = (*order.dims, *((1, 0),) * (MAX_DIMS - len(order.dims)))
         partials = torch.empty(grid[0], dtype=torch.int64, device=device)
         kernel = _copy_sum_kernel if which == "jit" else triton_int(_copy_sum_kernel)
@@ -468,6 +461,123 @@ def copy_entries(
             num_warps=cfg.num_warps,
         )
         finish(partials.sum(), checksum)
+
+
+_NO_OFFSET = np.zeros(1, dtype=np.int32)
+"""The one offset of a copy given as plain index arrays (:func:`copy_entries`): the pairs are its columns."""
+
+
+def copy_outer(
+    src: EntryTable,
+    dst: EntryTable,
+    offsets: npt.ArrayLike,
+    src_cols: npt.ArrayLike,
+    dst_cols: npt.ArrayLike,
+    *,
+    stream: torch.cuda.Stream | None = None,
+    impl: Impl = "auto",
+    config: LaunchConfig | None = None,
+) -> None:
+    """Copy entry ``offsets[u] + src_cols[j]`` of ``src`` onto entry ``offsets[u] + dst_cols[j]`` of
+    ``dst`` for every ``(u, j)``: the copy :func:`copy_entries` makes of the two outer sums, given as
+    their factors (the kernel path's every plain copy: ``protocol.tables.write_factors``). A copy of
+    U x C entries uploads U + 2C integers and makes no U x C array on the host: its host call does not
+    grow with the entries (docs/PERF.md, "The kernel path on one H200").
+
+    Shapes: ``offsets`` int ``[U]``, ``src_cols`` and ``dst_cols`` int ``[C]``, in HOST memory; every sum
+    is checked against its table here, before anything is enqueued (:class:`KernelInputError` naming
+    the side and the bad sum). Stream, overlap rules and the CPU copy as for :func:`copy_entries`; no
+    checksum (the summing copy takes the sums themselves). ``U * C == 0``: nothing is launched.
+    """
+    _check_pair(src, dst)
+    device = src.device
+    check_stream(stream, device)
+    off, s_cols, d_cols = _check_factors(offsets, src_cols, dst_cols, src, dst)
+    which = resolve_impl(impl, device)
+    if off.size * s_cols.size == 0:
+        return
+    cfg = config or DEFAULT_CONFIG
+    with launcher(device, stream):
+        unit = min(src.align, dst.align, 8)
+        if which == "torch":
+            copy_entries_reference(src, dst, _outer(off, s_cols), _outer(off, d_cols))
+            return
+        _launch_plain(src, dst, which, cfg, unit, off, s_cols, d_cols)
+
+
+def _outer(offsets: npt.NDArray[np.int32], cols: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
+    return (offsets[:, None] + cols[None, :]).reshape(-1)
+
+
+def _check_factors(
+    offsets: npt.ArrayLike, src_cols: npt.ArrayLike, dst_cols: npt.ArrayLike, src: EntryTable, dst: EntryTable
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """The factors as int32 host arrays; every sum of an offset and a column inside its table."""
+    arrays = []
+    for name, values in (("offsets", offsets), ("src_cols", src_cols), ("dst_cols", dst_cols)):
+        if isinstance(values, torch.Tensor):
+            if values.device.type != "cpu":
+                raise KernelInputError(f"{name} must be in host memory, got {values.device}")
+            values = values.numpy()
+        array = np.asarray(values)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise KernelInputError(f"{name} must be a 1-D integer array, got {array.dtype} {array.shape}")
+        arrays.append(array)
+    off, s_cols, d_cols = arrays
+    if s_cols.size != d_cols.size:
+        raise KernelInputError(f"src_cols has {s_cols.size} entries, dst_cols {d_cols.size}")
+    if off.size and s_cols.size:
+        low, high = int(off.min()), int(off.max())
+        for name, cols, table in (("src", s_cols, src), ("dst", d_cols, dst)):
+            lo, hi = low + int(cols.min()), high + int(cols.max())
+            if lo < 0 or hi >= len(table):
+                raise KernelInputError(
+                    f"{name} entry {lo if lo < 0 else hi} (an offset plus a {name}_cols value) is outside "
+                    f"the table's [0, {len(table)})"
+                )
+    i32 = np.int32
+    return (np.ascontiguousarray(off, dtype=i32), np.ascontiguousarray(s_cols, dtype=i32),
+            np.ascontiguousarray(d_cols, dtype=i32))  # fmt: skip
+
+
+def _launch_plain(
+    src: EntryTable,
+    dst: EntryTable,
+    which: str,
+    cfg: LaunchConfig,
+    unit: int,
+    offsets: npt.NDArray[np.int32],
+    src_cols: npt.NDArray[np.int32],
+    dst_cols: npt.NDArray[np.int32],
+) -> None:
+    """One launch of the plain copy on the current stream: pair ``(u, j)`` copies entry
+    ``offsets[u] + src_cols[j]`` onto ``offsets[u] + dst_cols[j]`` (checked by the caller)."""
+    device = src.device
+    row = src.entry_bytes // unit
+    piece, even = column_block(row)
+    npiece = triton.cdiv(row, piece)
+    block = piece_block(cfg.block_bytes, piece * unit)
+    n = int(offsets.size * src_cols.size)
+    off_dev, s_dev, d_dev = _indices_on(device, offsets, src_cols, dst_cols)
+    kernel = _copy_kernel if which == "jit" else triton_int(_copy_kernel)
+    kernel[(triton.cdiv(n * npiece, block),)](  # type: ignore[index]
+        src.on_device(),
+        dst.on_device(),
+        off_dev,
+        s_dev,
+        d_dev,
+        n,
+        int(src_cols.size),
+        UNIT_TYPE=_TRITON_UNIT[unit],
+        ALIGN=min(src.align, dst.align),
+        UNIT=unit,
+        ROW=row,
+        PIECE=piece,
+        NPIECE=npiece,
+        BLOCK=block,
+        EVEN=even,
+        num_warps=cfg.num_warps,
+    )
 
 
 def _indices_on(

@@ -9,7 +9,9 @@ picks): the device time of the call (CUDA events around it, with the stream held
 wait queued before it, so the host's checks, upload and launch are not in it), the ceiling (``torch``
 copy of one contiguous buffer of the room's bytes, timed the same way), their ratio, and the host call's
 time (``perf_counter``). ``--reps`` rounds over every shape and the ceiling, each round in a rotated
-order; medians. Every shape is checked bit-exact once. One line per shape, then one JSON line.
+order; medians. The last row is the same copy at the default shape given as the factors of its
+outer sums (``copy_outer``: one offset per tensor, one column per page), the kernel path's form: its
+host call is what the factors save. Every call is checked bit-exact once. One line per shape, then one JSON line.
 
     python tools/bench_copy.py --device cuda --page-size 16 --configs default,32768:4,65536:4,131072:8
 """
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from transfer_engine.kernels._common import LaunchConfig
-from transfer_engine.kernels.copy import DEFAULT_CONFIG, copy_entries, entry_table
+from transfer_engine.kernels.copy import DEFAULT_CONFIG, copy_entries, copy_outer, entry_table
 
 SLEEP_CYCLES = 4_000_000
 """A device-side wait queued before each timed call (about 2 ms on an H200), longer than its host call."""
@@ -102,22 +104,32 @@ def main() -> None:
             block_bytes, warps = (int(x) for x in spec.split(":"))
             configs.append(LaunchConfig(block_bytes=block_bytes, num_warps=warps))
     want = src.view(tensors, pool_pages, -1)[:, torch.as_tensor(src_pages, device=dev)]
+    # the factors of the same copy (the kernel path's form): one offset per tensor, one column per page
+    offsets = (np.arange(tensors, dtype=np.int64) * pool_pages).astype(np.int32)
+    s_cols, d_cols = src_pages.astype(np.int32), dst_pages.astype(np.int32)
+    calls = [(cfg, False) for cfg in configs] + [(DEFAULT_CONFIG, True)]
+
+    def call(cfg: LaunchConfig, factors: bool) -> None:
+        if factors:
+            copy_outer(src_t, dst_t, offsets, s_cols, d_cols, config=cfg)
+        else:
+            copy_entries(src_t, dst_t, s_idx, d_idx, config=cfg)
+
     exact = []
-    for cfg in configs:  # each shape checked bit-exact once (its first launch also compiles it)
+    for cfg, factors in calls:  # each shape checked bit-exact once (its first launch also compiles it)
         dst.zero_()
-        copy_entries(src_t, dst_t, s_idx, d_idx, config=cfg)
+        call(cfg, factors)
         got = dst.view(tensors, pool_pages, -1)[:, torch.as_tensor(dst_pages, device=dev)]
         exact.append(bool(torch.equal(got, want)))
     # rounds over every shape and the raw copy, each round in a rotated order (no shape always first)
-    samples: dict[int, list[tuple[float, float]]] = {i: [] for i in range(-1, len(configs))}
-    order = list(range(-1, len(configs)))
+    samples: dict[int, list[tuple[float, float]]] = {i: [] for i in range(-1, len(calls))}
+    order = list(range(-1, len(calls)))
     for r in range(args.reps):
         for i in order[r % len(order) :] + order[: r % len(order)]:
             if i < 0:
                 samples[i].append(one(raw))
             else:
-                cfg = configs[i]
-                samples[i].append(one(lambda cfg=cfg: copy_entries(src_t, dst_t, s_idx, d_idx, config=cfg)))
+                samples[i].append(one(lambda c=calls[i]: call(*c)))
     raw_ms = statistics.median(d for d, _ in samples[-1])
     raw_gbs = nbytes / raw_ms / 1e6
     print(
@@ -125,14 +137,14 @@ def main() -> None:
         f"raw copy {raw_ms:.3f} ms = {raw_gbs:.0f} GB/s (device time, median of {args.reps} rotated rounds)"
     )
     rows = []
-    for i, cfg in enumerate(configs):
+    for i, (cfg, factors) in enumerate(calls):
         ms = statistics.median(d for d, _ in samples[i])
         host = statistics.median(h for _, h in samples[i])
         gbs = nbytes / ms / 1e6
-        rows.append({"block_bytes": cfg.block_bytes, "num_warps": cfg.num_warps, "ms": ms, "gbs": gbs,
+        rows.append({"block_bytes": cfg.block_bytes, "num_warps": cfg.num_warps, "factors": factors, "ms": ms, "gbs": gbs,
                      "ratio": gbs / raw_gbs, "host_ms": host, "exact": exact[i]})  # fmt: skip
         print(
-            f"block_bytes={cfg.block_bytes} num_warps={cfg.num_warps}: {ms:.3f} ms = {gbs:.0f} GB/s, "
+            f"{'copy_outer' if factors else 'copy_entries'} block_bytes={cfg.block_bytes} num_warps={cfg.num_warps}: {ms:.3f} ms = {gbs:.0f} GB/s, "
             f"{gbs / raw_gbs:.2f} of raw; host call {host:.3f} ms; exact {exact[i]}"
         )
     print(json.dumps({"page_size": args.page_size, "entry_bytes": page_bytes, "entries": int(s_idx.size),

@@ -27,7 +27,13 @@ import torch
 from transfer_engine.actors.worker.kernel import gather_order
 from transfer_engine.kernels import KernelInputError
 from transfer_engine.kernels.checksum import MASK64, checksum_heads, checksum_numpy, checksum_value
-from transfer_engine.kernels.copy import WordOrder, copy_entries, copy_entries_reference, entry_table
+from transfer_engine.kernels.copy import (
+    WordOrder,
+    copy_entries,
+    copy_entries_reference,
+    copy_outer,
+    entry_table,
+)
 from transfer_engine.protocol import tables
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8]
@@ -143,10 +149,25 @@ CASES = [
 ]
 
 
+FORMS = ["indices", "factors"]
+"""How a test hands its copy to the kernel: ``copy_entries`` of ``write_indices``' index arrays, or
+``copy_outer`` of ``write_factors``' factors (the kernel path's plain copies)."""
+
+
+def _copy(form: str, s_table: object, d_table: object, spec: tables.TableSpec, src_pages: list[int],
+          dst_pages: list[int], rows: object = None, **kw: object) -> None:  # fmt: skip
+    if form == "indices":
+        s_idx, d_idx = tables.write_indices(spec, src_pages, dst_pages, rows)  # type: ignore[arg-type]
+        copy_entries(s_table, d_table, s_idx, d_idx, **kw)  # type: ignore[arg-type]
+    else:
+        copy_outer(s_table, d_table, *tables.write_factors(spec, src_pages, dst_pages, rows), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("sk", "dk", "sps", "dps", "sh", "dh", "s0", "d0", "nh"), CASES)
 def test_copy_matches_indexing(where: Where, dtype: torch.dtype, sk: str, dk: str, sps: int, dps: int,
-                               sh: int, dh: int, s0: int, d0: int, nh: int) -> None:  # fmt: skip
+                               sh: int, dh: int, s0: int, d0: int, nh: int, form: str) -> None:  # fmt: skip
     gen = torch.Generator().manual_seed(zlib.crc32(f"{sk}{dk}{sps}{dps}{dtype}".encode()))
     layers, dim = 2, 8
     src = _side(sk, layers, 6 * 16 // sps, sps, sh, dim, dtype, where.device, gen)
@@ -162,9 +183,8 @@ def test_copy_matches_indexing(where: Where, dtype: torch.dtype, sk: str, dk: st
     src_pages = rng.permutation(len(src.views[0]))[: tokens // sps].tolist()
     dst_pages = rng.permutation(len(dst.views[0]))[: tokens // dps].tolist()
     before = [v.clone() for v in dst.views]
-    s_idx, d_idx = tables.write_indices(spec, src_pages, dst_pages)
     stream = torch.cuda.Stream() if where.device == "cuda" else None
-    copy_entries(s_table, d_table, s_idx, d_idx, stream=stream, impl=where.impl)  # type: ignore[arg-type]
+    _copy(form, s_table, d_table, spec, src_pages, dst_pages, stream=stream, impl=where.impl)
     if stream is not None:
         stream.synchronize()
     want = _expect(src, dst, src_pages, dst_pages, tokens, (s0, d0), nh, list(range(2 * layers)), before)
@@ -172,8 +192,9 @@ def test_copy_matches_indexing(where: Where, dtype: torch.dtype, sk: str, dk: st
         assert torch.equal(_bytes(dst.views[t]), _bytes(want[t])), f"tensor {t}"
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
-def test_layer_group_moves_its_tensors_only(where: Where, dtype: torch.dtype) -> None:
+def test_layer_group_moves_its_tensors_only(where: Where, dtype: torch.dtype, form: str) -> None:
     """A layer group's indices (``rows``) copy its layers' K and V and nothing else."""
     gen = torch.Generator().manual_seed(3)
     layers, dim, ps = 4, 8, 16
@@ -185,9 +206,8 @@ def test_layer_group_moves_its_tensors_only(where: Where, dtype: torch.dtype) ->
     d_addr, _ = tables.side_entries(spec, "dst", dst.bases, dst.lengths, dst.rows, 4)
     group = [2, 3, layers + 2, layers + 3]  # layers [2, 4): their K and V rows
     before = [v.clone() for v in dst.views]
-    s_idx, d_idx = tables.write_indices(spec, [1, 3], [2, 0], rows=np.array(group))
-    copy_entries(entry_table(s_addr, spec.entry_bytes, where.device),
-                 entry_table(d_addr, spec.entry_bytes, where.device), s_idx, d_idx, impl=where.impl)  # type: ignore[arg-type]  # fmt: skip
+    _copy(form, entry_table(s_addr, spec.entry_bytes, where.device), entry_table(d_addr, spec.entry_bytes, where.device),
+          spec, [1, 3], [2, 0], np.array(group), impl=where.impl)  # fmt: skip
     if where.device == "cuda":
         torch.cuda.synchronize()
     want = _expect(src, dst, [1, 3], [2, 0], 2 * ps, (0, 0), 2, group, before)
@@ -253,6 +273,26 @@ def test_bad_indices_raise_before_launch(src_idx: object, dst_idx: object, match
     table = entry_table(buf.data_ptr() + np.arange(4, dtype=np.uint64) * 16, 16, "cpu")
     with pytest.raises(KernelInputError, match=match):
         copy_entries(table, table, src_idx, dst_idx)  # type: ignore[arg-type]
+    assert int(buf.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(
+    ("offsets", "src_cols", "dst_cols", "match"),
+    [
+        ([0, 2], [0, 2], [0, 1], "src entry 4 .* outside the table's \\[0, 4\\)"),
+        ([0, 1], [0, 1], [-2, 0], "dst entry -2"),
+        ([0], [0, 1], [0], "src_cols has 2 entries, dst_cols 1"),
+        ([[0]], [0], [0], "offsets must be a 1-D integer array"),
+        ([0], [0.5], [0], "src_cols must be a 1-D integer array"),
+    ],
+)
+def test_bad_factors_raise_before_launch(
+    offsets: object, src_cols: object, dst_cols: object, match: str
+) -> None:
+    buf = torch.zeros(64, dtype=torch.uint8)
+    table = entry_table(buf.data_ptr() + np.arange(4, dtype=np.uint64) * 16, 16, "cpu")
+    with pytest.raises(KernelInputError, match=match):
+        copy_outer(table, table, offsets, src_cols, dst_cols)  # type: ignore[arg-type]
     assert int(buf.count_nonzero()) == 0
 
 

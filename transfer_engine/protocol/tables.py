@@ -79,9 +79,12 @@ __all__ = [
     "TableSpec",
     "chunk_groups",
     "decide_table",
+    "group_factors",
     "group_indices",
+    "outer_sums",
     "side_entries",
     "units_of",
+    "write_factors",
     "write_indices",
 ]
 
@@ -512,14 +515,15 @@ def units_of(spec: TableSpec, rows: npt.ArrayLike | None) -> I64Array:
     return np.flatnonzero(counts).astype(np.int64)
 
 
-def group_indices(
+def group_factors(
     spec: TableSpec, groups: tuple[I64Array, I64Array], rows: npt.ArrayLike | None = None
-) -> tuple[I32Array, I32Array]:
-    """``(src_idx, dst_idx)`` int32, equal lengths: the WRITE of the tensors ``rows`` (a layer group's,
-    ``protocol.layers.group_tensors``; None: every tensor) over the chunk whose :func:`chunk_groups`
-    are ``groups``. Unit-major, then token order, then head group, so runs of pages consecutive on
-    both sides stay adjacent (NIXL merges adjacent descriptors). Outer sums only; raises
-    :class:`ConfigError` as :func:`units_of`, or when an index would not fit in int32."""
+) -> tuple[I32Array, I32Array, I32Array]:
+    """``(offsets, src_cols, dst_cols)`` int32: the WRITE :func:`group_indices` lists, as the two factors
+    of its outer sums. Pair ``(u, j)``, unit-major, is entry ``offsets[u] + src_cols[j]`` onto entry
+    ``offsets[u] + dst_cols[j]``: ``offsets`` one per entry unit of ``rows``, the columns one per
+    (token group, head group) of the chunk. The copy kernel takes them as they are
+    (``kernels.copy.copy_outer``): a WRITE of U units over C columns sends U + 2C integers, not 2UC.
+    Raises as :func:`group_indices`."""
     units = units_of(spec, rows)
     src_g, dst_g = groups
     step = spec.num_units * spec.head_groups
@@ -529,11 +533,29 @@ def group_indices(
     i32 = np.int32
     src32, dst32 = src_g.astype(i32) * i32(step), dst_g.astype(i32) * i32(step)
     heads = spec.head_groups
-    offsets = (units * heads).astype(i32)[:, None]
-    if heads > 1:  # (token, head) first, then one long pass per unit: numpy's inner loops stay long
+    if heads > 1:  # (token, head): a token group's head groups are adjacent entries
         within = np.arange(heads, dtype=i32)[None, :]
         src32, dst32 = (src32[:, None] + within).reshape(-1), (dst32[:, None] + within).reshape(-1)
-    return (offsets + src32[None, :]).reshape(-1), (offsets + dst32[None, :]).reshape(-1)
+    return (units * heads).astype(i32), src32, dst32
+
+
+def group_indices(
+    spec: TableSpec, groups: tuple[I64Array, I64Array], rows: npt.ArrayLike | None = None
+) -> tuple[I32Array, I32Array]:
+    """``(src_idx, dst_idx)`` int32, equal lengths: the WRITE of the tensors ``rows`` (a layer group's,
+    ``protocol.layers.group_tensors``; None: every tensor) over the chunk whose :func:`chunk_groups`
+    are ``groups``. Unit-major, then token order, then head group, so runs of pages consecutive on
+    both sides stay adjacent (NIXL merges adjacent descriptors). The outer sums of
+    :func:`group_factors` (one long pass per unit: numpy's inner loops stay long); raises
+    :class:`ConfigError` as :func:`units_of`, or when an index would not fit in int32."""
+    offsets, src_cols, dst_cols = group_factors(spec, groups, rows)
+    return outer_sums(offsets, src_cols), outer_sums(offsets, dst_cols)
+
+
+def outer_sums(offsets: I32Array, cols: I32Array) -> I32Array:
+    """``offsets[u] + cols[j]`` for every ``(u, j)``, unit-major, int32: one side of a WRITE's entries
+    from :func:`group_factors`."""
+    return (offsets[:, None] + cols[None, :]).reshape(-1)
 
 
 def write_indices(
@@ -550,3 +572,18 @@ def write_indices(
     (layer, page) table (docs/PERF.md, "Planning from descriptor tables")."""
     groups = chunk_groups(spec, src_pages, dst_pages, dst_start_token=dst_start_token, num_tokens=num_tokens)
     return group_indices(spec, groups, rows)
+
+
+def write_factors(
+    spec: TableSpec,
+    src_pages: npt.ArrayLike,
+    dst_pages: npt.ArrayLike,
+    rows: npt.ArrayLike | None = None,
+    *,
+    dst_start_token: int = 0,
+    num_tokens: int | None = None,
+) -> tuple[I32Array, I32Array, I32Array]:
+    """``(offsets, src_cols, dst_cols)`` int32 of one WRITE: :func:`group_factors` of
+    :func:`chunk_groups`, the factors of :func:`write_indices`' outer sums."""
+    groups = chunk_groups(spec, src_pages, dst_pages, dst_start_token=dst_start_token, num_tokens=num_tokens)
+    return group_factors(spec, groups, rows)

@@ -5,9 +5,11 @@ notification would be (docs/DECISIONS.md, "One kernel between the GPUs of a host
 Per (decode rank, head slice, layer grouping) the two sides' entry tables are made once
 (``protocol.tables``: :func:`~transfer_engine.protocol.tables.decide_table`, then
 :func:`~transfer_engine.protocol.tables.side_entries` of this rank's pool and of the mapped one) and
-kept on the device (:class:`~transfer_engine.kernels.copy.EntryTable`); each job is two int32 index
-arrays (:func:`~transfer_engine.protocol.tables.write_indices`) and one copy
-(:func:`~transfer_engine.kernels.copy.copy_entries`): nothing per page goes through the CPU.
+kept on the device (:class:`~transfer_engine.kernels.copy.EntryTable`); each job is one copy
+(:func:`~transfer_engine.kernels.copy.copy_outer`) of the two factors of its entries' outer sums
+(:func:`~transfer_engine.protocol.tables.write_factors`: one offset per tensor unit, one column per
+token group and head group): no entry of the copy is listed on the CPU, so its host call does not
+grow with the tensors.
 
 - CUDA: the copy is one Triton launch on this part's side stream, ordered after the job's CUDA ready
   events (``wait_event``: no CPU wait); a blocking event recorded after it is handed to the worker's
@@ -55,7 +57,7 @@ import torch
 from transfer_engine.errors import ConfigError, FailureReason, TransferError
 from transfer_engine.kernels import KernelInputError
 from transfer_engine.kernels.checksum import WORD, checksum_value
-from transfer_engine.kernels.copy import EntryTable, WordOrder, copy_entries, entry_table
+from transfer_engine.kernels.copy import EntryTable, WordOrder, copy_entries, copy_outer, entry_table
 from transfer_engine.memory.ipc import MappedPool
 from transfer_engine.memory.layout import KVPool, stride_rows_of
 from transfer_engine.protocol import descriptors, tables
@@ -70,6 +72,10 @@ from .core import Done, OwnInbox
 from .plan import group_rows
 
 log = logging.getLogger(__name__)
+
+Factors = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""A copy's entries as ``(offsets, src_cols, dst_cols)``: pair ``(u, j)`` copies entry ``offsets[u] +
+src_cols[j]`` onto ``offsets[u] + dst_cols[j]`` (``protocol.tables.write_factors``)."""
 
 MAX_TABLE_ENTRIES = 1 << 27
 """Entries one side's table may hold (8 bytes each on the device: 1 GiB); a finer table falls back."""
@@ -183,8 +189,9 @@ class KernelPath:
             await self._fall_back(job, f"no tables: {exc}")
             return
         try:
-            src_idx, dst_idx, order = self._indices(job, pair.spec, summed=self.checked())
-            if len(src_idx) == 0:
+            factors, order = self._indices(job, pair.spec, summed=self.checked())
+            entries = len(factors[0]) * len(factors[1])
+            if entries == 0:
                 raise TransferError(f"room {job.room}: empty copy")
         except (ConfigError, TransferError) as exc:
             log.warning("worker %d: room %d: %s", self.index, job.room, exc)
@@ -194,9 +201,9 @@ class KernelPath:
             await self._fall_back(job, "the mapping closed")
             return
         self._used.add(mapping)
-        copy = _Copy(job, mapping, threading.Event(), len(src_idx) * pair.spec.entry_bytes)
+        copy = _Copy(job, mapping, threading.Event(), entries * pair.spec.entry_bytes)
         try:
-            self._start(copy, pair, src_idx, dst_idx, order, waits)
+            self._start(copy, pair, factors, order, waits)
         except (KernelInputError, TransferError, RuntimeError) as exc:
             mapping.release()
             log.warning("worker %d: room %d: copy not started: %s", self.index, job.room, exc)
@@ -211,8 +218,7 @@ class KernelPath:
         self,
         copy: _Copy,
         pair: _Tables,
-        src_idx: np.ndarray,
-        dst_idx: np.ndarray,
+        factors: Factors,
         order: WordOrder | None,
         waits: Sequence[object],
     ) -> None:
@@ -227,9 +233,7 @@ class KernelPath:
                     stream.wait_event(wait)
             if order is not None:
                 copy.checksum = torch.empty(1, dtype=torch.int64, pin_memory=True)
-            copy_entries(
-                pair.src, pair.dst, src_idx, dst_idx, stream=stream, checksum=copy.checksum, order=order
-            )
+            _copy(pair, factors, order, copy.checksum, stream)
             copy.done = recorded(stream)
             return
         if self._thread is None:
@@ -237,7 +241,7 @@ class KernelPath:
         assert isinstance(copy.done, threading.Event)
         if order is not None:
             copy.checksum = torch.zeros(1, dtype=torch.int64)
-        self._thread.submit(_copy_on_thread, copy, pair, src_idx, dst_idx, order)
+        self._thread.submit(_copy_on_thread, copy, pair, factors, order)
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -289,9 +293,10 @@ class KernelPath:
 
     def _indices(
         self, job: WriteJob, spec: tables.TableSpec, *, summed: bool
-    ) -> tuple[np.ndarray, np.ndarray, WordOrder | None]:
-        """The int32 entry indices of ``job``'s copy (its chunk's tokens, its group's tensors), and
-        with ``summed`` (integrity on) where its words sit in the chunk's gather layout."""
+    ) -> tuple[Factors, WordOrder | None]:
+        """The entries of ``job``'s copy (its chunk's tokens, its group's tensors) as the factors of
+        their outer sums (``tables.write_factors``), and with ``summed`` (integrity on) where its
+        words sit in the chunk's gather layout."""
         chunk = job.chunk
         assert chunk is not None
         src_ps, dst_ps = self.pool.layout.page_size, job.peer.layout.page_size
@@ -299,10 +304,10 @@ class KernelPath:
         start = chunk.page_start * src_ps
         tokens = descriptors.chunk_tokens(start, chunk.num_pages, src_ps, len(dst_pages) * dst_ps)
         rows = group_rows(job, self.pool)
-        src_idx, dst_idx = tables.write_indices(
+        factors = tables.write_factors(
             spec, job.src_pages, dst_pages, rows, dst_start_token=start, num_tokens=tokens
         )
-        return src_idx, dst_idx, gather_order(spec, rows, tokens) if summed else None
+        return factors, gather_order(spec, rows, tokens) if summed else None
 
     # --- completions (on the loop, from the completion waiter) ----------------------------------------
 
@@ -364,13 +369,28 @@ class KernelPath:
         self._used.clear()
 
 
-def _copy_on_thread(
-    copy: _Copy, pair: _Tables, src_idx: np.ndarray, dst_idx: np.ndarray, order: WordOrder | None
+def _copy(
+    pair: _Tables,
+    factors: Factors,
+    order: WordOrder | None,
+    checksum: torch.Tensor | None,
+    stream: torch.cuda.Stream | None = None,
 ) -> None:
+    """The copy itself: from the factors (the plain copy: U + 2C integers sent for U x C entries), or,
+    summed (integrity on), from the index arrays they make, which the summing kernel reads."""
+    if order is None:
+        copy_outer(pair.src, pair.dst, *factors, stream=stream)
+        return
+    offsets, src_cols, dst_cols = factors
+    src_idx, dst_idx = tables.outer_sums(offsets, src_cols), tables.outer_sums(offsets, dst_cols)
+    copy_entries(pair.src, pair.dst, src_idx, dst_idx, stream=stream, checksum=checksum, order=order)
+
+
+def _copy_on_thread(copy: _Copy, pair: _Tables, factors: Factors, order: WordOrder | None) -> None:
     """This part's copy thread (CPU pools): the copy (and its sum into ``copy.checksum``), then
     ``copy.done`` set, whatever happened."""
     try:
-        copy_entries(pair.src, pair.dst, src_idx, dst_idx, checksum=copy.checksum, order=order)
+        _copy(pair, factors, order, copy.checksum)
     except Exception as exc:  # the loop answers the job failed; the thread goes on
         copy.error = f"kernel path copy failed: {type(exc).__name__}: {exc}"
     finally:
