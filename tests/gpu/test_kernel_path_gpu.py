@@ -27,8 +27,11 @@ import torch
 from tests.integration import test_kernel_path_integrity as integrity
 from tests.integration import test_kernel_path_processes as cases
 from tests.integration.harness import DEVICE
-from transfer_engine.kernels.copy import copy_entries, entry_table
+from transfer_engine.actors.worker import warm_copy_kernel
+from transfer_engine.kernels.copy import _copy_kernel, copy_entries, copy_outer, entry_table
 from transfer_engine.memory import ipc
+from transfer_engine.memory.layout import KVLayout, KVPool
+from transfer_engine.protocol import tables
 from transfer_engine.protocol.messages import MemRegion
 
 pytestmark = [
@@ -134,3 +137,45 @@ def test_cuda_ipc_export_map_copy_close() -> None:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+def _compiled_copies() -> int:
+    """Compiled variants of the plain copy kernel in this process (Triton's per-device caches)."""
+    return sum(len(cache[0]) for cache in _copy_kernel.device_caches.values())
+
+
+@pytest.mark.parametrize("layers_per_write", [1, 4])
+def test_warmed_copy_kernel_is_the_one_the_first_copy_launches(layers_per_write: int) -> None:
+    """The prefill's start compiles the copy its kernel path launches (``warm_copy_kernel``): a first
+    copy between two pools of this layout, tables and factors made as the kernel path makes them,
+    compiles nothing more, and its bytes land exactly; the warm-up touched neither pool."""
+    layout = KVLayout(8, 4, 128, torch.bfloat16, 16)
+    src_pool = KVPool.allocate(layout, 1, 0, 12, device="cuda")
+    dst_pool = KVPool.allocate(layout, 1, 0, 12, device="cuda")
+    for t in src_pool.kv_views:
+        t.copy_(torch.randn(t.shape, dtype=torch.float32, device="cuda").to(t.dtype))
+    before = [t.clone() for t in src_pool.kv_views]
+    assert warm_copy_kernel(src_pool, layers_per_write) >= 1
+    assert all(torch.equal(a, b) for a, b in zip(before, src_pool.kv_views, strict=True))
+    compiled = _compiled_copies()
+    heads = src_pool.heads_local
+    for group in (None, layers_per_write):
+        spec = tables.decide_table(
+            src_pool.stride_rows, dst_pool.stride_rows, src_pool.head_bytes, 16, 16, 0, 0, heads, heads, heads,
+            group_layers=group,
+        )  # fmt: skip
+        sides = []
+        for side, pool in (("src", src_pool), ("dst", dst_pool)):
+            bases = np.array([r.addr for r in pool.regions()], dtype=np.uint64)
+            addr, _ = tables.side_entries(
+                spec, side, bases, pool.region_lengths, pool.stride_rows, pool.num_pages
+            )
+            sides.append(entry_table(addr, spec.entry_bytes, "cuda"))
+        layers = layout.num_layers  # a group: its layers' K rows, then their V rows
+        rows = None if group is None else np.r_[np.arange(group), layers + np.arange(group)]
+        copy_outer(sides[0], sides[1], *tables.write_factors(spec, [3, 7, 1], [0, 5, 9], rows))
+    torch.cuda.synchronize()
+    assert _compiled_copies() == compiled, "the first copy compiled a kernel the warm-up did not"
+    for t in range(2 * layout.num_layers):
+        got, want = (v.view(-1, 16, *v.shape[1:]) for v in (dst_pool.kv_views[t], src_pool.kv_views[t]))
+        assert torch.equal(got[[0, 5, 9]], want[[3, 7, 1]]), f"tensor {t}"

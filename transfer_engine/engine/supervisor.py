@@ -30,7 +30,7 @@ from transfer_engine.actors.nixl_poller import NixlPoller
 from transfer_engine.actors.ring import RingActor
 from transfer_engine.actors.room import RoomActor
 from transfer_engine.actors.scatter import ScatterActor
-from transfer_engine.actors.worker import TransferWorker
+from transfer_engine.actors.worker import TransferWorker, warm_copy_kernel
 from transfer_engine.config import EngineConfig
 from transfer_engine.engine.started import host_staging
 from transfer_engine.errors import ConfigError, PeerUnreachableError
@@ -231,6 +231,11 @@ class Supervisor:
                 log.info(
                     "staging kernels warmed: %d launches in %.2f s", launches, time.monotonic() - started
                 )
+        if cfg.role == "prefill" and cfg.kernel_path:
+            started = time.monotonic()  # the kernel path's copy (one host: what auto takes)
+            launches = warm_copy_kernel(self.pool, cfg.layers_per_write)
+            if launches:
+                log.info("copy kernel warmed: %d launches in %.2f s", launches, time.monotonic() - started)
         self.control = Control(
             cfg.host, cfg.control_port, route, name=f"{cfg.role}{cfg.tp_rank}", curve=self.curve
         )

@@ -23,5 +23,6 @@ ports it uses; calls go down the list, never back up (:mod:`.core` says what the
 
 from .actor import TransferWorker
 from .core import WorkerMail
+from .kernel import warm_copy_kernel
 
-__all__ = ["TransferWorker", "WorkerMail"]
+__all__ = ["TransferWorker", "WorkerMail", "warm_copy_kernel"]

@@ -369,6 +369,37 @@ class KernelPath:
         self._used.clear()
 
 
+def warm_copy_kernel(pool: KVPool, layers_per_write: int) -> int:
+    """Compile the copy kernel a CUDA ``pool``'s kernel-path jobs launch, before any peer is connected
+    (``memory.staging.warm_staging_kernels`` says why: Triton compiles on a kernel's first launch, on
+    the calling thread, which would be the engine's loop). The compile-time constants follow the
+    entry of the pair's tables and its alignment, not the room: the entry is taken as a decode of this
+    pool's own layout would give it (equal TP and page size, whole chunks and groups of
+    ``layers_per_write`` layers), and one entry is copied between two scratch buffers (nothing of the
+    pool is touched). A pair with another entry (hetero TP, another layout) compiles its own at its
+    first copy. Returns the launches (0 on CPU)."""
+    if pool.device.type != "cuda":
+        return 0
+    heads = pool.heads_local
+    sizes = set()
+    for group in (None, layers_per_write):
+        try:
+            spec = tables.decide_table(
+                pool.stride_rows, pool.stride_rows, pool.head_bytes, pool.layout.page_size,
+                pool.layout.page_size, 0, 0, heads, heads, heads, mla=pool.layout.mla, group_layers=group,
+            )  # fmt: skip
+        except ConfigError:
+            continue
+        sizes.add(spec.entry_bytes)
+    one = np.zeros(1, dtype=np.int32)
+    for size in sorted(sizes):
+        a, b = (torch.empty(size, dtype=torch.uint8, device=pool.device) for _ in range(2))
+        src, dst = (entry_table(np.array([t.data_ptr()], dtype=np.uint64), size, pool.device) for t in (a, b))
+        copy_outer(src, dst, one, one, one)
+    torch.cuda.synchronize(pool.device)
+    return len(sizes)
+
+
 def _copy(
     pair: _Tables,
     factors: Factors,
