@@ -586,18 +586,30 @@ def _indices_on(
     """``arrays`` (of one dtype) on ``device``. On CUDA: written straight into one pinned buffer and sent
     with ONE asynchronous copy on the current stream, the launch's, which is therefore ordered after it
     with no event (torch's pinned-memory cache keeps the buffer until that copy ran); each array is a
-    view of the copy. On CPU: the arrays themselves. A small copy's host call is mostly these uploads
-    (docs/PERF.md, "The kernel path on one H200")."""
+    view of the copy, starting on a multiple of ``_VIEW_ALIGN`` bytes. Triton compiles a kernel anew for
+    each pattern of its pointer arguments' 16-byte alignment: views at whatever offset the sizes before
+    them left would make a new room size a new compile, on the engine's loop (a 50 ms copy seen on the
+    H200), and the start's warm-up (``warm_copy_kernel``) miss the kernel rooms launch. On CPU: the
+    arrays themselves. A small copy's host call is mostly these uploads (docs/PERF.md, "The kernel path
+    on one H200")."""
     if device.type != "cuda":
         return [torch.from_numpy(a) for a in arrays]
+    dtype = torch.from_numpy(arrays[0][:0]).dtype
+    per = _VIEW_ALIGN // arrays[0].itemsize
     sizes = [int(a.size) for a in arrays]
-    staged = torch.empty(sum(sizes), dtype=torch.from_numpy(arrays[0][:0]).dtype, pin_memory=True)
+    slots = [-(-size // per) * per for size in sizes]
+    staged = torch.empty(sum(slots), dtype=dtype, pin_memory=True)
     host = staged.numpy()
-    at = 0
-    for array, size in zip(arrays, sizes, strict=True):
-        host[at : at + size] = array
-        at += size
-    return list(staged.to(device, non_blocking=True).split(sizes))
+    starts = [0]
+    for array, size, slot in zip(arrays, sizes, slots, strict=True):
+        host[starts[-1] : starts[-1] + size] = array
+        starts.append(starts[-1] + slot)
+    on = staged.to(device, non_blocking=True)
+    return [on[at : at + size] for at, size in zip(starts, sizes, strict=False)]
+
+
+_VIEW_ALIGN = 16
+"""Bytes every uploaded index view starts on (the alignment Triton specializes pointers on)."""
 
 
 class _CudaSpan:
