@@ -103,40 +103,61 @@ def _exporter(conn: Connection) -> None:
     conn.recv()
 
 
+def _importer(conn: Connection) -> None:
+    """A child process whose torch has not touched the GPU when it maps (as a process that maps first
+    and allocates after): maps the share, copies into it with the copy kernel, reports the open
+    mappings before and after closing."""
+    share, regions = conn.recv()
+    mapping = ipc.map_pool(share, regions, torch.device("cuda:0"))  # before any torch CUDA call here
+    opened = (mapping.how, ipc.open_mappings())
+    src = torch.full((2 << 20,), 3, dtype=torch.uint8, device="cuda")
+    entries = 1 << 20 >> 12  # 4 KiB entries per region
+    s_table = entry_table(src.data_ptr() + np.arange(2 * entries, dtype=np.uint64) * 4096, 4096, "cuda")
+    d_addr = np.concatenate([b + np.arange(entries, dtype=np.uint64) * 4096 for b in mapping.bases])
+    d_table = entry_table(d_addr, 4096, "cuda")
+    idx = np.arange(2 * entries, dtype=np.int32)
+    assert mapping.acquire()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the source was filled on the current stream
+    copy_entries(s_table, d_table, idx, idx[::-1].copy(), stream=stream)
+    stream.synchronize()
+    mapping.release()
+    conn.send(opened)
+    conn.recv()  # the exporter read its pages
+    mapping.close_when_idle()
+    conn.send((mapping.closed, ipc.open_mappings()))
+
+
 def test_cuda_ipc_export_map_copy_close() -> None:
-    """Regions at offsets inside one allocation: exported once (one handle), mapped here, written by the
-    copy kernel, seen by the exporter; closing the mapping leaves nothing open."""
+    """Regions at offsets inside one allocation: exported once (one handle) by one process, mapped by
+    another that had not used the GPU before it mapped, written there by the copy kernel, seen by the
+    exporter; closing the mapping leaves nothing open. (The mapping keeps the primary context it was
+    opened in: before, a first torch call after the map reset it, and the copy wrote elsewhere.)"""
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_exporter, args=(child,))
-    proc.start()
+    exp, exp_child = ctx.Pipe()
+    imp, imp_child = ctx.Pipe()
+    procs = [
+        ctx.Process(target=_exporter, args=(exp_child,)),
+        ctx.Process(target=_importer, args=(imp_child,)),
+    ]
+    for proc in procs:
+        proc.start()
     try:
-        share, regions = parent.recv()
+        share, regions = exp.recv()
         assert share.kind == "cuda_ipc" and len(share.memories) == 1 and len(share.device) == 16
         assert [r.offset for r in share.regions] == [4096, 2 << 20]
-        mapping = ipc.map_pool(share, regions, torch.device("cuda:0"))
-        assert mapping.how == "cuda_ipc" and ipc.open_mappings() == 1
-        src = torch.full((2 << 20,), 3, dtype=torch.uint8, device="cuda")
-        entries = 1 << 20 >> 12  # 4 KiB entries per region
-        s_table = entry_table(src.data_ptr() + np.arange(2 * entries, dtype=np.uint64) * 4096, 4096, "cuda")
-        d_addr = np.concatenate([b + np.arange(entries, dtype=np.uint64) * 4096 for b in mapping.bases])
-        d_table = entry_table(d_addr, 4096, "cuda")
-        idx = np.arange(2 * entries, dtype=np.int32)
-        assert mapping.acquire()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())  # the source was filled on the current stream
-        copy_entries(s_table, d_table, idx, idx[::-1].copy(), stream=stream)
-        stream.synchronize()
-        mapping.release()
-        parent.send("written")
-        assert parent.recv() == [3 << 20, 3 << 20]
-        mapping.close_when_idle()
-        assert mapping.closed and ipc.open_mappings() == 0
-        parent.send("done")
+        imp.send((share, regions))
+        assert imp.recv() == ("cuda_ipc", 1)
+        exp.send("written")
+        assert exp.recv() == [3 << 20, 3 << 20]
+        imp.send("read")
+        assert imp.recv() == (True, 0)
+        exp.send("done")
     finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
 
 
 def _compiled_copies() -> int:

@@ -142,6 +142,17 @@ class _Driver:
         finally:
             self.call("cuDevicePrimaryCtxRelease", dev)
 
+    def retain(self, ordinal: int) -> None:
+        """Hold a reference on device ``ordinal``'s primary context (until :meth:`release`)."""
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self.call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
+        self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+
+    def release(self, ordinal: int) -> None:
+        dev = ctypes.c_int()
+        self.call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
+        self.call("cuDevicePrimaryCtxRelease", dev)
+
     def uuid(self, ordinal: int) -> bytes:
         dev = ctypes.c_int()
         self.call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
@@ -417,11 +428,20 @@ def _map_cuda(share: PoolShare, ordinal: int) -> tuple[list[int], Callable[[], N
     if peer != ordinal and not driver.can_access_peer(ordinal, peer):
         raise ShareError(f"GPU {ordinal} has no peer access to the decode's GPU {peer}")
     opened: list[int] = []
+    # The handles are opened in the primary context, and a release that drops its last reference
+    # resets it, unmapping them: in a process whose torch had not touched the GPU yet, the context
+    # the handles were opened in was gone before the first copy, and a later context could give their
+    # addresses to other memory (a copy through the mapping then wrote there, without a fault). The
+    # mapping holds a reference from the first open to its close.
+    driver.retain(ordinal)
 
     def close() -> None:
-        with driver.context(ordinal):
-            for ptr in opened:
-                driver.close(ptr)
+        try:
+            with driver.context(ordinal):
+                for ptr in opened:
+                    driver.close(ptr)
+        finally:
+            driver.release(ordinal)
 
     try:
         with driver.context(ordinal):
