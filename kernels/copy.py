@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,6 +74,7 @@ __all__ = [
     "copy_entries_reference",
     "copy_outer",
     "entry_table",
+    "view_starts",
 ]
 
 DEFAULT_CONFIG = LaunchConfig(block_bytes=32768, num_warps=4)
@@ -595,17 +597,25 @@ def _indices_on(
     if device.type != "cuda":
         return [torch.from_numpy(a) for a in arrays]
     dtype = torch.from_numpy(arrays[0][:0]).dtype
-    per = _VIEW_ALIGN // arrays[0].itemsize
     sizes = [int(a.size) for a in arrays]
-    slots = [-(-size // per) * per for size in sizes]
-    staged = torch.empty(sum(slots), dtype=dtype, pin_memory=True)
+    starts, total = view_starts(sizes, arrays[0].itemsize)
+    staged = torch.empty(total, dtype=dtype, pin_memory=True)
     host = staged.numpy()
-    starts = [0]
-    for array, size, slot in zip(arrays, sizes, slots, strict=True):
-        host[starts[-1] : starts[-1] + size] = array
-        starts.append(starts[-1] + slot)
+    for array, at, size in zip(arrays, starts, sizes, strict=True):
+        host[at : at + size] = array
     on = staged.to(device, non_blocking=True)
-    return [on[at : at + size] for at, size in zip(starts, sizes, strict=False)]
+    return [on[at : at + size] for at, size in zip(starts, sizes, strict=True)]
+
+
+def view_starts(sizes: Sequence[int], itemsize: int) -> tuple[list[int], int]:
+    """Where each of arrays of ``sizes`` items starts in one buffer, in items, each on a multiple of
+    ``_VIEW_ALIGN`` bytes, and the buffer's length (:func:`_indices_on`)."""
+    per = max(1, _VIEW_ALIGN // itemsize)
+    starts, at = [], 0
+    for size in sizes:
+        starts.append(at)
+        at += -(-size // per) * per
+    return starts, at
 
 
 _VIEW_ALIGN = 16

@@ -33,6 +33,7 @@ from transfer_engine.kernels.copy import (
     copy_entries_reference,
     copy_outer,
     entry_table,
+    view_starts,
 )
 from transfer_engine.protocol import tables
 
@@ -574,3 +575,24 @@ def test_summed_copy_never_synchronizes_and_lands_before_its_event() -> None:
     done.synchronize()
     assert checksum_value(out) == _defined_sum(src, entry_bytes, perm[::-1].copy(), order)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "itemsize", "starts", "total"),
+    [
+        ((1, 1, 1), 4, [0, 4, 8], 12),
+        ((16, 3, 3), 4, [0, 16, 20], 24),
+        ((7,), 4, [0], 8),
+        ((3, 2), 8, [0, 4], 6),
+    ],
+)
+def test_index_views_start_on_16_bytes(
+    sizes: tuple[int, ...], itemsize: int, starts: list[int], total: int
+) -> None:
+    """The uploaded index views each start on 16 bytes whatever the sizes before them: Triton compiles a
+    variant per pattern of its pointers' 16-byte alignment, so views that followed the sizes would
+    compile new kernels for new room shapes (on the engine's loop)."""
+    got, length = view_starts(sizes, itemsize)
+    assert (got, length) == (starts, total)
+    assert all(at * itemsize % 16 == 0 for at in got)
+    assert all(a + s <= b for a, s, b in zip(got, sizes, [*got[1:], length], strict=True))
