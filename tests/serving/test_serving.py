@@ -164,9 +164,13 @@ async def test_cancelled_requests_free_their_pages_on_both_sides(tmp_path: Path)
         results, _ = await client.replay(cluster.url, items)
         stats = await settle(cluster)
     assert_clean_exit(cluster)
-    assert sum(r.cancelled for r in results) == 7 and results[-1].ok, [
-        (r.cancelled, r.error) for r in results
-    ]
+    seen = [(r.cancelled, r.ok, len(r.tokens), r.error) for r in results]
+    # A timed cancel lands, or comes after its request finished whole (a quiet box finished the
+    # 0.2 s one first, the others running had been cancelled): either is right, nothing else is. The
+    # cancel after 3 tokens always lands (37 more to generate), and the last request is untouched.
+    assert all(r.cancelled or (r.ok and len(r.tokens) == r.item.max_new) for r in results[:6]), seen
+    assert results[6].cancelled and results[-1].ok, seen
+    assert sum(r.cancelled for r in results[:6]) >= 3, seen  # 0.01-0.06 s: inside the prefill of 8 prompts
     assert stats["prefill"]["cancelled"] >= 1, stats["prefill"]
     assert stats["decode"][0]["cancelled"] >= 1, stats["decode"][0]
     assert leftovers(stats) == []
