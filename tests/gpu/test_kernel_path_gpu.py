@@ -60,18 +60,7 @@ on_cuda_pools = pytest.mark.skipif(
 
 @on_cuda_pools
 @pytest.mark.anyio
-@pytest.mark.parametrize(
-    ("P", "D", "kinds", "layers", "mla"),
-    [
-        pytest.param(1, 1, ("contiguous", "contiguous"), 0, False, id="1x1-contiguous"),
-        pytest.param(1, 1, ("flash_nhd", "flash_hnd"), 0, False, id="1x1-nhd-to-hnd"),
-        pytest.param(2, 1, ("contiguous", "contiguous"), 0, False, id="2x1-hetero-tp"),
-        pytest.param(1, 2, ("flash_nhd", "contiguous"), 0, False, id="1x2-slices"),
-        pytest.param(2, 2, ("contiguous", "contiguous"), 2, False, id="2x2-layerwise"),
-        pytest.param(1, 1, ("vllm_cpu", "vllm_cpu"), 2, False, id="1x1-vllm-kv-fused-layerwise"),
-        pytest.param(1, 1, ("contiguous", "contiguous"), 1, True, id="1x1-mla-layerwise"),
-    ],
-)
+@pytest.mark.parametrize(("P", "D", "kinds", "layers", "mla"), integrity.KEEP_CASES)
 async def test_integrity_keeps_the_kernel_path_cuda(
     P: int, D: int, kinds: tuple[str, str], layers: int, mla: bool
 ) -> None:

@@ -98,21 +98,23 @@ async def rooms_keep_the_kernel_path(P: int, D: int, kinds: tuple[str, str], lay
     assert ipc.open_mappings() == 0
 
 
+KEEP_CASES = [
+    pytest.param(1, 1, ("contiguous", "contiguous"), 0, False, id="1x1-contiguous"),
+    pytest.param(1, 1, ("flash_nhd", "flash_hnd"), 0, False, id="1x1-nhd-to-hnd"),
+    pytest.param(2, 1, ("contiguous", "contiguous"), 0, False, id="2x1-hetero-tp"),
+    pytest.param(1, 2, ("flash_nhd", "contiguous"), 0, False, id="1x2-slices"),
+    pytest.param(1, 1, ("contiguous", "vllm_cpu"), 1, False, id="1x1-layerwise"),
+    pytest.param(2, 2, ("contiguous", "contiguous"), 2, False, id="2x2-layerwise"),
+    pytest.param(1, 1, ("vllm_cpu", "vllm_cpu"), 2, False, id="1x1-vllm-kv-fused-layerwise"),
+    pytest.param(1, 1, ("contiguous", "contiguous"), 0, True, id="1x1-mla"),
+    pytest.param(1, 1, ("contiguous", "contiguous"), 1, True, id="1x1-mla-layerwise"),
+]
+"""(P, D, pool kinds, layers per group (0: whole chunks), MLA): the layouts the kernel path keeps with
+integrity on (``tests/gpu/test_kernel_path_gpu.py`` runs them on CUDA pools)."""
+
+
 @pytest.mark.anyio
-@pytest.mark.parametrize(
-    ("P", "D", "kinds", "layers", "mla"),
-    [
-        pytest.param(1, 1, ("contiguous", "contiguous"), 0, False, id="1x1-contiguous"),
-        pytest.param(1, 1, ("flash_nhd", "flash_hnd"), 0, False, id="1x1-nhd-to-hnd"),
-        pytest.param(2, 1, ("contiguous", "contiguous"), 0, False, id="2x1-hetero-tp"),
-        pytest.param(1, 2, ("flash_nhd", "contiguous"), 0, False, id="1x2-slices"),
-        pytest.param(1, 1, ("contiguous", "vllm_cpu"), 1, False, id="1x1-layerwise"),
-        pytest.param(2, 2, ("contiguous", "contiguous"), 2, False, id="2x2-layerwise"),
-        pytest.param(1, 1, ("vllm_cpu", "vllm_cpu"), 2, False, id="1x1-vllm-kv-fused-layerwise"),
-        pytest.param(1, 1, ("contiguous", "contiguous"), 0, True, id="1x1-mla"),
-        pytest.param(1, 1, ("contiguous", "contiguous"), 1, True, id="1x1-mla-layerwise"),
-    ],
-)
+@pytest.mark.parametrize(("P", "D", "kinds", "layers", "mla"), KEEP_CASES)
 async def test_integrity_keeps_the_kernel_path(
     P: int, D: int, kinds: tuple[str, str], layers: int, mla: bool
 ) -> None:

@@ -570,8 +570,10 @@ def write_indices(
     """``(src_idx, dst_idx)`` int32 of one WRITE: :func:`group_indices` of :func:`chunk_groups`.
     Per WRITE, on the engine's loop: tens of microseconds for a 16K-token layer group of a
     (layer, page) table (docs/PERF.md, "Planning from descriptor tables")."""
-    groups = chunk_groups(spec, src_pages, dst_pages, dst_start_token=dst_start_token, num_tokens=num_tokens)
-    return group_indices(spec, groups, rows)
+    offsets, src_cols, dst_cols = write_factors(
+        spec, src_pages, dst_pages, rows, dst_start_token=dst_start_token, num_tokens=num_tokens
+    )
+    return outer_sums(offsets, src_cols), outer_sums(offsets, dst_cols)
 
 
 def write_factors(
