@@ -125,7 +125,7 @@ def _copy_kernel(
     tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["step0", "step1", "step2", "step3"])  # steps follow the chunk's tokens
+@triton.jit(do_not_specialize=["n", "step0", "step1", "step2", "step3"])  # these follow the chunk
 def _copy_sum_kernel(
     src_table,  # as _copy_kernel's
     dst_table,
