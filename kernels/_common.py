@@ -22,6 +22,7 @@ import contextlib
 import functools
 import math
 import os
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -594,9 +595,23 @@ def launcher(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator
 
 @functools.cache
 def triton_int(kernel: object) -> object:
-    """Triton's interpreter over ``kernel``'s Python source: how the kernel runs on CPU tensors."""
+    """Triton's interpreter over ``kernel``'s Python source: how the kernel runs on CPU tensors.
+
+    The kernel runs in a copy of its module's globals where every other ``@triton.jit`` function is
+    interpreted too: a jit function called from a kernel (``kernels/copy.py``'s ``_move``) refuses
+    to run outside a compiled kernel, and the kernels were made before ``TRITON_INTERPRET`` was set."""
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
     if isinstance(kernel, InterpretedFunction):
         return kernel
-    return InterpretedFunction(kernel.fn)  # type: ignore[attr-defined]
+    fn = kernel.fn  # type: ignore[attr-defined]
+    scope = {
+        name: InterpretedFunction(value.fn)
+        if isinstance(value, JITFunction) and value is not kernel
+        else value
+        for name, value in fn.__globals__.items()
+    }
+    return InterpretedFunction(
+        types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    )

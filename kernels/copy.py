@@ -87,8 +87,8 @@ _REFERENCE_UNITS = 1 << 22
 """Copy units gathered per pass of the reference: bounds its index temporaries (32 MiB)."""
 
 
-@triton.jit(do_not_specialize=["n", "cols"])  # both follow the room: one compiled kernel serves every size
-def _copy_kernel(
+@triton.jit
+def _move(
     src_table,  # *i64 [Ns]: absolute address of each source entry
     dst_table,  # *i64 [Nd]: absolute address of each destination entry
     offsets,  # *i32 [n // cols]: pair (u, j) copies entry offsets[u] + src_cols[j] ...
@@ -98,13 +98,15 @@ def _copy_kernel(
     cols,  # pairs per offset
     UNIT_TYPE: tl.constexpr,  # the integer type of one copy unit (1, 2, 4 or 8 bytes)
     ALIGN: tl.constexpr,  # bytes every entry address is a multiple of (<= 16)
-    UNIT: tl.constexpr,  # bytes per unit
     ROW: tl.constexpr,  # units per entry
     PIECE: tl.constexpr,  # units per piece: an entry is NPIECE pieces
     NPIECE: tl.constexpr,
     BLOCK: tl.constexpr,  # pieces per program
     EVEN: tl.constexpr,  # PIECE * NPIECE == ROW: no column mask
 ):
+    """This program's copy, shared by both kernels: BLOCK (pair, piece)s. Returns each row's pair
+    ``e``, which rows are real (``ok``), each unit's place in its entry (``within``), the units'
+    mask and the values moved."""
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     e = r // NPIECE
     ok = e < n
@@ -122,23 +124,48 @@ def _copy_kernel(
         mask = ok[:, None]
     else:
         mask = ok[:, None] & (within < ROW)
-    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+    values = tl.load(src, mask=mask)
+    tl.store(dst, values, mask=mask)
+    return e, ok, within, mask, values
 
 
-@triton.jit(do_not_specialize=["n", "step0", "step1", "step2", "step3"])  # these follow the chunk
-def _copy_sum_kernel(
-    src_table,  # as _copy_kernel's
+@triton.jit(do_not_specialize=["n", "cols"])  # both follow the room: one compiled kernel serves every size
+def _copy_kernel(
+    src_table,  # as _move's
     dst_table,
-    src_idx,
-    dst_idx,
+    offsets,
+    src_cols,
+    dst_cols,
     n,
-    first,  # *i64 [n]: WordOrder.first, the position of each entry's first word
+    cols,
+    UNIT_TYPE: tl.constexpr,
+    ALIGN: tl.constexpr,
+    ROW: tl.constexpr,
+    PIECE: tl.constexpr,
+    NPIECE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    _move(src_table, dst_table, offsets, src_cols, dst_cols, n, cols,
+          UNIT_TYPE, ALIGN, ROW, PIECE, NPIECE, BLOCK, EVEN)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["n", "cols", "step0", "step1", "step2", "step3"])  # these follow the chunk
+def _copy_sum_kernel(
+    src_table,  # as _move's
+    dst_table,
+    offsets,
+    src_cols,
+    dst_cols,
+    n,
+    cols,
+    first,  # *i64 [n]: WordOrder.first, the position of each pair's first word
     partials,  # *i64 [programs]: each program's checksum of what it copied
     step0,  # WordOrder.dims' steps, innermost first (0 past its dims)
     step1,
     step2,
     step3,
-    UNIT_TYPE: tl.constexpr,  # as _copy_kernel's, 4- or 8-byte units only
+    UNIT_TYPE: tl.constexpr,  # as _move's, 4- or 8-byte units only
     ALIGN: tl.constexpr,
     ROW: tl.constexpr,
     PIECE: tl.constexpr,
@@ -152,27 +179,13 @@ def _copy_sum_kernel(
     C2: tl.constexpr,
     C3: tl.constexpr,
 ):
-    # _copy_kernel's copy, then the weighted sum of the units it moved (kernels/checksum.py)
-    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    e = r // NPIECE
-    ok = e < n
-    s = tl.load(src_idx + e, mask=ok, other=0).to(tl.int64)
-    d = tl.load(dst_idx + e, mask=ok, other=0).to(tl.int64)
-    src_addr = tl.multiple_of(tl.load(src_table + s, mask=ok, other=0), ALIGN)
-    dst_addr = tl.multiple_of(tl.load(dst_table + d, mask=ok, other=0), ALIGN)
-    cols = ((r % NPIECE) * PIECE)[:, None] + tl.arange(0, PIECE)[None, :]
-    src = src_addr.to(tl.pointer_type(UNIT_TYPE))[:, None] + cols
-    dst = dst_addr.to(tl.pointer_type(UNIT_TYPE))[:, None] + cols
-    if EVEN:
-        mask = ok[:, None]
-    else:
-        mask = ok[:, None] & (cols < ROW)
-    values = tl.load(src, mask=mask)
-    tl.store(dst, values, mask=mask)
+    # _move's copy, then the weighted sum of the units it moved (kernels/checksum.py)
+    e, ok, within, mask, values = _move(src_table, dst_table, offsets, src_cols, dst_cols, n, cols,
+                                        UNIT_TYPE, ALIGN, ROW, PIECE, NPIECE, BLOCK, EVEN)  # fmt: skip
     # WordOrder's rule at unit granularity (an entry is under 2**31 units): the unit's run split
     # innermost first into the dims' indices, each weighed by its step; a dim of count 1 is not
     # compiled in
-    unit = cols.to(tl.int32)
+    unit = within.to(tl.int32)
     run = unit // RUN_UNITS
     pos = tl.load(first + e, mask=ok, other=0)[:, None] + ((unit % RUN_UNITS) * WORDS).to(tl.int64)
     if C0 > 1:
@@ -429,11 +442,8 @@ def copy_entries(
         if order is None or checksum is None or first is None:
             _launch_plain(src, dst, which, cfg, unit, _NO_OFFSET, s_idx, d_idx)
             return
-        row = src.entry_bytes // unit
-        piece, even = column_block(row)
-        npiece = triton.cdiv(row, piece)
-        block = piece_block(cfg.block_bytes, piece * unit)
-        s_dev, d_dev = _indices_on(device, s_idx, d_idx)
+        row, piece, even, npiece, block = _shape(src.entry_bytes, unit, cfg)
+        off_dev, s_dev, d_dev = _indices_on(device, _NO_OFFSET, s_idx, d_idx)
         grid = (triton.cdiv(n * npiece, block),)
         dims = (*order.dims, *((1, 0),) * (MAX_DIMS - len(order.dims)))
         partials = torch.empty(grid[0], dtype=torch.int64, device=device)
@@ -441,8 +451,10 @@ def copy_entries(
         kernel[grid](  # type: ignore[index]
             src.on_device(),
             dst.on_device(),
+            off_dev,
             s_dev,
             d_dev,
+            n,
             n,
             _indices_on(device, first)[0],
             partials,
@@ -555,10 +567,7 @@ def _launch_plain(
     """One launch of the plain copy on the current stream: pair ``(u, j)`` copies entry
     ``offsets[u] + src_cols[j]`` onto ``offsets[u] + dst_cols[j]`` (checked by the caller)."""
     device = src.device
-    row = src.entry_bytes // unit
-    piece, even = column_block(row)
-    npiece = triton.cdiv(row, piece)
-    block = piece_block(cfg.block_bytes, piece * unit)
+    row, piece, even, npiece, block = _shape(src.entry_bytes, unit, cfg)
     n = int(offsets.size * src_cols.size)
     off_dev, s_dev, d_dev = _indices_on(device, offsets, src_cols, dst_cols)
     kernel = _copy_kernel if which == "jit" else triton_int(_copy_kernel)
@@ -572,7 +581,6 @@ def _launch_plain(
         int(src_cols.size),
         UNIT_TYPE=_TRITON_UNIT[unit],
         ALIGN=min(src.align, dst.align),
-        UNIT=unit,
         ROW=row,
         PIECE=piece,
         NPIECE=npiece,
@@ -580,6 +588,14 @@ def _launch_plain(
         EVEN=even,
         num_warps=cfg.num_warps,
     )
+
+
+def _shape(entry_bytes: int, unit: int, cfg: LaunchConfig) -> tuple[int, int, bool, int, int]:
+    """``(ROW, PIECE, EVEN, NPIECE, BLOCK)`` of a launch over entries of ``entry_bytes`` in ``unit``-byte
+    units (the module docstring's launch shape)."""
+    row = entry_bytes // unit
+    piece, even = column_block(row)
+    return row, piece, even, triton.cdiv(row, piece), piece_block(cfg.block_bytes, piece * unit)
 
 
 def _indices_on(
