@@ -129,10 +129,7 @@ class _Driver:
     @contextlib.contextmanager
     def context(self, ordinal: int) -> Iterator[None]:
         """Device ``ordinal``'s primary context current on this thread for the calls inside."""
-        dev = ctypes.c_int()
-        self.call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
-        ctx = ctypes.c_void_p()
-        self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+        ctx = self.retain(ordinal)
         try:
             self.call("cuCtxPushCurrent", ctx)
             try:
@@ -140,13 +137,14 @@ class _Driver:
             finally:
                 self.call("cuCtxPopCurrent", ctypes.byref(ctypes.c_void_p()))
         finally:
-            self.call("cuDevicePrimaryCtxRelease", dev)
+            self.release(ordinal)
 
-    def retain(self, ordinal: int) -> None:
-        """Hold a reference on device ``ordinal``'s primary context (until :meth:`release`)."""
+    def retain(self, ordinal: int) -> ctypes.c_void_p:
+        """Hold a reference on device ``ordinal``'s primary context (until :meth:`release`); the context."""
         dev, ctx = ctypes.c_int(), ctypes.c_void_p()
         self.call("cuDeviceGet", ctypes.byref(dev), ctypes.c_int(ordinal))
         self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev)
+        return ctx
 
     def release(self, ordinal: int) -> None:
         dev = ctypes.c_int()
