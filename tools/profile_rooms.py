@@ -66,9 +66,13 @@ def main() -> int:
             bootstrap_port=port,
             num_workers=1,
             layers_per_write=max(args.per_write, 1),
-            path=args.path,  # type: ignore[arg-type]
+            path="auto" if args.path == "kernel" else args.path,  # type: ignore[arg-type]
         )
-        return TransferEngine(cfg, KVPool.allocate(layout, 1, 0, 64, device=device))
+        pool = KVPool.allocate(layout, 1, 0, 64, device=device)
+        if args.path == "kernel" and device.type == "cpu":  # host memory the prefill can map: shared
+            for t in pool.tensors:
+                t.share_memory_()
+        return TransferEngine(cfg, pool)
 
     profile = cProfile.Profile()
     walls: list[float] = []

@@ -10,6 +10,7 @@ every byte lands, nothing is left open (the leak check counts lists as live hand
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import anyio
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from transfer_engine.errors import TransportError
+from transfer_engine.testing import patterns
 from transfer_engine.transport.nixl import WriteSpec, XferState
 
 from .harness import cluster, run_room, small_layout
@@ -151,12 +153,36 @@ async def test_a_layerwise_room_is_made_from_tables_prepared_once_per_decode_ran
 async def test_the_decode_poller_predicts_each_senders_next_layer_group() -> None:
     """From a sender's second group of a chunk on, the decode's poller opens a quick window around the
     next one's expected landing (:mod:`transfer_engine.protocol.cadence`); the chunk's last group
-    forgets the sender's room. Two prefill ranks: each has its own spacing. Rooms are byte-checked."""
+    forgets the sender's room. Two prefill ranks: each has its own spacing. Each group is reported
+    written only once the one before it was heard by the decode, so the groups land in order (the
+    prediction is made for groups that do: two WRITEs in flight may land either way round, which
+    changes the count, not the bytes). Rooms are byte-checked."""
     async with cluster(small_layout(), 2, 1, layers_per_write=1) as c:
         rng = np.random.default_rng(5)
         src, dst = rng.permutation(64)[:4], rng.permutation(64)[:4]
-        await run_room(c, 73, src, dst, [1, 3], layers=1)  # two chunks of three one-layer groups
-        poller = c.decode[0].poller
+        room, poller = 73, c.decode[0].poller
+        receiver = await c.decode[0].receiver(room, c.bootstrap, dst)
+        senders = [engine.sender(room) for engine in c.prefill]
+        num_layers = c.prefill[0].pool.layout.num_layers
+        heard = poller.counters["notifs"]
+        for sender, engine in zip(senders, c.prefill, strict=True):
+            for pages, last in ((src[:1], False), (src[1:], True)):  # two chunks of three one-layer groups
+                await sender.begin_chunk(pages, last=last)
+                for layer in range(num_layers):
+                    written = threading.Event()
+                    await sender.layers_ready(layer, layer + 1, ready=written)
+                    upto = src[: 1 if not last else 4]
+                    patterns.fill(engine.pool, room, upto, layers=(layer, layer + 1))
+                    written.set()
+                    heard += 1
+                    with anyio.fail_after(10):
+                        while poller.counters["notifs"] < heard:  # noqa: ASYNC110 - engine state, no event
+                            await anyio.sleep(0.001)
+        with anyio.fail_after(30):
+            for s in senders:
+                await s.wait()
+            await receiver.wait()
+        assert patterns.mismatches(c.decode[0].pool, room, dst, 4 * c.decode[0].pool.layout.page_size) == 0
         # per chunk and prefill rank: group [1, 2) opens the window for [2, 3), which closes the chunk
         assert poller.counters["cadence_windows"] == 2 * 2
         assert poller.cadence is not None and poller.cadence.keys == 0
