@@ -363,6 +363,7 @@ async def _prefill(
         if args.gc_freeze:
             gc.freeze()
         pauses = GcPauses().start()
+        cpu = CpuSpent()
         round_writes: list[int] = []  # WRITEs this rank posted in each round (--ab cut: groups or chunks)
         for rnd in range(args.rounds):
             # Each round: the raw ceiling, then the engine's rooms, so both see the same machine.
@@ -376,7 +377,8 @@ async def _prefill(
             await anyio.to_thread.run_sync(barrier.wait)
             _ab(args, engine, rnd)
             before = engine.poller.counters["writes_posted"]
-            await rooms(_round_rooms(args, rnd))
+            with cpu:
+                await rooms(_round_rooms(args, rnd))
             round_writes.append(engine.poller.counters["writes_posted"] - before)
         lat_page = _room_pages(args, 0, "prefill")[:1]
         rooms_posted = engine.poller.counters["descriptors_posted"]  # the warm-up's and the rounds'
@@ -402,6 +404,7 @@ async def _prefill(
                     pauses.summary(),
                     round_writes,
                     pauses.spans,
+                    cpu.per_room(args.rooms),
                 )  # fmt: skip
             )
             await anyio.to_thread.run_sync(conn.recv)
@@ -479,6 +482,7 @@ async def _decode(
         if args.gc_freeze:
             gc.freeze()
         pauses = GcPauses().start()
+        cpu = CpuSpent()
         room_lat.clear()
         engine_s = 0.0
         raw_rounds: list[float] = []
@@ -494,7 +498,8 @@ async def _decode(
                 raw_rounds.append(raw_gbps)
             await anyio.to_thread.run_sync(barrier.wait)
             first = len(room_lat)
-            elapsed = await rooms(ids)
+            with cpu:
+                elapsed = await rooms(ids)
             round_lat.append(room_lat[first:])
             engine_s += elapsed
             if raw_rounds:
@@ -557,7 +562,9 @@ async def _decode(
                 prefill_gc,
                 round_writes,
                 prefill_spans,
+                prefill_cpu,
             ) = await anyio.to_thread.run_sync(conn.recv)
+            result["cpu_ms_per_room"] = {"prefill": prefill_cpu, "decode": cpu.per_room(args.rooms)}
             if args.ab == "integrity":  # what decode rank 0 judged over the run, warm-up included
                 result["integrity_counters"] = {
                     k: engine.counters[k]
@@ -602,6 +609,27 @@ async def _decode(
     result["mismatches"] = bad
     if conn is not None:
         out.put(result)
+
+
+class CpuSpent:
+    """CPU time spent inside ``with`` blocks, summed: the process's (every thread: NIXL's, UCX's, the
+    completion waiters') and the calling thread's (the engine's loop: the bench runs on it)."""
+
+    def __init__(self) -> None:
+        self.process = self.loop = 0.0
+        self._at = (0.0, 0.0)
+
+    def __enter__(self) -> None:
+        self._at = (time.process_time(), time.thread_time())
+
+    def __exit__(self, *exc: object) -> None:
+        self.process += time.process_time() - self._at[0]
+        self.loop += time.thread_time() - self._at[1]
+
+    def per_room(self, rooms: int) -> dict[str, float]:
+        """ms per room over ``rooms`` rooms."""
+        n = max(rooms, 1)
+        return {"process": round(self.process * 1e3 / n, 3), "loop": round(self.loop * 1e3 / n, 3)}
 
 
 def _half_p50(rounds: list[list[float]]) -> float | None:
@@ -811,6 +839,10 @@ def main() -> int:
         f"(p99 {r['engine_lat_p99_ms']:.3f}) vs raw {r['raw_lat_p50_ms']:.3f} ms: added (median of pairs) "
         f"{r['added_latency_p50_ms']:.3f} ms; mismatches {r['mismatches']}; "
         f"grant_with_request={r['grant_with_request']}; load average {r['loadavg']}"
+    )
+    print(
+        "  CPU per room of the rounds, ms (the process's, of which the engine loop's thread): "
+        + "; ".join(f"{side} {got['process']:.3f} ({got['loop']:.3f})" for side, got in r["cpu_ms_per_room"].items())
     )
     print(
         f"  gc over the timed phases (page_table={args.page_table}, gc_freeze={args.gc_freeze}): "

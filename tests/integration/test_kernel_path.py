@@ -187,6 +187,59 @@ async def test_abort_mid_room_waits_for_no_copy() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_decode_with_only_kernel_path_rooms_polls_nixl_at_the_relaxed_cadence() -> None:
+    """Kernel-path rooms hear of their chunks over the control channel: while only such rooms (no aux
+    item) are live the decode's poller looks at NIXL every ``poll_relaxed``, not at the quick cadence
+    a room on a NIXL path keeps it at (docs/DECISIONS.md, "The decode's poller is quick only for rooms
+    that hear over NIXL"). A room waits 0.3 s between two layer groups; the looks in that time are
+    counted against what the relaxed cadence allows (quick looks every 50 us would be thousands)."""
+    layout = small_layout()
+    async with kernel_cluster(layout, 1, 1, layers_per_write=1, poll_relaxed=0.005) as c:
+        pages = np.arange(4)
+        patterns.fill(c.prefill[0].pool, 40, pages)
+        receiver = await c.decode[0].receiver(40, c.bootstrap, pages)
+        sender = c.prefill[0].sender(40)
+        await sender.begin_chunk(pages, last=True)
+        await sender.layers_ready(0, 1)
+        later = threading.Event()
+        await sender.layers_ready(1, 3, ready=later)
+        core = c.decode[0].rooms[40].core
+        with anyio.fail_after(10):
+            while core.layer_tally is None or core.layer_tally.layers((0, 0)) < 1:  # noqa: ASYNC110
+                await anyio.sleep(0.002)
+        poller = c.decode[0].poller
+        assert not c.decode[0].rooms[40].hears_nixl
+        polls = poller.counters["polls"]
+        await anyio.sleep(0.3)
+        looked = poller.counters["polls"] - polls
+        later.set()
+        with anyio.fail_after(10):
+            await receiver.wait()
+            await sender.wait()
+        assert looked <= 0.3 / 0.005 * 1.5 + 10, looked
+        assert patterns.mismatches(c.decode[0].pool, 40, pages, 4 * layout.page_size) == 0
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
+async def test_a_kernel_path_room_whose_writer_falls_back_to_nixl_still_lands() -> None:
+    """The decode chose the kernel path, then the prefill's mapping closed (the peer re-said hello, or
+    it is closing): the writer falls back to NIXL, whose notification the decode's poller still hears
+    at its relaxed looks. Every byte lands; the fallback is counted."""
+    layout = small_layout()
+    async with kernel_cluster(layout, 1, 1, poll_relaxed=0.002) as c:
+        await run_room(c, 50, np.arange(4), np.arange(4), [4])  # connected, mapped, the kernel path
+        (peer,) = c.prefill[0].peers.values()
+        assert isinstance(peer.mapping, ipc.MappedPool)
+        peer.mapping.close_when_idle()  # what a re-said hello does to the old mapping
+        await run_room(c, 51, np.arange(4, 8), np.arange(8, 12), [2, 2])
+        (ended,) = [r for r in build_snapshot(c.decode[0]).ended if r.room == 51]
+        assert ended.path == "kernel", ended.path
+        assert sum(w.counters["kernel_fallbacks"] for w in c.prefill[0].workers) == 2
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
 async def test_decode_death_closes_the_mapping() -> None:
     """A decode rank that leaves: the prefill declares it dead, closes its mapping (no copy in flight),
     and nothing stays mapped."""

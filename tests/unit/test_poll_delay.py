@@ -56,6 +56,13 @@ def delay(**kw: object) -> tuple[float, bool]:
         ("relaxed WRITEs on a busy rank", {"posted": 3, "busy": True}, (IV, True)),
         ("a relaxed period below poll_interval", {"posted": 3, "relaxed": IV / 10}, (IV, False)),
         ("a decode rank waiting, nothing posted", {"busy": True, "quick": True}, (IV / QUICK_DIVISOR, False)),
+        ("only kernel-path rooms live (their news comes over control)", {"listening": True}, (R, False)),
+        (
+            "only kernel-path rooms live, in a quick window: not quick",
+            {"listening": True, "quick": True},
+            (R, False),
+        ),
+        ("a kernel-path room beside one that hears over NIXL", {"listening": True, "busy": True}, (IV, True)),
     ],
 )
 def test_poll_delay(case: str, kw: dict[str, object], want: tuple[float, bool]) -> None:

@@ -59,6 +59,9 @@ class NoDrain:
     def request_drain(self, room: int) -> None:
         raise AssertionError("no deadline should expire in this test")
 
+    def listen(self) -> None:
+        raise AssertionError("no room here takes the kernel path")
+
 
 def _ports() -> tuple[RoomPorts, Outbox, Mailbox[object], Peer]:
     layout = KVLayout(num_layers=1, num_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
@@ -142,6 +145,9 @@ class Drains:
     def request_drain(self, room: int) -> None:
         self.asked.append((room, time.monotonic()))
         self.event.set()
+
+    def listen(self) -> None:
+        raise AssertionError("no room here takes the kernel path")
 
 
 async def test_a_room_asks_for_a_drain_at_its_deadline_and_fails_on_the_reply() -> None:

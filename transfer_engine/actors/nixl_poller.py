@@ -86,6 +86,7 @@ def poll_delay(
     idle: int,
     relaxed: float,
     idle_look: float = IDLE_LOOK_S,
+    listening: bool = False,
 ) -> tuple[float, bool]:
     """How long the poller sleeps before its next look, and whether that sleep counts as a back-off
     step (the caller counts ``idle`` up by one then). Pure.
@@ -96,10 +97,14 @@ def poll_delay(
     quick window (activity, or a predicted layer group); ``idle``: back-off steps since the last
     activity; ``relaxed``: ``EngineConfig.poll_relaxed``, the period of a look while only relaxed
     WRITEs are out (> 0); ``idle_look``: the sleep when nothing can come (``IDLE_LOOK_S``, or
-    ``poll_interval * IDLE_FACTOR`` while a peer added lately may probe the link).
+    ``poll_interval * IDLE_FACTOR`` while a peer added lately may probe the link); ``listening``:
+    rooms are live whose notifications come another way (the kernel path's, over the control
+    channel) but could come over NIXL (a writer that fell back to it): looked at every ``relaxed``,
+    not at the quick cadence (docs/DECISIONS.md, "The decode's poller is quick only for rooms that
+    hear over NIXL").
     """
-    if not (posted or busy):  # nothing can come
-        return idle_look, False
+    if not (posted or busy):  # nothing is expected over NIXL
+        return (max(relaxed, interval) if listening else idle_look), False
     if quick:
         return interval / QUICK_DIVISOR, False
     if urgent == 0 and not busy:  # only relaxed WRITEs out
@@ -129,6 +134,7 @@ class NixlPoller:
         notifications: bool,
         poll_interval: float = 0.0002,
         busy: Callable[[], bool] = lambda: False,
+        listening: Callable[[], bool] = lambda: False,
         spin: float = 0.0,
         trace: StepTrace | None = None,
         num_layers: int = 0,
@@ -145,6 +151,9 @@ class NixlPoller:
         """Rooms that asked for Drained; served after the next cycle that starts after the request."""
         self._interval = poll_interval
         self._busy = busy
+        """Whether rooms wait for notifications over NIXL (:func:`poll_delay`'s ``busy``)."""
+        self._listening = listening
+        """Whether rooms are live that could hear over NIXL (:func:`poll_delay`'s ``listening``)."""
         self._spin = spin
         self._num_layers = num_layers
         """The KV pool's layers: a layer group's notification ending below it has more to come."""
@@ -365,10 +374,18 @@ class NixlPoller:
         self._drain_next.append(room)
         self._wake.set()
 
-    def wake(self) -> None:
-        """Leave idle back-off now: a room started, so notifications may come any moment."""
-        self._heat()
+    def wake(self, quick: bool = True) -> None:
+        """Leave idle back-off now: a room started, so notifications may come any moment. With
+        ``quick`` False (a room whose notifications come over the control channel) the poller only
+        looks again now, without a quick window: its next sleep follows :func:`poll_delay`."""
+        if quick:
+            self._heat()
         self._wake.set()
+
+    def listen(self) -> None:
+        """A live room hears over NIXL from now on (a kernel-path room asked for its aux item):
+        :meth:`wake`, quick."""
+        self.wake()
 
     def _expect_more(self, cadence: GroupCadence, agent: str, notif: m.ChunkLanded | m.AuxLanded) -> None:
         """A layer group: tell the cadence (it predicts that sender's next group while more of its
@@ -425,6 +442,7 @@ class NixlPoller:
                 idle=self._idle,
                 relaxed=self._relaxed,
                 idle_look=self._interval * IDLE_FACTOR if now < self._peer_until else IDLE_LOOK_S,
+                listening=self._listening(),
             )
             self._idle += backoff
             if self.cadence is not None and (ahead := self.cadence.next_start(now)) is not None:

@@ -28,7 +28,7 @@ from transfer_engine.actors.introspect import Introspect, SnapshotSource
 from transfer_engine.actors.metrics import MetricsServer
 from transfer_engine.actors.nixl_poller import NixlPoller
 from transfer_engine.actors.ring import RingActor
-from transfer_engine.actors.room import RoomActor
+from transfer_engine.actors.room import ReceiverRoomActor, RoomActor
 from transfer_engine.actors.scatter import ScatterActor
 from transfer_engine.actors.worker import TransferWorker, warm_copy_kernel
 from transfer_engine.config import EngineConfig
@@ -162,7 +162,7 @@ class Supervisor:
         """Start a room's actor in the task group (its room is on the board already)."""
         assert self._tg is not None
         self._tg.start_soon(actor.run, name=f"{actor.side}-room-{actor.room}")
-        self.poller.wake()
+        self.poller.wake(quick=not isinstance(actor, ReceiverRoomActor) or actor.hears_nixl)
 
     async def open(
         self,
@@ -217,7 +217,8 @@ class Supervisor:
             self.board,
             notifications=cfg.role == "decode",
             poll_interval=cfg.poll_interval,
-            busy=(lambda: bool(rooms)) if cfg.role == "decode" else (lambda: False),
+            busy=(lambda: hears_nixl(rooms)) if cfg.role == "decode" else (lambda: False),
+            listening=(lambda: bool(rooms)) if cfg.role == "decode" else (lambda: False),
             spin=cfg.poll_spin,
             trace=self.me.trace,
             num_layers=self.pool.layout.num_layers,
@@ -391,3 +392,10 @@ class Supervisor:
                     raise
         if not isinstance(reply, m.RegisterAck) or not reply.ok:
             raise ConfigError(f"bootstrap {cfg.bootstrap_endpoint} refused rank {cfg.tp_rank}: {reply}")
+
+
+def hears_nixl(rooms: Mapping[int, RoomActor]) -> bool:
+    """Whether a live decode room waits for notifications over NIXL (the poller's ``busy``): any but a
+    kernel-path room without an aux item (docs/DECISIONS.md, "The decode's poller is quick only for
+    rooms that hear over NIXL")."""
+    return any(not isinstance(r, ReceiverRoomActor) or r.hears_nixl for r in rooms.values())

@@ -192,6 +192,10 @@ class DrainPort(Protocol):
         """After the next full poll-and-drain cycle, send :class:`~transfer_engine.runtime.mail.Drained` to ``room``."""
         ...
 
+    def listen(self) -> None:
+        """A live room hears over NIXL from now on: look for notifications quickly."""
+        ...
+
 
 class PeerBook(dict[str, Peer]):
     """Remote ranks by NIXL agent name. The engine adds and removes them; actors only read.

@@ -20,7 +20,7 @@ from transfer_engine.errors import (
 from transfer_engine.protocol import descriptors, heads
 from transfer_engine.protocol import messages as m
 from transfer_engine.protocol.layers import LayerTally, group_tensor_runs
-from transfer_engine.protocol.paths import is_staged
+from transfer_engine.protocol.paths import TransferPath, is_staged
 from transfer_engine.protocol.receiver_room import ReceiverRoom
 from transfer_engine.protocol.requests import HeldRegion, check_landed
 from transfer_engine.protocol.retransmit import (
@@ -178,6 +178,16 @@ class ReceiverRoomActor(ReceiverChecks, RoomActor):
         self.set_pages(mail.pages)
         self._send_requests(mail)
 
+    @property
+    def hears_nixl(self) -> bool:
+        """Whether this room's notifications come over NIXL: every path's but the kernel path's, whose
+        chunks are announced over the control channel; its aux item still comes as a NIXL WRITE
+        (the engine's poller is quick only while such a room is live)."""
+        if self.path != TransferPath.KERNEL.value:
+            return True
+        unsent = self._unsent
+        return self.core.wants_aux_from is not None or (unsent is not None and unsent.aux_slot is not None)
+
     async def started(self) -> None:
         self.send_unsent()
 
@@ -192,7 +202,10 @@ class ReceiverRoomActor(ReceiverChecks, RoomActor):
     def _send_requests(self, mail: RequestPages) -> None:
         """Send every prefill rank of the instance its TransferRequest for the room's pages."""
         aux_writer = self.slices[0].prefill_rank if mail.aux_slot is not None else None
+        hears_nixl = self.hears_nixl
         self.core.wants_aux_from = aux_writer
+        if not hears_nixl and self.hears_nixl:  # a kernel-path room's aux item: a NIXL WRITE
+            self.ports.drain.listen()
         self.core.lease(time.monotonic())  # it waits on the prefill now: the prefill's heartbeats renew it
         me = self.ports.me
         by_rank = {w.prefill_rank: (i, w) for i, w in enumerate(self.slices)}
