@@ -842,7 +842,9 @@ def main() -> int:
     )
     print(
         "  CPU per room of the rounds, ms (the process's, of which the engine loop's thread): "
-        + "; ".join(f"{side} {got['process']:.3f} ({got['loop']:.3f})" for side, got in r["cpu_ms_per_room"].items())
+        + "; ".join(
+            f"{side} {got['process']:.3f} ({got['loop']:.3f})" for side, got in r["cpu_ms_per_room"].items()
+        )
     )
     print(
         f"  gc over the timed phases (page_table={args.page_table}, gc_freeze={args.gc_freeze}): "
