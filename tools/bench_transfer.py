@@ -40,11 +40,13 @@ prefill 0 -> GPU of decode 0) is printed as a second ceiling.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import math
 import multiprocessing as mp
 import os
+import pstats
 import queue
 import statistics
 import sys
@@ -363,7 +365,7 @@ async def _prefill(
         if args.gc_freeze:
             gc.freeze()
         pauses = GcPauses().start()
-        cpu = CpuSpent()
+        cpu = CpuSpent(profile=args.profile == "prefill" and rank == 0)
         round_writes: list[int] = []  # WRITEs this rank posted in each round (--ab cut: groups or chunks)
         for rnd in range(args.rounds):
             # Each round: the raw ceiling, then the engine's rooms, so both see the same machine.
@@ -380,6 +382,7 @@ async def _prefill(
             with cpu:
                 await rooms(_round_rooms(args, rnd))
             round_writes.append(engine.poller.counters["writes_posted"] - before)
+        cpu.print_profile("prefill", args.rooms)
         lat_page = _room_pages(args, 0, "prefill")[:1]
         rooms_posted = engine.poller.counters["descriptors_posted"]  # the warm-up's and the rounds'
         for i in range(args.lat_rooms):
@@ -482,7 +485,7 @@ async def _decode(
         if args.gc_freeze:
             gc.freeze()
         pauses = GcPauses().start()
-        cpu = CpuSpent()
+        cpu = CpuSpent(profile=args.profile == "decode" and rank == 0)
         room_lat.clear()
         engine_s = 0.0
         raw_rounds: list[float] = []
@@ -504,6 +507,7 @@ async def _decode(
             engine_s += elapsed
             if raw_rounds:
                 ratios.append(room_bytes * len(ids) / elapsed / 1e9 / raw_rounds[-1])
+        cpu.print_profile("decode", args.rooms)
         lat: list[float] = []
         raw_lat: list[float] = []
         windows: list[tuple[int, int, int]] = []  # (room, start, end): each small room's monotonic_ns
@@ -613,16 +617,22 @@ async def _decode(
 
 class CpuSpent:
     """CPU time spent inside ``with`` blocks, summed: the process's (every thread: NIXL's, UCX's, the
-    completion waiters') and the calling thread's (the engine's loop: the bench runs on it)."""
+    completion waiters') and the calling thread's (the engine's loop: the bench runs on it). With
+    ``profile`` the loop's thread runs under cProfile inside the blocks (``--profile``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, profile: bool = False) -> None:
         self.process = self.loop = 0.0
         self._at = (0.0, 0.0)
+        self.profile = cProfile.Profile() if profile else None
 
     def __enter__(self) -> None:
         self._at = (time.process_time(), time.thread_time())
+        if self.profile is not None:
+            self.profile.enable()
 
     def __exit__(self, *exc: object) -> None:
+        if self.profile is not None:
+            self.profile.disable()
         self.process += time.process_time() - self._at[0]
         self.loop += time.thread_time() - self._at[1]
 
@@ -630,6 +640,24 @@ class CpuSpent:
         """ms per room over ``rooms`` rooms."""
         n = max(rooms, 1)
         return {"process": round(self.process * 1e3 / n, 3), "loop": round(self.loop * 1e3 / n, 3)}
+
+    def print_profile(self, side: str, rooms: int, top: int = 30) -> None:
+        """The profiled functions with the most own time and time under them, us per room."""
+        if self.profile is None:
+            return
+        stats = pstats.Stats(self.profile).stats  # type: ignore[attr-defined]
+        for column, title in ((2, "own time"), (3, "time under")):
+            rows = sorted(stats.items(), key=lambda kv: kv[1][column], reverse=True)[:top]
+            print(f"{side} rank 0 loop under cProfile, top {top} by {title}, us per room (calls per room):")
+            for (filename, line, name), values in rows:
+                where = (
+                    filename.split("transfer_engine/")[-1]
+                    if "transfer_engine" in filename
+                    else filename[-40:]
+                )
+                print(
+                    f"  {values[column] * 1e6 / rooms:9.1f} ({values[1] / rooms:6.1f})  {where}:{line} {name}"
+                )
 
 
 def _half_p50(rounds: list[list[float]]) -> float | None:
@@ -749,6 +777,13 @@ def main() -> int:
         "--gc-freeze",
         action="store_true",
         help="gc.freeze() in every process once its engine has started and run the warm-up rooms",
+    )
+    parser.add_argument(
+        "--profile",
+        choices=["none", "prefill", "decode"],
+        default="none",
+        help="run that side's rank 0 loop under cProfile over the rounds and print where its time goes "
+        "(per room); its CPU figures then include the profiler's cost",
     )
     parser.add_argument(
         "--trace",
