@@ -11,7 +11,9 @@ copy of one contiguous buffer of the room's bytes, timed the same way), their ra
 time (``perf_counter``). ``--reps`` rounds over every shape and the ceiling, each round in a rotated
 order; medians. The last row is the same copy at the default shape given as the factors of its
 outer sums (``copy_outer``: one offset per tensor, one column per page), the kernel path's form: its
-host call is what the factors save. Every call is checked bit-exact once. One line per shape, then one JSON line.
+host call is what the factors save. Then integrity's two reads (docs/INTEGRITY.md): the same copy
+summing what it copies (the kernel path's writer with integrity on) and the decode's check of the
+landed pages (``checksum_heads``), whose sum must equal the copy's. Every call is checked bit-exact once. One line per shape, then one JSON line.
 
     python tools/bench_copy.py --device cuda --page-size 16 --configs default,32768:4,65536:4,131072:8
 """
@@ -26,8 +28,9 @@ import time
 import numpy as np
 import torch
 
-from transfer_engine.kernels._common import LaunchConfig
-from transfer_engine.kernels.copy import DEFAULT_CONFIG, copy_entries, copy_outer, entry_table
+from transfer_engine.kernels._common import LaunchConfig, as_kv_table
+from transfer_engine.kernels.checksum import checksum_heads
+from transfer_engine.kernels.copy import DEFAULT_CONFIG, WordOrder, copy_entries, copy_outer, entry_table
 
 SLEEP_CYCLES = 4_000_000
 """A device-side wait queued before each timed call (about 2 ms on an H200), longer than its host call."""
@@ -107,16 +110,45 @@ def main() -> None:
     # the factors of the same copy (the kernel path's form): one offset per tensor, one column per page
     offsets = (np.arange(tensors, dtype=np.int64) * pool_pages).astype(np.int32)
     s_cols, d_cols = src_pages.astype(np.int32), dst_pages.astype(np.int32)
-    calls = [(cfg, False) for cfg in configs] + [(DEFAULT_CONFIG, True)]
+    calls: list[tuple[LaunchConfig, bool | str]] = [(cfg, False) for cfg in configs] + [
+        (DEFAULT_CONFIG, True)
+    ]
+    # integrity's two reads (docs/INTEGRITY.md): the copy that sums what it copies (the kernel path's
+    # writer) and the decode's check of the landed pages (checksum_heads), both in the room's gather
+    # layout [tensor, token, head, dim], where entry (t, j) is one run starting at (t * tokens + j * ps)
+    row_words = page_bytes // 4
+    first = (np.arange(tensors, dtype=np.int64) * pages)[:, None] + np.arange(pages, dtype=np.int64)[None, :]
+    word_order = WordOrder((first * row_words).reshape(-1), row_words)
+    summed_out = torch.zeros(1, dtype=torch.int64, device=dev)
+    checked_out = torch.zeros(1, dtype=torch.int64, device=dev)
+    kv = [
+        dst[t].view(torch.bfloat16).view(pool_pages, args.page_size, args.heads, args.head_dim)
+        for t in range(tensors)
+    ]
+    slots = torch.from_numpy(
+        (dst_pages[:, None] * args.page_size + np.arange(args.page_size)[None, :])
+        .reshape(-1)
+        .astype(np.int64)
+    )
+    table = as_kv_table(kv)
+    calls += [(DEFAULT_CONFIG, "summed"), (DEFAULT_CONFIG, "check")]
 
-    def call(cfg: LaunchConfig, factors: bool) -> None:
-        if factors:
+    def call(cfg: LaunchConfig, factors: bool | str) -> None:
+        if factors == "summed":
+            copy_entries(src_t, dst_t, s_idx, d_idx, config=cfg, checksum=summed_out, order=word_order)
+        elif factors == "check":
+            checksum_heads(table, slots, 0, args.heads, out=checked_out)
+        elif factors:
             copy_outer(src_t, dst_t, offsets, s_cols, d_cols, config=cfg)
         else:
             copy_entries(src_t, dst_t, s_idx, d_idx, config=cfg)
 
     exact = []
     for cfg, factors in calls:  # each shape checked bit-exact once (its first launch also compiles it)
+        if factors == "check":  # the pages hold the room (the summed copy ran last): the sums must agree
+            call(cfg, factors)
+            exact.append(int(checked_out.item()) == int(summed_out.item()))
+            continue
         dst.zero_()
         call(cfg, factors)
         got = dst.view(tensors, pool_pages, -1)[:, torch.as_tensor(dst_pages, device=dev)]
@@ -143,8 +175,10 @@ def main() -> None:
         gbs = nbytes / ms / 1e6
         rows.append({"block_bytes": cfg.block_bytes, "num_warps": cfg.num_warps, "factors": factors, "ms": ms, "gbs": gbs,
                      "ratio": gbs / raw_gbs, "host_ms": host, "exact": exact[i]})  # fmt: skip
+        name = {True: "copy_outer", False: "copy_entries", "summed": "copy_entries summed (integrity's writer)",
+                "check": "checksum_heads of the landed pages (integrity's decode check; exact: equals the summed copy's)"}[factors]  # fmt: skip
         print(
-            f"{'copy_outer' if factors else 'copy_entries'} block_bytes={cfg.block_bytes} num_warps={cfg.num_warps}: {ms:.3f} ms = {gbs:.0f} GB/s, "
+            f"{name} block_bytes={cfg.block_bytes} num_warps={cfg.num_warps}: {ms:.3f} ms = {gbs:.0f} GB/s, "
             f"{gbs / raw_gbs:.2f} of raw; host call {host:.3f} ms; exact {exact[i]}"
         )
     print(json.dumps({"page_size": args.page_size, "entry_bytes": page_bytes, "entries": int(s_idx.size),
