@@ -357,7 +357,9 @@ def flipped_case(flipped: int, p_dev: str, d_dev: str) -> None:
     and decode cores in this process; the prefill's real NIXL transport wrapped in the fault
     transport, which flips one bit of the first WRITE of request ``flipped`` in flight. The decode
     reports that request's blocks as load errors after one INTEGRITY failure, the other request lands
-    byte-exact, nothing leaks."""
+    byte-exact, nothing leaks. The kernel path is off (``kernel_path=False``): two cores of one process
+    on one GPU would otherwise take it (integrity rides on it) and no WRITE would go through NIXL to
+    flip; a flip on the kernel path is ``tests/gpu/test_kernel_path_gpu.py``'s."""
     side = replace(FLASH, num_layers=4, num_blocks=128)
     requests = requests_for(side, side, [1024, 1024])
     bad: Request = requests[flipped]
@@ -367,9 +369,17 @@ def flipped_case(flipped: int, p_dev: str, d_dev: str) -> None:
     port = free_port()
     p_caches, d_caches = allocate(side, p_dev), allocate(side, d_dev)
     prefill = make_core(
-        "prefill", side, 0, p_caches, port, integrity=True, agent_name=name, transport=wrapper
+        "prefill",
+        side,
+        0,
+        p_caches,
+        port,
+        integrity=True,
+        agent_name=name,
+        transport=wrapper,
+        kernel_path=False,
     )
-    decode = make_core("decode", side, 0, d_caches, port, integrity=True)
+    decode = make_core("decode", side, 0, d_caches, port, integrity=True, kernel_path=False)
     started: list[ConnectorCore] = []
     try:
         for core in (prefill, decode):
