@@ -101,7 +101,7 @@ if [ "$phase" = pagetables ]; then  # page tables as serving hands them out: TWO
     awk '$3 == "layers" { printf "| layer-wise tail, %s %s | %s | %s | %s | %s | %s |\n", $3, $4, $NF, $1, $5, $8, $9 }' \
       "$OUT/pt-layerwise.log" | tee -a "$OUT/pagetables.md"
   fi
-  echo "| row | path asked (taken) | page table | P->D | in flight | NIXL_UCX_SGL_ENABLE | engine / raw (rounds) | engine GB/s | raw GB/s | descriptors/room | small room added ms (raw p50) | GC full collections ms (prefill, decode) | mismatches | why (the decode's choice) |" \
+  echo "| row | path asked (taken) | page table | P->D | in flight | NIXL_UCX_SGL_ENABLE | engine / raw (rounds) | engine GB/s | raw GB/s | descriptors/room | small room added ms (raw p50) | CPU ms/room prefill (loop), decode (loop) | GC full collections ms (prefill, decode) | mismatches | why (the decode's choice) |" \
     | tee -a "$OUT/pagetables.md"
   row() {  # row NAME SGL ARGS...: one bench_transfer run, one markdown row (PT_ROWS, if set: only the rows it names)
     local name=$1 sgl=$2
@@ -130,11 +130,13 @@ if not lines:
 r = json.loads(lines[-1])
 gc = r.get("gc", {})
 full = ", ".join(f"{gc[s]['full']} / {gc[s]['full_total_ms']:.1f}" for s in ("prefill", "decode") if s in gc)
+cpu = r.get("cpu_ms_per_room", {})
+cpu = ", ".join(f"{cpu[s]['process']:.2f} ({cpu[s]['loop']:.2f})" for s in ("prefill", "decode") if s in cpu)
 print(
     f"| {name} | {r['path']} ({r['engine_path']}) | {r['page_table']} | {r['P']}->{r['D']} | {r['concurrency']} "
     f"| {'1' if sgl == '1' else 'unset'} | {r['throughput_ratio']:.2f} ({', '.join(map(str, r['round_ratios']))}) "
     f"| {r['engine_gbps']:.1f} | {r['raw_gbps']:.1f} | {r['descriptors_per_room']:.0f} "
-    f"| {r['added_latency_p50_ms']:.3f} ({r['raw_lat_p50_ms']:.3f}) | {full} | {r['mismatches']} "
+    f"| {r['added_latency_p50_ms']:.3f} ({r['raw_lat_p50_ms']:.3f}) | {cpu} | {full} | {r['mismatches']} "
     f"| {'; '.join(r.get('engine_path_reasons', []))} |"
 )
 EOF
@@ -277,7 +279,13 @@ if [ "$phase" = kernelrows ]; then  # the goal rows the kernel path moves, ONE H
   : >"$OUT/kernelrows.txt"
   QWEN="--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"
   export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
-  timeout 40 python3 tools/bench_copy.py --page-size 16 --reps 15 --configs default,32768:4,65536:4 >"$OUT/kr-copy.log" 2>&1
+  if [ -n "${RERUN:-}" ]; then  # 0. the CUDA tests named in RERUN first (node ids or files)
+    # shellcheck disable=SC2086
+    TE_TEST_DEVICE=cuda timeout ${RERUN_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rfE $RERUN >"$OUT/kr-rerun.log" 2>&1
+    say "rerun: rc $?, $(grep -v "NIXL INFO" "$OUT/kr-rerun.log" | grep -E '[0-9]+ (passed|failed)' | tail -1), $((SECONDS - start)) s"
+    grep -E "^(FAILED|ERROR) " "$OUT/kr-rerun.log" | cut -c1-200 | head -12 | tee -a "$OUT/kernelrows.txt"
+  fi
+  timeout 40 python3 tools/bench_copy.py --page-size 16 --reps 15 --configs ${COPY_CONFIGS:-default} >"$OUT/kr-copy.log" 2>&1
   say "bench_copy: rc $?"; grep -v "NIXL INFO" "$OUT/kr-copy.log" | grep -v '^{' | tee -a "$OUT/kernelrows.txt"
   OUT=$OUT BUDGET=${PT_BUDGET:-240} PT_LAYERWISE=none PT_ROWS=${PT_ROWS:-"auto-realistic-c8 auto-realistic-c1 auto-scattered-c8 auto-scattered-c1
     auto-realistic-c8-page1 auto-realistic-c1-page1 direct-contiguous-c1 direct-contiguous-c8"} bash "$0" pagetables 2>&1 \
@@ -297,6 +305,13 @@ if [ "$phase" = kernelrows ]; then  # the goal rows the kernel path moves, ONE H
     --ab integrity --trace >"$OUT/kr-small.log" 2>&1
   say "kernel path small room, integrity A/B, trace: rc $?"
   grep -v "NIXL INFO" "$OUT/kr-small.log" | grep -vE "^\s*$" | grep -B1 -A28 "^path=" | cut -c1-400 | tee -a "$OUT/kernelrows.txt"
+  if [ "${PROFILE:-prefill}" != none ]; then  # where a side's loop goes per 1.07 GB room at c8 (cProfile)
+    timeout 60 python3 tools/bench_transfer.py $QWEN --path auto --page-table realistic --concurrency 8 --rooms 48 \
+      --rounds 1 --lat-rooms 4 --profile ${PROFILE:-prefill} >"$OUT/kr-profile.log" 2>&1
+    say "auto realistic c8 under cProfile (${PROFILE:-prefill}): rc $?"
+    grep -v "NIXL INFO" "$OUT/kr-profile.log" | grep -A31 "top 30 by own time" | cut -c1-160 | tee -a "$OUT/kernelrows.txt"
+    grep -E "CPU per room" "$OUT/kr-profile.log" | tee -a "$OUT/kernelrows.txt"
+  fi
   say "kernelrows: $((SECONDS - start)) s"
   exit 0
 fi
