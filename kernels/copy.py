@@ -28,7 +28,8 @@ reach (its own, a peer GPU's mapped through CUDA IPC, pinned host memory).
 With ``checksum`` (integrity, docs/INTEGRITY.md) the same launch also sums what it copies, as
 ``kernels.checksum`` defines the sum, in the same pass (the source is read once, for both): the
 copied words are weighed by their positions in the whole the sum is defined over (for the kernel
-path, a chunk's or layer group's gather layout), which a :class:`WordOrder` states per entry. Each
+path, a chunk's or layer group's gather layout), which a :class:`WordOrder` states per entry (or, for
+:func:`copy_outer`, as the factors of an outer sum, as the entries themselves are given). Each
 program adds its weighted words into one partial (``kernels/_bytesum.py``'s ``combine``, mod 2**64),
 and one ``sum`` of the partials lands in ``checksum`` on the copy's stream. That is a kernel of its
 own (``_copy_sum_kernel``: the copy, then the sum of what it loaded); without ``checksum`` the plain
@@ -154,12 +155,13 @@ def _copy_kernel(
 def _copy_sum_kernel(
     src_table,  # as _move's
     dst_table,
-    offsets,
+    offsets,  # *i64 here (one upload for every factor), as _move's otherwise
     src_cols,
     dst_cols,
     n,
     cols,
-    first,  # *i64 [n]: WordOrder.first, the position of each pair's first word
+    first_units,  # *i64 [n // cols]: pair (u, j)'s first word sits at first_units[u] + first_cols[j]
+    first_cols,  # *i64 [cols]
     partials,  # *i64 [programs]: each program's checksum of what it copied
     step0,  # WordOrder.dims' steps, innermost first (0 past its dims)
     step1,
@@ -178,34 +180,52 @@ def _copy_sum_kernel(
     C1: tl.constexpr,
     C2: tl.constexpr,
     C3: tl.constexpr,
+    WIDE: tl.constexpr,  # a word's place past its pair's first word may reach 2**32 - 2: int64 weights
 ):
-    # _move's copy, then the weighted sum of the units it moved (kernels/checksum.py)
+    # _move's copy, then the weighted sum of the units it moved (kernels/checksum.py): word w at
+    # position F + i weighs F + i + 1, so a row (a pair's piece) adds F * sum(w) + sum(w * (i + 1)):
+    # one 64-bit product per row, and per word a 32 x 32 -> 64-bit one (i + 1 < 2**32 unless WIDE)
     e, ok, within, mask, values = _move(src_table, dst_table, offsets, src_cols, dst_cols, n, cols,
                                         UNIT_TYPE, ALIGN, ROW, PIECE, NPIECE, BLOCK, EVEN)  # fmt: skip
+    u = e // cols
+    first = tl.load(first_units + u, mask=ok, other=0) + tl.load(
+        first_cols + (e - u * cols), mask=ok, other=0
+    )
     # WordOrder's rule at unit granularity (an entry is under 2**31 units): the unit's run split
     # innermost first into the dims' indices, each weighed by its step; a dim of count 1 is not
     # compiled in
     unit = within.to(tl.int32)
     run = unit // RUN_UNITS
-    pos = tl.load(first + e, mask=ok, other=0)[:, None] + ((unit % RUN_UNITS) * WORDS).to(tl.int64)
+    if WIDE:
+        inner = ((unit % RUN_UNITS) * WORDS).to(tl.int64)
+    else:
+        inner = (unit % RUN_UNITS) * WORDS
     if C0 > 1:
-        pos += (run % C0).to(tl.int64) * step0
+        inner += (run % C0) * step0
         run = run // C0
     if C1 > 1:
-        pos += (run % C1).to(tl.int64) * step1
+        inner += (run % C1) * step1
         run = run // C1
     if C2 > 1:
-        pos += (run % C2).to(tl.int64) * step2
+        inner += (run % C2) * step2
         run = run // C2
     if C3 > 1:
-        pos += (run % C3).to(tl.int64) * step3
-    wide = values.to(tl.int64)
-    if WORDS == 2:  # the unit's words sit at pos and pos + 1
-        part = (wide & 0xFFFFFFFF) * (pos + 1) + ((wide >> 32) & 0xFFFFFFFF) * (pos + 2)
+        inner += (run % C3) * step3
+    moved = tl.where(mask, values, 0)
+    if WIDE:
+        weight = inner.to(tl.int64) + 1
     else:
-        part = (wide & 0xFFFFFFFF) * (pos + 1)
-    part = tl.where(mask, part, 0)
-    tl.store(partials + tl.program_id(0), tl.reduce(tl.reduce(part, 1, combine), 0, combine))
+        weight = (inner + 1).to(tl.uint32).to(tl.int64)  # zero-extended: the product is a widening one
+    if WORDS == 2:  # the unit's words sit at inner and inner + 1
+        lo = moved.to(tl.uint32).to(tl.int64)
+        hi = (moved >> 32).to(tl.uint32).to(tl.int64)
+        words = lo + hi
+        part = lo * weight + hi * (weight + 1)
+    else:
+        words = moved.to(tl.uint32).to(tl.int64)
+        part = words * weight
+    rows = first * tl.reduce(words, 1, combine) + tl.reduce(part, 1, combine)
+    tl.store(partials + tl.program_id(0), tl.reduce(rows, 0, combine))
 
 
 _TRITON_UNIT = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -292,6 +312,17 @@ class WordOrder:
     first: npt.NDArray[np.int64]
     run: int
     dims: tuple[tuple[int, int], ...] = ()
+    cols: npt.NDArray[np.int64] | None = None
+    """With it, the order of a copy given as factors (:func:`copy_outer`): pair ``(u, j)``'s first word
+    sits at ``first[u] + cols[j]`` (``first`` then has one item per offset); the kernel path's gather
+    layout is such a sum (``gather_order``)."""
+
+    def entry_first(self) -> npt.NDArray[np.int64]:
+        """int64 ``[entries]``: each entry's first position (the outer sum, with :attr:`cols`)."""
+        first = np.asarray(self.first, dtype=np.int64)
+        if self.cols is None:
+            return first
+        return (first[:, None] + np.asarray(self.cols, dtype=np.int64)[None, :]).reshape(-1)
 
     def offsets(self) -> npt.NDArray[np.int64]:
         """int64 ``[entry words]``: each word's position past its entry's ``first``."""
@@ -305,18 +336,32 @@ class WordOrder:
         return out
 
 
-def _check_order(order: WordOrder, n: int, entry_bytes: int) -> npt.NDArray[np.int64]:
-    """``order.first`` as an int64 host array, once ``order`` fits a copy of ``n`` entries of
-    ``entry_bytes`` (:class:`KernelInputError` naming what does not)."""
+def _check_order(
+    order: WordOrder, n: int, entry_bytes: int, units: int | None = None
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``order``'s first positions as the kernel reads them: int64 ``(per offset, per column)`` host
+    arrays, once ``order`` fits a copy of ``n`` entries of ``entry_bytes`` (:class:`KernelInputError`
+    naming what does not). ``units``: the copy's offsets when it is given as factors (:func:`copy_outer`:
+    ``order.cols`` is then required, ``units`` x ``len(order.cols)`` entries); None for index arrays
+    (one offset, ``n`` columns: a factored order is summed out)."""
     if not isinstance(order, WordOrder):
         raise KernelInputError(f"order must be a WordOrder, got {type(order).__name__}")
-    first = np.asarray(order.first)
-    if first.ndim != 1 or not np.issubdtype(first.dtype, np.integer):
-        raise KernelInputError(f"order.first must be a 1-D integer array, got {first.dtype} {first.shape}")
-    if first.size != n:
-        raise KernelInputError(f"order.first has {first.size} entries, the copy {n}")
-    if n and int(first.min()) < 0:
-        raise KernelInputError(f"order.first holds {int(first.min())}: positions are >= 0")
+    factors = []
+    for name, values in (("order.first", order.first), ("order.cols", order.cols)):
+        if values is None:
+            continue
+        array = np.asarray(values)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise KernelInputError(f"{name} must be a 1-D integer array, got {array.dtype} {array.shape}")
+        if array.size and int(array.min()) < 0:
+            raise KernelInputError(f"{name} holds {int(array.min())}: positions are >= 0")
+        factors.append(np.ascontiguousarray(array, dtype=np.int64))
+    if units is not None and order.cols is None:
+        raise KernelInputError("a copy given as factors sums with an order given as factors (order.cols)")
+    entries = factors[0].size * (1 if len(factors) == 1 else factors[1].size)
+    if entries != n or (units is not None and factors[0].size != units):
+        given = "x".join(str(f.size) for f in factors)
+        raise KernelInputError(f"order.first has {given} entries, the copy {n}")
     if not isinstance(order.run, int) or order.run < 1:
         raise KernelInputError(f"order.run={order.run!r} must be an int >= 1")
     if len(order.dims) > MAX_DIMS:
@@ -331,7 +376,14 @@ def _check_order(order: WordOrder, n: int, entry_bytes: int) -> npt.NDArray[np.i
         raise KernelInputError(
             f"order covers {words} words of {WORD} bytes per entry; the entries are {entry_bytes} bytes"
         )
-    return np.ascontiguousarray(first, dtype=np.int64)
+    if units is None:
+        return np.zeros(1, dtype=np.int64), order.entry_first()
+    return factors[0], factors[1]
+
+
+def _widest(order: WordOrder) -> int:
+    """The largest place of a word past its entry's first word, plus one (its weight's part)."""
+    return order.run + sum((count - 1) * step for count, step in order.dims)
 
 
 def _check_pair(src: EntryTable, dst: EntryTable) -> None:
@@ -414,36 +466,71 @@ def copy_entries(
     device = src.device
     check_stream(stream, device)
     s_idx, d_idx = _check_indices(src_idx, dst_idx, src, dst)
-    n = int(s_idx.size)
     which = resolve_impl(impl, device)
+    firsts = _check_sum(checksum, order, device, int(s_idx.size), src.entry_bytes, None)
+    _copy(
+        src, dst, which, config or DEFAULT_CONFIG, stream, _NO_OFFSET, s_idx, d_idx, checksum, order, firsts
+    )
+
+
+def _check_sum(
+    checksum: torch.Tensor | None,
+    order: WordOrder | None,
+    device: torch.device,
+    n: int,
+    entry_bytes: int,
+    units: int | None,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None:
+    """A summed copy's first positions (:func:`_check_order`), or None for a plain copy."""
     if (checksum is None) != (order is None):
         raise KernelInputError("checksum and order go together: the sum needs its words' positions")
-    first = None
-    if order is not None:
-        check_out(device, checksum)
-        first = _check_order(order, n, src.entry_bytes)
-    if n == 0:
-        if checksum is not None:
-            with launcher(device, stream):
-                checksum.reshape(-1)[:1].zero_()
-        return
-    cfg = config or DEFAULT_CONFIG
+    if order is None:
+        return None
+    check_out(device, checksum)
+    return _check_order(order, n, entry_bytes, units)
+
+
+def _copy(
+    src: EntryTable,
+    dst: EntryTable,
+    which: str,
+    cfg: LaunchConfig,
+    stream: torch.cuda.Stream | None,
+    offsets: npt.NDArray[np.int32],
+    src_cols: npt.NDArray[np.int32],
+    dst_cols: npt.NDArray[np.int32],
+    checksum: torch.Tensor | None,
+    order: WordOrder | None,
+    firsts: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]] | None,
+) -> None:
+    """The copy of pairs ``(u, j)`` (checked), plain or summed (``firsts``), on ``stream``: the kernel,
+    or the reference (CPU, or a sum over units under 4 bytes)."""
+    device = src.device
     with launcher(device, stream):
-        align = min(src.align, dst.align)
-        unit = min(align, 8)
+        if offsets.size * src_cols.size == 0:
+            if checksum is not None:
+                checksum.reshape(-1)[:1].zero_()
+            return
+        unit = min(src.align, dst.align, 8)
         if order is not None and order.run % 2:  # a run of odd words: 8-byte units would straddle runs
             unit = min(unit, WORD)
         if which == "torch" or (checksum is not None and unit < WORD):
-            total = copy_entries_reference(src, dst, s_idx, d_idx, order=order)
+            total = copy_entries_reference(
+                src, dst, _outer(offsets, src_cols), _outer(offsets, dst_cols), order=order
+            )
             if checksum is not None:
                 assert total is not None
                 finish(total, checksum)
             return
-        if order is None or checksum is None or first is None:
-            _launch_plain(src, dst, which, cfg, unit, _NO_OFFSET, s_idx, d_idx)
+        if order is None or checksum is None or firsts is None:
+            _launch_plain(src, dst, which, cfg, unit, offsets, src_cols, dst_cols)
             return
         row, piece, even, npiece, block = _shape(src.entry_bytes, unit, cfg)
-        off_dev, s_dev, d_dev = _indices_on(device, _NO_OFFSET, s_idx, d_idx)
+        n = int(offsets.size * src_cols.size)
+        i64 = np.int64
+        factors = _indices_on(
+            device, offsets.astype(i64), src_cols.astype(i64), dst_cols.astype(i64), *firsts
+        )
         grid = (triton.cdiv(n * npiece, block),)
         dims = (*order.dims, *((1, 0),) * (MAX_DIMS - len(order.dims)))
         partials = torch.empty(grid[0], dtype=torch.int64, device=device)
@@ -451,16 +538,14 @@ def copy_entries(
         kernel[grid](  # type: ignore[index]
             src.on_device(),
             dst.on_device(),
-            off_dev,
-            s_dev,
-            d_dev,
+            *factors[:3],
             n,
-            n,
-            _indices_on(device, first)[0],
+            int(src_cols.size),
+            *factors[3:],
             partials,
             *(step for _, step in dims),
             UNIT_TYPE=_TRITON_UNIT[unit],
-            ALIGN=align,
+            ALIGN=min(src.align, dst.align),
             ROW=row,
             PIECE=piece,
             NPIECE=npiece,
@@ -472,6 +557,7 @@ def copy_entries(
             C1=dims[1][0],
             C2=dims[2][0],
             C3=dims[3][0],
+            WIDE=_widest(order) + 2 >= 1 << 32,
             num_warps=cfg.num_warps,
         )
         finish(partials.sum(), checksum)
@@ -491,6 +577,8 @@ def copy_outer(
     stream: torch.cuda.Stream | None = None,
     impl: Impl = "auto",
     config: LaunchConfig | None = None,
+    checksum: torch.Tensor | None = None,
+    order: WordOrder | None = None,
 ) -> None:
     """Copy entry ``offsets[u] + src_cols[j]`` of ``src`` onto entry ``offsets[u] + dst_cols[j]`` of
     ``dst`` for every ``(u, j)``: the copy :func:`copy_entries` makes of the two outer sums, given as
@@ -500,23 +588,18 @@ def copy_outer(
 
     Shapes: ``offsets`` int ``[U]``, ``src_cols`` and ``dst_cols`` int ``[C]``, in HOST memory; every sum
     is checked against its table here, before anything is enqueued (:class:`KernelInputError` naming
-    the side and the bad sum). Stream, overlap rules and the CPU copy as for :func:`copy_entries`; no
-    checksum (the summing copy takes the sums themselves). ``U * C == 0``: nothing is launched.
+    the side and the bad sum). Stream, overlap rules, the CPU copy and ``checksum`` as for
+    :func:`copy_entries`, with ``order`` given as factors too (``WordOrder.cols``: pair ``(u, j)``'s
+    first word at ``order.first[u] + order.cols[j]``; the kernel adds them as it adds the indices).
+    ``U * C == 0``: nothing is launched (``checksum`` gets 0).
     """
     _check_pair(src, dst)
     device = src.device
     check_stream(stream, device)
     off, s_cols, d_cols = _check_factors(offsets, src_cols, dst_cols, src, dst)
     which = resolve_impl(impl, device)
-    if off.size * s_cols.size == 0:
-        return
-    cfg = config or DEFAULT_CONFIG
-    with launcher(device, stream):
-        unit = min(src.align, dst.align, 8)
-        if which == "torch":
-            copy_entries_reference(src, dst, _outer(off, s_cols), _outer(off, d_cols))
-            return
-        _launch_plain(src, dst, which, cfg, unit, off, s_cols, d_cols)
+    firsts = _check_sum(checksum, order, device, int(off.size * s_cols.size), src.entry_bytes, int(off.size))
+    _copy(src, dst, which, config or DEFAULT_CONFIG, stream, off, s_cols, d_cols, checksum, order, firsts)
 
 
 def _outer(offsets: npt.NDArray[np.int32], cols: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
@@ -719,7 +802,7 @@ class _ReferenceSum:
     ``first[k] * sum(w) + sum((offsets + 1) * w)`` (:meth:`WordOrder.offsets`), mod 2**64."""
 
     def __init__(self, order: WordOrder, n: int, entry_bytes: int, device: torch.device) -> None:
-        self.first = _check_order(order, n, entry_bytes)
+        _, self.first = _check_order(order, n, entry_bytes)
         self.device = device
         weights = order.offsets() + 1
         self.host = device.type == "cpu"

@@ -5,7 +5,7 @@ as it checks a direct WRITE's: every chunk (or layer group) matches, bytes exact
 
 A copy corrupted after it summed (one bit of the destination flipped once the real copy wrote it, before
 its notification leaves: :class:`FlippedCopies`, a fault-injecting wrapper around the worker's real
-``copy_entries``) fails its room with INTEGRITY while the rooms beside it succeed byte-exact. Integrity
+``copy_outer``) fails its room with INTEGRITY while the rooms beside it succeed byte-exact. Integrity
 off on either side: the chunks count unchecked, still on the kernel path.
 
 The pools are on ``TE_TEST_DEVICE`` (``tests.integration.harness.DEVICE``): the CPU in CI (the decode's pool
@@ -122,7 +122,7 @@ async def test_integrity_keeps_the_kernel_path(
 
 
 class FlippedCopies:
-    """The worker's real ``copy_entries``, and then, for a copy whose first destination entry lies in
+    """The worker's real ``copy_outer``, and then, for a copy whose first destination entry lies in
     ``spans`` (set once the decode's pool is mapped), one bit of that entry's first byte flipped in the
     destination: after the copy summed what it read, before its completion is recorded (on CUDA the
     copy's stream is synchronized first), so the notification carries the sum of the right bytes and the
@@ -133,9 +133,11 @@ class FlippedCopies:
         self.spans: list[tuple[int, int]] = []
         self.flipped = 0
 
-    def __call__(self, src: EntryTable, dst: EntryTable, src_idx: Any, dst_idx: Any, **kw: Any) -> None:
-        self.real(src, dst, src_idx, dst_idx, **kw)
-        addr = int(dst.addr[int(np.asarray(dst_idx)[0])])
+    def __call__(
+        self, src: EntryTable, dst: EntryTable, offsets: Any, src_cols: Any, dst_cols: Any, **kw: Any
+    ) -> None:
+        self.real(src, dst, offsets, src_cols, dst_cols, **kw)
+        addr = int(dst.addr[int(np.asarray(offsets)[0]) + int(np.asarray(dst_cols)[0])])
         if not any(low <= addr < high for low, high in self.spans):
             return
         stream = kw.get("stream")
@@ -173,8 +175,8 @@ async def outcome(handle: Sender | Receiver) -> str:
 async def a_flipped_copy_fails_its_room_only(layers: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four rooms at once, the second's copies corrupted after they summed: it fails INTEGRITY on the
     decode (and never counts), the three beside it succeed byte-exact, no copy fell back, nothing leaks."""
-    flips = FlippedCopies(kernel_part.copy_entries)
-    monkeypatch.setattr(kernel_part, "copy_entries", flips)
+    flips = FlippedCopies(kernel_part.copy_outer)
+    monkeypatch.setattr(kernel_part, "copy_outer", flips)
     rooms, flipped = [10, 11, 12, 13], 11
     rng = random.Random(40 + layers)
     async with integrity_cluster(small_layout(), 1, 1, layers_per_write=1) as c:

@@ -432,6 +432,15 @@ def test_fused_sum_is_the_checksum_of_the_gather_layout(where: Where, dtype: tor
         v.copy_(b)
     reference = copy_entries_reference(s_table, d_table, s_idx, d_idx, order=order)
     assert reference is not None and checksum_value(reference) == want
+    # the kernel path's own form: the copy and its order as factors (write_factors, gather_order)
+    factors = tables.write_factors(
+        spec, src_pages, dst_pages, picked, dst_start_token=start, num_tokens=tokens
+    )
+    again = torch.full((1,), -1, dtype=torch.int64, pin_memory=where.device == "cuda")
+    copy_outer(s_table, d_table, *factors, stream=stream, impl=where.impl, checksum=again, order=order)
+    if stream is not None:
+        stream.synchronize()
+    assert checksum_value(again) == want
 
 
 @pytest.mark.parametrize("group", [None, (2, 4)], ids=["chunk", "layers-2-4"])
@@ -461,7 +470,7 @@ def test_fused_sum_of_latents(where: Where, group: tuple[int, int] | None) -> No
 def _defined_sum(src: torch.Tensor, entry_bytes: int, s_idx: np.ndarray, order: WordOrder) -> int:
     """The definition with every word's position written out: ``sum((pos + 1) * w) mod 2**64``."""
     words = src.cpu().numpy().view("<u4").reshape(-1, entry_bytes // 4)[s_idx].astype(np.uint64)
-    pos = np.asarray(order.first)[:, None] + order.offsets()[None, :]
+    pos = order.entry_first()[:, None] + order.offsets()[None, :]
     return int((words * (pos + 1).astype(np.uint64)).sum(dtype=np.uint64)) & MASK64
 
 
@@ -472,6 +481,7 @@ ORDERS = [
     pytest.param(24, 0, 3, ((2, 100),), id="8B-units-split-by-runs"),
     pytest.param(96, 0, 1, ((2, 5), (3, 50), (2, 1000), (2, 9)), id="four-dims"),
     pytest.param(2048 + 32, 0, 8, ((65, 16),), id="multi-piece"),
+    pytest.param(32, 0, 4, ((2, 1 << 33),), id="wide-weights"),
     pytest.param(48, 2, 4, ((3, 10),), id="2B-aligned-dst-reference"),
     pytest.param(48, 1, 4, ((3, 10),), id="1B-aligned-dst-reference"),
 ]
@@ -503,6 +513,58 @@ def test_fused_sum_over_raw_orders(where: Where, entry_bytes: int, offset: int, 
         assert torch.equal(got[d], src.cpu().view(n, entry_bytes)[s])
     reference = copy_entries_reference(s_table, d_table, s_idx, d_idx, order=order)
     assert reference is not None and checksum_value(reference) == want
+
+
+@pytest.mark.parametrize(("entry_bytes", "run", "dims"), [(48, 12, ()), (64, 2, ((4, 9), (2, 1000)))])
+def test_summed_copy_from_factors(where: Where, entry_bytes: int, run: int,
+                                  dims: tuple[tuple[int, int], ...]) -> None:  # fmt: skip
+    """The kernel path's summed copy: the copy and its order both given as factors (``copy_outer``,
+    ``WordOrder.cols``): the bytes of the outer sums' copy, the sum of the definition over every
+    entry's first position ``first[u] + cols[j]``."""
+    gen = torch.Generator().manual_seed(entry_bytes)
+    n = 40
+    src = torch.randint(0, 256, (n * entry_bytes,), dtype=torch.uint8, generator=gen).to(where.device)
+    out = torch.zeros(n * entry_bytes, dtype=torch.uint8, device=where.device)
+    s_table = entry_table(src.data_ptr() + np.arange(n, dtype=np.uint64) * entry_bytes, entry_bytes,
+                          where.device)  # fmt: skip
+    d_table = entry_table(out.data_ptr() + np.arange(n, dtype=np.uint64) * entry_bytes, entry_bytes,
+                          where.device)  # fmt: skip
+    offsets = np.array([0, 10, 20], dtype=np.int32)  # three units of up to 7 columns each
+    s_cols = np.array([3, 1, 4, 9, 5, 2, 6], dtype=np.int32)
+    d_cols = np.array([2, 7, 1, 8, 0, 5, 9], dtype=np.int32)
+    rng = np.random.default_rng(3)
+    order = WordOrder(rng.integers(0, 1 << 40, 3).astype(np.int64), run, dims,
+                      cols=rng.integers(0, 1 << 30, 7).astype(np.int64))  # fmt: skip
+    summed = torch.zeros(1, dtype=torch.int64, device=where.device)
+    copy_outer(s_table, d_table, offsets, s_cols, d_cols, impl=where.impl, checksum=summed, order=order)
+    s_idx = (offsets[:, None] + s_cols[None, :]).reshape(-1)
+    d_idx = (offsets[:, None] + d_cols[None, :]).reshape(-1)
+    assert checksum_value(summed) == _defined_sum(src, entry_bytes, s_idx, order)
+    got, want = out.cpu().view(n, entry_bytes), src.cpu().view(n, entry_bytes)
+    for s_i, d_i in zip(s_idx, d_idx, strict=True):
+        assert torch.equal(got[d_i], want[s_i])
+    again = torch.zeros(1, dtype=torch.int64, device=where.device)  # the same sum from index arrays
+    copy_entries(s_table, d_table, s_idx, d_idx, impl=where.impl, checksum=again, order=order)
+    assert checksum_value(again) == checksum_value(summed)
+
+
+@pytest.mark.parametrize(
+    ("order", "match"),
+    [
+        (WordOrder(np.zeros(4, np.int64), 4), "order given as factors"),
+        (WordOrder(np.zeros(2, np.int64), 4, cols=np.zeros(3, np.int64)), "order.first has 2x3 entries"),
+        (WordOrder(np.zeros(1, np.int64), 4, cols=np.zeros(2, np.int64)), "order.first has 1x2 entries"),
+        (WordOrder(np.zeros(2, np.int64), 4, cols=np.array([0, -5])), "order.cols holds -5"),
+    ],
+)
+def test_bad_factored_sums_raise_before_launch(order: WordOrder, match: str) -> None:
+    buf = torch.zeros(64, dtype=torch.uint8)
+    table = entry_table(buf.data_ptr() + np.arange(4, dtype=np.uint64) * 16, 16, "cpu")
+    with pytest.raises(KernelInputError, match=match):
+        copy_outer(
+            table, table, [0, 1], [0, 1], [2, 2], checksum=torch.zeros(1, dtype=torch.int64), order=order
+        )
+    assert int(buf.count_nonzero()) == 0
 
 
 def test_empty_summed_copy_is_zero(where: Where) -> None:

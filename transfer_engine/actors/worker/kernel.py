@@ -57,7 +57,7 @@ import torch
 from transfer_engine.errors import ConfigError, FailureReason, TransferError
 from transfer_engine.kernels import KernelInputError
 from transfer_engine.kernels.checksum import WORD, checksum_value
-from transfer_engine.kernels.copy import EntryTable, WordOrder, copy_entries, copy_outer, entry_table
+from transfer_engine.kernels.copy import EntryTable, WordOrder, copy_outer, entry_table
 from transfer_engine.memory.ipc import MappedPool
 from transfer_engine.memory.layout import KVPool, stride_rows_of
 from transfer_engine.protocol import descriptors, tables
@@ -407,14 +407,9 @@ def _copy(
     checksum: torch.Tensor | None,
     stream: torch.cuda.Stream | None = None,
 ) -> None:
-    """The copy itself: from the factors (the plain copy: U + 2C integers sent for U x C entries), or,
-    summed (integrity on), from the index arrays they make, which the summing kernel reads."""
-    if order is None:
-        copy_outer(pair.src, pair.dst, *factors, stream=stream)
-        return
-    offsets, src_cols, dst_cols = factors
-    src_idx, dst_idx = tables.outer_sums(offsets, src_cols), tables.outer_sums(offsets, dst_cols)
-    copy_entries(pair.src, pair.dst, src_idx, dst_idx, stream=stream, checksum=checksum, order=order)
+    """The copy itself, from the factors (U + 2C integers sent for U x C entries), summed as it copies
+    with integrity on (``order``: its positions, factors too: U + C more)."""
+    copy_outer(pair.src, pair.dst, *factors, stream=stream, checksum=checksum, order=order)
 
 
 def _copy_on_thread(copy: _Copy, pair: _Tables, factors: Factors, order: WordOrder | None) -> None:
@@ -472,8 +467,11 @@ def gather_order(spec: tables.TableSpec, rows: np.ndarray | None, num_tokens: in
     t0 = position[first_rows]
     token0 = np.arange(num_tokens // g, dtype=np.int64) * g
     head0 = np.arange(spec.head_groups, dtype=np.int64) * k
-    first = ((t0[:, None, None] * num_tokens + token0[None, :, None]) * n + head0[None, None, :]) * run
-    return WordOrder(first.reshape(-1), run, tuple((size, step[name]) for name, size, _ in spec.order))
+    # entry (u, q, h) starts at ((t0[u] * tokens + token0[q]) * n + head0[h]) * run: a term per unit
+    # plus a term per column (q, h), the factors the copy's own indices come in (write_factors)
+    units = t0 * num_tokens * n * run
+    cols = ((token0[:, None] * n + head0[None, :]) * run).reshape(-1)
+    return WordOrder(units, run, tuple((size, step[name]) for name, size, _ in spec.order), cols=cols)
 
 
 def _landed(job: WriteJob, checksum: int | None) -> m.ChunkLanded:
