@@ -131,11 +131,17 @@ def main() -> None:
         .astype(np.int64)
     )
     table = as_kv_table(kv)
-    calls += [(DEFAULT_CONFIG, "summed"), (DEFAULT_CONFIG, "check")]
+    outer_order = WordOrder(np.arange(tensors, dtype=np.int64) * pages * row_words, row_words,
+                            cols=np.arange(pages, dtype=np.int64) * row_words)  # fmt: skip
+    calls += [(DEFAULT_CONFIG, "summed"), (DEFAULT_CONFIG, "summed_outer"), (DEFAULT_CONFIG, "check")]
 
     def call(cfg: LaunchConfig, factors: bool | str) -> None:
         if factors == "summed":
             copy_entries(src_t, dst_t, s_idx, d_idx, config=cfg, checksum=summed_out, order=word_order)
+        elif factors == "summed_outer":
+            copy_outer(
+                src_t, dst_t, offsets, s_cols, d_cols, config=cfg, checksum=summed_out, order=outer_order
+            )
         elif factors == "check":
             checksum_heads(table, slots, 0, args.heads, out=checked_out)
         elif factors:
@@ -175,7 +181,7 @@ def main() -> None:
         gbs = nbytes / ms / 1e6
         rows.append({"block_bytes": cfg.block_bytes, "num_warps": cfg.num_warps, "factors": factors, "ms": ms, "gbs": gbs,
                      "ratio": gbs / raw_gbs, "host_ms": host, "exact": exact[i]})  # fmt: skip
-        name = {True: "copy_outer", False: "copy_entries", "summed": "copy_entries summed (integrity's writer)",
+        name = {True: "copy_outer", False: "copy_entries", "summed": "copy_entries summed", "summed_outer": "copy_outer summed (integrity's writer on the kernel path)",
                 "check": "checksum_heads of the landed pages (integrity's decode check; exact: equals the summed copy's)"}[factors]  # fmt: skip
         print(
             f"{name} block_bytes={cfg.block_bytes} num_warps={cfg.num_warps}: {ms:.3f} ms = {gbs:.0f} GB/s, "
