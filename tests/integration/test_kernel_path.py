@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.integration.harness import DEVICE, make_pool, run_room, shuffled_pages, small_layout
+from tests.integration.harness import DEVICE, layers_landed, make_pool, run_room, shuffled_pages, small_layout
 from transfer_engine.config import EngineConfig
-from transfer_engine.engine import TransferEngine
+from transfer_engine.engine import Receiver, Sender, TransferEngine
 from transfer_engine.engine.snapshot import build_snapshot
 from transfer_engine.errors import TransferFailed
 from transfer_engine.memory import ipc
@@ -154,24 +154,29 @@ async def test_prefill_switch_off_falls_back() -> None:
         c.assert_no_leaks()
 
 
+async def one_group_landed(
+    c: Cluster, room: int, pages: np.ndarray, rest: tuple[int, int], ready: threading.Event
+) -> tuple[Sender, Receiver]:
+    """P=D=1: ``room`` open on both sides as one layer-wise chunk of ``pages``, its layer 0 reported
+    written and landed on the decode, layers ``rest`` reported with ``ready`` (not set here)."""
+    patterns.fill(c.prefill[0].pool, room, pages)
+    receiver = await c.decode[0].receiver(room, c.bootstrap, pages)
+    sender = c.prefill[0].sender(room)
+    await sender.begin_chunk(pages, last=True)
+    await sender.layers_ready(0, 1)
+    await sender.layers_ready(*rest, ready=ready)
+    await layers_landed(c, room, 1)
+    return sender, receiver
+
+
 @pytest.mark.anyio
 async def test_abort_mid_room_waits_for_no_copy() -> None:
     """A decode aborts a kernel-path room between two layer groups: both sides end ABORTED, the held
     group is answered cancelled, nothing is left held or in flight, and a later room still copies."""
     layout = small_layout()
     async with kernel_cluster(layout, 1, 1, layers_per_write=1) as c:
-        pages = np.arange(4)
-        patterns.fill(c.prefill[0].pool, 20, pages)
-        receiver = await c.decode[0].receiver(20, c.bootstrap, pages)
-        sender = c.prefill[0].sender(20)
-        await sender.begin_chunk(pages, last=True)
-        await sender.layers_ready(0, 1)
         never = threading.Event()  # layer 1 is never written: its group stays held
-        await sender.layers_ready(1, 2, ready=never)
-        core = c.decode[0].rooms[20].core
-        with anyio.fail_after(10):
-            while core.layer_tally is None or core.layer_tally.layers((0, 0)) < 1:  # noqa: ASYNC110
-                await anyio.sleep(0.002)
+        receiver, sender = await one_group_landed(c, 20, np.arange(4), (1, 2), never)
         worker = c.prefill[0].worker_for(c.decode[0].agent_name)
         with anyio.fail_after(10):
             while worker.kernel.held_jobs < 1:  # noqa: ASYNC110 - the group reaches the worker
@@ -195,18 +200,8 @@ async def test_a_decode_with_only_kernel_path_rooms_polls_nixl_at_the_relaxed_ca
     counted against what the relaxed cadence allows (quick looks every 50 us would be thousands)."""
     layout = small_layout()
     async with kernel_cluster(layout, 1, 1, layers_per_write=1, poll_relaxed=0.005) as c:
-        pages = np.arange(4)
-        patterns.fill(c.prefill[0].pool, 40, pages)
-        receiver = await c.decode[0].receiver(40, c.bootstrap, pages)
-        sender = c.prefill[0].sender(40)
-        await sender.begin_chunk(pages, last=True)
-        await sender.layers_ready(0, 1)
-        later = threading.Event()
-        await sender.layers_ready(1, 3, ready=later)
-        core = c.decode[0].rooms[40].core
-        with anyio.fail_after(10):
-            while core.layer_tally is None or core.layer_tally.layers((0, 0)) < 1:  # noqa: ASYNC110
-                await anyio.sleep(0.002)
+        pages, later = np.arange(4), threading.Event()
+        receiver, sender = await one_group_landed(c, 40, pages, (1, 3), later)
         poller = c.decode[0].poller
         assert not c.decode[0].rooms[40].hears_nixl
         polls = poller.counters["polls"]
