@@ -273,6 +273,8 @@ if [ "$phase" = kernelrows ]; then  # the goal rows the kernel path moves, ONE H
   #    page sizes 16 and 1; direct contiguous c1 and c8 (NIXL) beside them
   # 3. the vLLM core's tail under auto, 64 layers in groups of 4, 1K/4K/16K tokens; the layer-wise tail
   # 4. small rooms: capacity at 32 in flight, and the kernel path's small room with integrity on/off (--trace)
+  # (KR_TAILS=0 skips 3; RERUN names CUDA tests to run first; IV_ROWS adds integrity's A/B rows; PROFILE=prefill
+  #  |decode|none: a c8 room under cProfile)
   # Lines in $OUT/kernelrows.txt, logs as $OUT/kr-*.log.
   start=$SECONDS
   say() { echo "$*" | tee -a "$OUT/kernelrows.txt"; }
@@ -290,12 +292,12 @@ if [ "$phase" = kernelrows ]; then  # the goal rows the kernel path moves, ONE H
   OUT=$OUT BUDGET=${PT_BUDGET:-240} PT_LAYERWISE=none PT_ROWS=${PT_ROWS:-"auto-realistic-c8 auto-realistic-c1 auto-scattered-c8 auto-scattered-c1
     auto-realistic-c8-page1 auto-realistic-c1-page1 direct-contiguous-c1 direct-contiguous-c8"} bash "$0" pagetables 2>&1 \
     | grep -v "NIXL INFO" | grep -E "^\|" | tee -a "$OUT/kernelrows.txt"
-  timeout 100 python3 tools/bench_vllm_core.py --tokens 1024,4096,16384 --reps ${VREPS:-3} --path auto --integrity off \
+  [ "${KR_TAILS:-1}" = 1 ] && timeout 100 python3 tools/bench_vllm_core.py --tokens 1024,4096,16384 --reps ${VREPS:-3} --path auto --integrity off \
     >"$OUT/kr-vllm.log" 2>&1
   say "vllm core tail, --path auto (the copy kernel): rc $?"
   grep -v "NIXL INFO" "$OUT/kr-vllm.log" | grep -E "^tokens=" | sed -E 's/ prefill=.*reported loaded:/:/' | cut -c1-220 \
     | tee -a "$OUT/kernelrows.txt"
-  timeout 70 python3 tools/bench_layerwise.py --device cuda --tokens 1024,16384 --path auto --page-table realistic \
+  [ "${KR_TAILS:-1}" = 1 ] && timeout 70 python3 tools/bench_layerwise.py --device cuda --tokens 1024,16384 --path auto --page-table realistic \
     --per-write 1,4 --reps 3 --room-timeout 20 >"$OUT/kr-layerwise.log" 2>&1
   say "bench_layerwise auto realistic: rc $?"; grep -v "NIXL INFO" "$OUT/kr-layerwise.log" | tail -8 | tee -a "$OUT/kernelrows.txt"
   timeout 45 python3 tools/bench_transfer.py $QWEN --tokens 16 --concurrency 32 --rooms 1000 --rounds 1 --lat-rooms 50 \
@@ -305,6 +307,10 @@ if [ "$phase" = kernelrows ]; then  # the goal rows the kernel path moves, ONE H
     --ab integrity --trace >"$OUT/kr-small.log" 2>&1
   say "kernel path small room, integrity A/B, trace: rc $?"
   grep -v "NIXL INFO" "$OUT/kr-small.log" | grep -vE "^\s*$" | grep -B1 -A28 "^path=" | cut -c1-400 | tee -a "$OUT/kernelrows.txt"
+  if [ -n "${IV_ROWS:-}" ]; then  # integrity's A/B on 1.07 GB rooms (e.g. IV_ROWS="kernel:8"), no vLLM core sweep
+    OUT=$OUT BUDGET=${IV_BUDGET:-100} IV_ROWS=$IV_ROWS bash "$0" integrity 2>&1 | grep -v "NIXL INFO" \
+      | grep -E "^[a-z]+-c[0-9]+:" | tee -a "$OUT/kernelrows.txt"
+  fi
   if [ "${PROFILE:-prefill}" != none ]; then  # where a side's loop goes per 1.07 GB room at c8 (cProfile)
     timeout 60 python3 tools/bench_transfer.py $QWEN --path auto --page-table realistic --concurrency 8 --rooms 48 \
       --rounds 1 --lat-rooms 4 --profile ${PROFILE:-prefill} >"$OUT/kr-profile.log" 2>&1
