@@ -24,9 +24,9 @@ delivers it to the room exactly as it delivers NIXL's notifications. The job is 
 once no copy of it is in flight, and the decode frees the room's pages only after it.
 
 Integrity on (docs/INTEGRITY.md): the copy sums what it copies, in the same pass
-(``copy_entries(checksum=..., order=...)``), each word weighed by its position in the chunk's (or
+(``copy_outer(checksum=..., order=...)``), each word weighed by its position in the chunk's (or
 layer group's) gather layout, the order the direct path's seal and the decode's check sum in
-(:func:`gather_order`, made with the indices). The ``ChunkLanded`` carries that sum as its
+(:func:`gather_order`, factors like the copy's own). The ``ChunkLanded`` carries that sum as its
 ``checksum``, and the decode checks the landed pages against it as it checks a direct WRITE's. The
 fence: on CUDA the kernel, the reduction of its partials and the copy of the sum into pinned host
 memory are all enqueued on the side stream, and the completion event is recorded on that stream
@@ -446,7 +446,9 @@ def gather_order(spec: tables.TableSpec, rows: np.ndarray | None, num_tokens: in
     h)`` starts at run ``(T index of unit u's first tensor, q * g, h * k)``. Inside an entry its runs
     follow ``spec.order`` (innermost first), each dimension a fixed step in the layout: a head ``W``,
     a token ``num_heads * W``, a layer one tensor (``tokens * num_heads * W``), K to V as many
-    tensors as the copy has layers. Vectorized over entries (outer sums, as ``group_indices``).
+    tensors as the copy has layers. Entry ``(u, j)``'s start is a term per unit plus a term per
+    column ``j = (q, h)``, so the order comes as those factors (``WordOrder.first`` per unit,
+    ``WordOrder.cols`` per column), as ``write_factors`` gives the copy's own entries.
     Raises ConfigError when a head is not whole 4-byte words (integrity refuses such pools)."""
     if spec.head_bytes % WORD:
         raise ConfigError(f"heads of {spec.head_bytes} bytes are not whole {WORD}-byte words: no checksum")
