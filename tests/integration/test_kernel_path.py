@@ -217,6 +217,32 @@ async def test_a_decode_with_only_kernel_path_rooms_polls_nixl_at_the_relaxed_ca
 
 
 @pytest.mark.anyio
+async def test_a_kernel_path_room_given_its_pages_later_with_an_aux_item_makes_the_poller_look() -> None:
+    """A kernel-path room opened without pages, then given them with an aux item: the aux item comes as
+    a NIXL WRITE, so the room tells the poller to look quickly (``DrainPort.listen``) as its request
+    leaves. The poller is asleep for a relaxed look 20 s away when the pages come: without that call
+    the room would wait as long for the aux's notification; it ends within 10 s, KV and aux exact."""
+    layout = small_layout()
+    async with kernel_cluster(layout, 1, 1, poll_relaxed=20.0) as c:
+        await run_room(c, 70, np.arange(4), np.arange(4), [4])  # connected and mapped
+        pages = np.array([5, 9, 2])
+        patterns.fill(c.prefill[0].pool, 71, pages)
+        patterns.fill_aux(c.prefill[0].pool, 71, 3)
+        receiver = await c.decode[0].receiver(71, c.bootstrap)
+        sender = c.prefill[0].sender(71)
+        await sender.send(pages, last=True, aux_slot=3)
+        await anyio.sleep(0.1)  # the decode's poller, with only this room and no pages, sleeps its 20 s
+        assert not c.decode[0].rooms[71].hears_nixl
+        receiver.request(pages, aux_slot=3)
+        with anyio.fail_after(10):
+            await receiver.wait()
+            await sender.wait()
+        assert patterns.mismatches(c.decode[0].pool, 71, pages, 3 * layout.page_size) == 0
+        assert patterns.aux_ok(c.decode[0].pool, 71, 3)
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
 async def test_a_kernel_path_room_whose_writer_falls_back_to_nixl_still_lands() -> None:
     """The decode chose the kernel path, then the prefill's mapping closed (the peer re-said hello, or
     it is closing): the writer falls back to NIXL, whose notification the decode's poller still hears

@@ -202,10 +202,9 @@ class ReceiverRoomActor(ReceiverChecks, RoomActor):
     def _send_requests(self, mail: RequestPages) -> None:
         """Send every prefill rank of the instance its TransferRequest for the room's pages."""
         aux_writer = self.slices[0].prefill_rank if mail.aux_slot is not None else None
-        hears_nixl = self.hears_nixl
         self.core.wants_aux_from = aux_writer
-        if not hears_nixl and self.hears_nixl:  # a kernel-path room's aux item: a NIXL WRITE
-            self.ports.drain.listen()
+        if aux_writer is not None and self.path == TransferPath.KERNEL.value:
+            self.ports.drain.listen()  # its aux item comes as a NIXL WRITE: the poller looks quickly
         self.core.lease(time.monotonic())  # it waits on the prefill now: the prefill's heartbeats renew it
         me = self.ports.me
         by_rank = {w.prefill_rank: (i, w) for i, w in enumerate(self.slices)}
