@@ -105,6 +105,29 @@ async def test_rooms_take_the_kernel_path_bit_exact(
 
 
 @pytest.mark.anyio
+async def test_a_chunk_sent_before_the_request_is_copied_in_the_requests_call() -> None:
+    """The prefill sent first (its KV ready), then the decode asks: the room offers the job to its
+    worker, which waits on an empty inbox, and the copy starts in that call (the inbox's taker,
+    ``KernelPath.try_start``), not a loop turn later; every byte lands, nothing is left over."""
+    layout = small_layout()
+    async with kernel_cluster(layout, 1, 1) as c:
+        await run_room(c, 60, np.arange(4), np.arange(4), [4])  # connected and mapped
+        worker = c.prefill[0].worker_for(c.decode[0].agent_name)
+        taken = worker.counters["kernel_taken"]
+        src, dst = np.array([9, 3, 7, 1]), np.array([2, 8, 5, 11])
+        patterns.fill(c.prefill[0].pool, 61, src)
+        sender = c.prefill[0].sender(61)
+        await sender.send(src, last=True)
+        receiver = await c.decode[0].receiver(61, c.bootstrap, dst)
+        with anyio.fail_after(10):
+            await receiver.wait()
+            await sender.wait()
+        assert worker.counters["kernel_taken"] == taken + 1
+        assert patterns.mismatches(c.decode[0].pool, 61, dst, 4 * layout.page_size) == 0
+        c.assert_no_leaks()
+
+
+@pytest.mark.anyio
 @pytest.mark.skipif(DEVICE != "cpu", reason="CUDA pools are always exportable")
 async def test_private_pool_falls_back_with_the_reason() -> None:
     """A decode pool not in shared memory is not exported: rooms take NIXL's paths, the fallback's

@@ -141,15 +141,24 @@ class TransferWorker(Actor[WorkerMail]):
         """The inbox's taker (docs/DECISIONS.md, "A room applies mail in the sender's call when it
         waits"): a direct WriteJob whose KV is written, posted while this worker waits on its empty
         inbox, is planned, made and started in the poster's call (the room's), not one loop turn
-        later. False (queued as before) for anything else, and for a job whose WRITE was refused:
-        :meth:`handle` answers it with that refusal, without trying it again."""
+        later; so is a kernel-path job (its copy launched, or the job held until its KV is written:
+        :meth:`KernelPath.try_start`). False (queued as before) for anything else, and for a job whose
+        WRITE was refused or that the kernel part has to answer or hand to NIXL: :meth:`handle` does
+        that, without trying it again."""
+        if self._taking or not self.inbox.waiting or not isinstance(mail, WriteJob):
+            return False
+        if self.kernel.takes(mail):
+            self._taking = True
+            try:
+                self.me.trace.mark_mail("worker", mail)
+                taken = self.kernel.try_start(mail)
+                self.counters["kernel_taken"] += taken
+                return taken
+            finally:
+                self._taking = False
         if (
-            self._taking
-            or not self.inbox.waiting
-            or not isinstance(mail, WriteJob)
-            or mail.group is not None
+            mail.group is not None
             or is_staged_job(mail)
-            or self.kernel.takes(mail)
             or self._sealer.checksums is not None
             or (mail.ready is not None and not is_ready(mail.ready))
         ):

@@ -138,6 +138,8 @@ class KernelPath:
         self._src_bases = np.array([r.addr for r in pool.regions()], dtype=np.uint64)
         self._specs: dict[tuple[str, int, int, int, int | None], tables.TableSpec] = {}
         self._tables: dict[tuple[MappedPool, tables.TableSpec], _Tables] = {}
+        self._outcomes: dict[int, tuple[str, str]] = {}
+        """id(job) -> what :meth:`try_start` found for a job it could not start (:meth:`execute` acts on it)."""
         self._held: dict[int, WriteJob] = {}
         """id(job) -> a job whose KV is ordered by a ``threading.Event`` not set yet."""
         self._ready: list[WriteJob] = []
@@ -172,47 +174,66 @@ class KernelPath:
     async def execute(self, job: WriteJob) -> None:
         """Copy ``job``'s KV now (ordered after its CUDA events), hold it until its host events are
         set, or hand it to NIXL when the kernel path cannot carry it."""
+        outcome = self._outcomes.pop(id(job), None) or self._begin(job)
+        if outcome is None:
+            return
+        kind, why = outcome
+        if kind == "fallback":
+            await self._fall_back(job, why)
+            return
+        log.warning("worker %d: room %d: %s", self.index, job.room, why)
+        await self.done(job, False, f"kernel path: {why}", FailureReason.TRANSPORT)
+
+    def try_start(self, job: WriteJob) -> bool:
+        """:meth:`execute` in the caller's call, for the worker's inbox taker (a room posting the job
+        while the worker waits on its empty inbox): True when the copy started (or the job is held
+        until its KV is written); False when the job has to be answered or handed to NIXL, which
+        takes an await: the worker's :meth:`execute` does it, from what was found here (nothing is
+        tried twice)."""
+        outcome = self._begin(job)
+        if outcome is None:
+            return True
+        self._outcomes[id(job)] = outcome
+        return False
+
+    def _begin(self, job: WriteJob) -> tuple[str, str] | None:
+        """Start ``job``'s copy, or hold it: None. Otherwise ``("fallback", why)`` (NIXL carries it)
+        or ``("fail", why)`` (answered failed), with nothing started."""
         mapping = job.peer.mapping
         if not isinstance(mapping, MappedPool) or not mapping.usable:
-            await self._fall_back(job, "the decode's pool is not mapped in this process")
-            return
+            return "fallback", "the decode's pool is not mapped in this process"
         waits = [w for w in (*job.waits, job.ready) if w is not None]
         pending = [w for w in waits if isinstance(w, threading.Event) and not w.is_set()]
         if pending:
             self._held[id(job)] = job
             self.completions.notify(pending[0], functools.partial(self._reached, job), owner=job)
-            return
+            return None
         self.trace.mark(job.room, "ready")
         try:
             pair = self._tables_for(job, mapping)
         except (ConfigError, TransferError) as exc:
-            await self._fall_back(job, f"no tables: {exc}")
-            return
+            return "fallback", f"no tables: {exc}"
         try:
             factors, order = self._indices(job, pair.spec, summed=self.checked())
             entries = len(factors[0]) * len(factors[1])
             if entries == 0:
                 raise TransferError(f"room {job.room}: empty copy")
         except (ConfigError, TransferError) as exc:
-            log.warning("worker %d: room %d: %s", self.index, job.room, exc)
-            await self.done(job, False, f"kernel path: {exc}", FailureReason.TRANSPORT)
-            return
+            return "fail", str(exc)
         if not mapping.acquire():
-            await self._fall_back(job, "the mapping closed")
-            return
+            return "fallback", "the mapping closed"
         self._used.add(mapping)
         copy = _Copy(job, mapping, threading.Event(), entries * pair.spec.entry_bytes)
         try:
             self._start(copy, pair, factors, order, waits)
         except (KernelInputError, TransferError, RuntimeError) as exc:
             mapping.release()
-            log.warning("worker %d: room %d: copy not started: %s", self.index, job.room, exc)
-            await self.done(job, False, f"kernel path: {exc}", FailureReason.TRANSPORT)
-            return
+            return "fail", f"copy not started: {exc}"
         self._flying[id(copy)] = copy
         self.counters["kernel_copies"] += 1
         self.trace.mark(job.room, "posted")
         self.completions.notify(copy.done, functools.partial(self._copied, copy))
+        return None
 
     def _start(
         self,
