@@ -12,6 +12,7 @@
 #   tools/gpu_e2e.sh pagetables     # TWO GPUs: the goal table's rows over realistic/scattered/contiguous page tables (< 8 min)
 #   tools/gpu_e2e.sh pipeline       # TWO GPUs: staged chunks cut in 8/16/32-layer groups, A/B against whole, c1 and c8 (< 5 min)
 #   tools/gpu_e2e.sh kernelpath     # ONE GPU is enough: the kernel path's CUDA tests, then its bench against raw NIXL (< 3 min)
+#   tools/gpu_e2e.sh goalrows       # ONE GPU: every goal row of issues 40 and 41 (page tables, small rooms with traces, capacity, tails) (< 9.5 min)
 #   tools/gpu_e2e.sh kernelrows     # ONE GPU: the goal rows the kernel path moves (copy alone, page tables, vLLM tail, small rooms) (< 9 min)
 #   tools/gpu_e2e.sh copycheck      # ONE GPU: the copy kernel's launch shapes alone, tests named in RERUN, integrity on the kernel path (< 7 min)
 # Results go to $OUT (or ./gpu-out) as one JSON line per benchmark run plus the printed lines.
@@ -101,12 +102,14 @@ if [ "$phase" = pagetables ]; then  # page tables as serving hands them out: TWO
     awk '$3 == "layers" { printf "| layer-wise tail, %s %s | %s | %s | %s | %s | %s |\n", $3, $4, $NF, $1, $5, $8, $9 }' \
       "$OUT/pt-layerwise.log" | tee -a "$OUT/pagetables.md"
   fi
-  echo "| row | path asked (taken) | page table | P->D | in flight | NIXL_UCX_SGL_ENABLE | engine / raw (rounds) | engine GB/s | raw GB/s | descriptors/room | small room added ms (raw p50) | CPU ms/room prefill (loop), decode (loop) | GC full collections ms (prefill, decode) | mismatches | why (the decode's choice) |" \
+  echo "| row | path asked (taken) | page table | P->D | in flight | NIXL_UCX_SGL_ENABLE | engine / raw (rounds) | engine GB/s | raw GB/s | descriptors/room | small room added ms (raw p50) | small room p50 / p99 ms | CPU ms/room prefill (loop), decode (loop) | GC full collections ms (prefill, decode) | mismatches | why (the decode's choice) |" \
     | tee -a "$OUT/pagetables.md"
   row() {  # row NAME SGL ARGS...: one bench_transfer run, one markdown row (PT_ROWS, if set: only the rows it names)
     local name=$1 sgl=$2
     shift 2
-    [ -n "${PT_ROWS:-}" ] && [[ " $PT_ROWS " != *" $name "* ]] && return
+    local rows
+    rows=$(echo ${PT_ROWS:-})  # (one space between names, whatever the caller's line breaks)
+    [ -n "$rows" ] && [[ " $rows " != *" $name "* ]] && return
     if [ $((SECONDS - start)) -gt "$budget" ]; then
       echo "| $name | skipped: the phase's $budget s were spent |" | tee -a "$OUT/pagetables.md"
       return
@@ -136,7 +139,8 @@ print(
     f"| {name} | {r['path']} ({r['engine_path']}) | {r['page_table']} | {r['P']}->{r['D']} | {r['concurrency']} "
     f"| {'1' if sgl == '1' else 'unset'} | {r['throughput_ratio']:.2f} ({', '.join(map(str, r['round_ratios']))}) "
     f"| {r['engine_gbps']:.1f} | {r['raw_gbps']:.1f} | {r['descriptors_per_room']:.0f} "
-    f"| {r['added_latency_p50_ms']:.3f} ({r['raw_lat_p50_ms']:.3f}) | {cpu} | {full} | {r['mismatches']} "
+    f"| {r['added_latency_p50_ms']:.3f} ({r['raw_lat_p50_ms']:.3f}) "
+    f"| {r['engine_lat_p50_ms']:.3f} / {r['engine_lat_p99_ms']:.3f} | {cpu} | {full} | {r['mismatches']} "
     f"| {'; '.join(r.get('engine_path_reasons', []))} |"
 )
 EOF
@@ -159,6 +163,7 @@ EOF
   row auto-scattered-c1 0 --path auto --page-table scattered $C1
   row auto-realistic-c8-page1 0 --path auto --page-table realistic $C8 --page-size 1
   row auto-realistic-c1-page1 0 --path auto --page-table realistic $C1 --page-size 1
+  row auto-scattered-c8-page1 0 --path auto --page-table scattered $C8 --page-size 1
   echo "pagetables: $((SECONDS - start)) s"
   exit 0
 fi
@@ -265,6 +270,57 @@ if [ "$phase" = percall ]; then  # per-room overhead on ONE GPU (both processes 
       --rounds 4 --lat-rooms 40 --ab $ab --json 2>&1 | grep -v "NIXL INFO" | tee "$OUT/percall-$path-c$conc-$ab.txt" \
       | grep -E "^path=|--ab|post_write|granted|StagingGrant|gathered|posted|notif|Scattered|d.waited|Error|Traceback"
   done
+  exit 0
+fi
+if [ "$phase" = goalrows ]; then  # issues 40 and 41: every goal row of theirs on ONE H200, from one call (< 9.5 min)
+  # 1. pagetables rows (1.07 GB rooms, each with its raw NIXL ceiling and its small rooms' p50/p99):
+  #    41's first (direct contiguous c1: the small room direct; staged and P=1->D=2 small rooms), then
+  #    40's (auto over realistic and scattered pages, page sizes 16 and 1, c8 and c1; direct contiguous c8)
+  # 2. small rooms' step traces (one-page rooms, 1 in flight): direct over per-tensor pools (128
+  #    descriptors), direct over a page-major pool (1 descriptor), the kernel path
+  # 3. capacity: one-page rooms at 32 in flight
+  # 4. the vLLM core's tail under auto (1K/4K/16K), the layer-wise tail and the engine's CPU over a forward
+  # Lines in $OUT/goalrows.txt, logs as $OUT/gr-*.log and $OUT/pt-*.log. GR_SKIP="trace tails" skips parts.
+  start=$SECONDS
+  say() { echo "$*" | tee -a "$OUT/goalrows.txt"; }
+  : >"$OUT/goalrows.txt"
+  skip() { [[ " ${GR_SKIP:-} " == *" $1 "* ]]; }
+  # (GR_ARGS replaces the sizes and device, passed on as PT_ARGS: a dry run on CPU with GR_SKIP=tails)
+  QWEN=${GR_ARGS:-"--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"}
+  export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
+  OUT=$OUT PT_ARGS=$QWEN BUDGET=${PT_BUDGET:-230} PT_LAYERWISE=none PT_ROWS=${PT_ROWS:-"direct-contiguous-c1 staged-realistic-c1
+    p1d2-staged-realistic-c1 auto-realistic-c8 auto-realistic-c1 auto-scattered-c8 auto-realistic-c8-page1
+    auto-scattered-c8-page1 direct-contiguous-c8"} bash "$0" pagetables 2>&1 \
+    | grep -v "NIXL INFO" | grep -E "^\||^pagetables" | tee -a "$OUT/goalrows.txt"
+  if ! skip trace; then
+    for run in direct:tensors direct:page-major kernel:tensors; do
+      IFS=: read -r path layout <<<"$run"
+      timeout 40 python3 tools/bench_transfer.py $QWEN --tokens 16 --path "$path" --pool-layout "$layout" \
+        --concurrency 1 --rooms 8 --rounds 1 --lat-rooms 60 --trace >"$OUT/gr-trace-$path-$layout.log" 2>&1
+      say "small room trace, $path, $layout pool: rc $?, $((SECONDS - start)) s"
+      grep -v "NIXL INFO" "$OUT/gr-trace-$path-$layout.log" | grep -E "^path=" | cut -c1-700 | tee -a "$OUT/goalrows.txt"
+      grep -v "NIXL INFO" "$OUT/gr-trace-$path-$layout.log" | grep -E "CPU per room" | tee -a "$OUT/goalrows.txt"
+      grep -v "NIXL INFO" "$OUT/gr-trace-$path-$layout.log" | grep -A24 "steps of the small rooms" | tee -a "$OUT/goalrows.txt"
+    done
+  fi
+  timeout 45 python3 tools/bench_transfer.py $QWEN --tokens 16 --concurrency 32 --rooms 1000 --rounds 1 --lat-rooms 50 \
+    >"$OUT/gr-capacity.log" 2>&1
+  say "capacity (one-page rooms, 32 in flight, auto): rc $?, $((SECONDS - start)) s"
+  grep -E "^path=|CPU per room" "$OUT/gr-capacity.log" | cut -c1-700 | tee -a "$OUT/goalrows.txt"
+  if ! skip tails; then
+    left=$((${GR_BUDGET:-540} - (SECONDS - start)))
+    timeout $((left < 110 ? (left > 20 ? left : 20) : 110)) python3 tools/bench_vllm_core.py --tokens 1024,4096,16384 \
+      --reps ${VREPS:-3} --path auto --integrity off >"$OUT/gr-vllm.log" 2>&1
+    say "vllm core tail, --path auto: rc $?, $((SECONDS - start)) s"
+    grep -v "NIXL INFO" "$OUT/gr-vllm.log" | grep -E "^tokens=" | sed -E 's/ prefill=.*reported loaded:/:/' | cut -c1-220 \
+      | tee -a "$OUT/goalrows.txt"
+    left=$((${GR_BUDGET:-540} - (SECONDS - start)))
+    timeout $((left < 80 ? (left > 20 ? left : 20) : 80)) python3 tools/bench_layerwise.py --device cuda --tokens 1024,16384 \
+      --path auto --page-table realistic --per-write 4 --reps 3 --room-timeout 20 >"$OUT/gr-layerwise.log" 2>&1
+    say "bench_layerwise auto realistic x4: rc $?, $((SECONDS - start)) s"
+    grep -v "NIXL INFO" "$OUT/gr-layerwise.log" | tail -10 | tee -a "$OUT/goalrows.txt"
+  fi
+  say "goalrows: $((SECONDS - start)) s"
   exit 0
 fi
 if [ "$phase" = kernelrows ]; then  # the goal rows the kernel path moves, ONE H200, one call (< 9 min)
