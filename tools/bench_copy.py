@@ -52,6 +52,14 @@ def main() -> None:
     )
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then N back-to-back host calls of copy_outer (the kernel path's plain copy) under cProfile: "
+        "where its host call goes, in us per call (the top 20 by own time)",
+    )
     args = ap.parse_args()
     dev = torch.device(args.device)
     rng = np.random.default_rng(args.seed)
@@ -189,6 +197,44 @@ def main() -> None:
         )
     print(json.dumps({"page_size": args.page_size, "entry_bytes": page_bytes, "entries": int(s_idx.size),
                       "room_bytes": nbytes, "raw_gbs": raw_gbs, "rows": rows}))  # fmt: skip
+    if args.host_profile:
+        _host_profile(args.host_profile, lambda: copy_outer(src_t, dst_t, offsets, s_cols, d_cols), dev)
+
+
+def _host_profile(n: int, fn, dev: torch.device) -> None:
+    """``n`` calls of ``fn`` back to back: their host time unprofiled (median), then under cProfile the
+    top 20 functions by own time, in us per call (cProfile adds its own cost per function call: read
+    the shares)."""
+    import cProfile
+    import pstats
+
+    def calls() -> list[float]:
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            if i % 16 == 15 and dev.type == "cuda":  # a bounded queue: the copies run 16 at a time
+                torch.cuda.synchronize(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return times
+
+    plain = calls()
+    prof = cProfile.Profile()
+    prof.enable()
+    profiled = calls()
+    prof.disable()
+    print(
+        f"host call of copy_outer, {n} back to back: {statistics.median(plain) * 1e6:.1f} us median "
+        f"({statistics.median(profiled) * 1e6:.1f} us under cProfile); top 20 by own time, us per call:"
+    )
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:20]
+    for (file, line, func), (_, ncalls, own, cum, _) in rows:
+        print(
+            f"  {own / n * 1e6:8.1f} own {cum / n * 1e6:8.1f} cum {ncalls / n:6.1f} calls  {file[-48:]}:{line} {func}"
+        )
 
 
 if __name__ == "__main__":

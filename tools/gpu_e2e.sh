@@ -276,11 +276,12 @@ if [ "$phase" = goalrows ]; then  # issues 40 and 41: every goal row of theirs o
   # 1. pagetables rows (1.07 GB rooms, each with its raw NIXL ceiling and its small rooms' p50/p99):
   #    41's first (direct contiguous c1: the small room direct; staged and P=1->D=2 small rooms), then
   #    40's (auto over realistic and scattered pages, page sizes 16 and 1, c8 and c1; direct contiguous c8)
+  #    then the copy alone (bench_copy) and where its host call goes
   # 2. small rooms' step traces (one-page rooms, 1 in flight): direct over per-tensor pools (128
   #    descriptors), direct over a page-major pool (1 descriptor), the kernel path
   # 3. capacity: one-page rooms at 32 in flight
   # 4. the vLLM core's tail under auto (1K/4K/16K), the layer-wise tail and the engine's CPU over a forward
-  # Lines in $OUT/goalrows.txt, logs as $OUT/gr-*.log and $OUT/pt-*.log. GR_SKIP="trace tails" skips parts.
+  # Lines in $OUT/goalrows.txt, logs as $OUT/gr-*.log and $OUT/pt-*.log. GR_SKIP="copy trace tails" skips parts.
   start=$SECONDS
   say() { echo "$*" | tee -a "$OUT/goalrows.txt"; }
   : >"$OUT/goalrows.txt"
@@ -292,6 +293,12 @@ if [ "$phase" = goalrows ]; then  # issues 40 and 41: every goal row of theirs o
     p1d2-staged-realistic-c1 auto-realistic-c8 auto-realistic-c1 auto-scattered-c8 auto-realistic-c8-page1
     auto-scattered-c8-page1 direct-contiguous-c8"} bash "$0" pagetables 2>&1 \
     | grep -v "NIXL INFO" | grep -E "^\||^pagetables" | tee -a "$OUT/goalrows.txt"
+  if ! skip copy; then  # the copy alone against a device copy, and where its host call goes (cProfile)
+    timeout 45 python3 tools/bench_copy.py --page-size 16 --reps 9 --configs default --host-profile 400 \
+      >"$OUT/gr-copy.log" 2>&1
+    say "bench_copy, page 16, host call profiled: rc $?, $((SECONDS - start)) s"
+    grep -v "NIXL INFO" "$OUT/gr-copy.log" | grep -v '^{' | tee -a "$OUT/goalrows.txt"
+  fi
   if ! skip trace; then
     for run in direct:tensors direct:page-major kernel:tensors; do
       IFS=: read -r path layout <<<"$run"
