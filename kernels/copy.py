@@ -42,6 +42,7 @@ import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -525,42 +526,51 @@ def _copy(
         if order is None or checksum is None or firsts is None:
             _launch_plain(src, dst, which, cfg, unit, offsets, src_cols, dst_cols)
             return
-        row, piece, even, npiece, block = _shape(src.entry_bytes, unit, cfg)
-        n = int(offsets.size * src_cols.size)
-        i64 = np.int64
-        factors = _indices_on(
-            device, offsets.astype(i64), src_cols.astype(i64), dst_cols.astype(i64), *firsts
-        )
-        grid = (triton.cdiv(n * npiece, block),)
-        dims = (*order.dims, *((1, 0),) * (MAX_DIMS - len(order.dims)))
-        partials = torch.empty(grid[0], dtype=torch.int64, device=device)
-        kernel = _copy_sum_kernel if which == "jit" else triton_int(_copy_sum_kernel)
-        kernel[grid](  # type: ignore[index]
-            src.on_device(),
-            dst.on_device(),
-            *factors[:3],
-            n,
-            int(src_cols.size),
-            *factors[3:],
-            partials,
-            *(step for _, step in dims),
-            UNIT_TYPE=_TRITON_UNIT[unit],
-            ALIGN=min(src.align, dst.align),
-            ROW=row,
-            PIECE=piece,
-            NPIECE=npiece,
-            BLOCK=block,
-            EVEN=even,
-            WORDS=unit // WORD,
-            RUN_UNITS=order.run * WORD // unit,
-            C0=dims[0][0],
-            C1=dims[1][0],
-            C2=dims[2][0],
-            C3=dims[3][0],
-            WIDE=_widest(order) + 2 >= 1 << 32,
-            num_warps=cfg.num_warps,
-        )
-        finish(partials.sum(), checksum)
+        _launch_summed(src, dst, which, cfg, unit, offsets, src_cols, dst_cols, checksum, order, firsts)
+
+
+def _launch_summed(
+    src: EntryTable,
+    dst: EntryTable,
+    which: str,
+    cfg: LaunchConfig,
+    unit: int,
+    offsets: npt.NDArray[np.int32],
+    src_cols: npt.NDArray[np.int32],
+    dst_cols: npt.NDArray[np.int32],
+    checksum: torch.Tensor,
+    order: WordOrder,
+    firsts: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]],
+) -> None:
+    """:func:`_launch_plain`'s copy summing what it copies (``order``'s weights, ``firsts`` its pairs'
+    first words), its programs' partial sums reduced into ``checksum``, all on the current stream."""
+    device = src.device
+    n = int(offsets.size * src_cols.size)
+    i64 = np.int64
+    factors = _indices_on(device, offsets.astype(i64), src_cols.astype(i64), dst_cols.astype(i64), *firsts)
+    programs, meta = _launch_meta(src, dst, cfg, unit, n)
+    dims = (*order.dims, *((1, 0),) * (MAX_DIMS - len(order.dims)))
+    partials = torch.empty(programs, dtype=torch.int64, device=device)
+    kernel = _copy_sum_kernel if which == "jit" else triton_int(_copy_sum_kernel)
+    kernel[(programs,)](  # type: ignore[index]
+        src.on_device(),
+        dst.on_device(),
+        *factors[:3],
+        n,
+        int(src_cols.size),
+        *factors[3:],
+        partials,
+        *(step for _, step in dims),
+        **meta,
+        WORDS=unit // WORD,
+        RUN_UNITS=order.run * WORD // unit,
+        C0=dims[0][0],
+        C1=dims[1][0],
+        C2=dims[2][0],
+        C3=dims[3][0],
+        WIDE=_widest(order) + 2 >= 1 << 32,
+    )
+    finish(partials.sum(), checksum)
 
 
 _NO_OFFSET = np.zeros(1, dtype=np.int32)
@@ -649,28 +659,23 @@ def _launch_plain(
 ) -> None:
     """One launch of the plain copy on the current stream: pair ``(u, j)`` copies entry
     ``offsets[u] + src_cols[j]`` onto ``offsets[u] + dst_cols[j]`` (checked by the caller)."""
-    device = src.device
-    row, piece, even, npiece, block = _shape(src.entry_bytes, unit, cfg)
     n = int(offsets.size * src_cols.size)
-    off_dev, s_dev, d_dev = _indices_on(device, offsets, src_cols, dst_cols)
+    off_dev, s_dev, d_dev = _indices_on(src.device, offsets, src_cols, dst_cols)
+    programs, meta = _launch_meta(src, dst, cfg, unit, n)
     kernel = _copy_kernel if which == "jit" else triton_int(_copy_kernel)
-    kernel[(triton.cdiv(n * npiece, block),)](  # type: ignore[index]
-        src.on_device(),
-        dst.on_device(),
-        off_dev,
-        s_dev,
-        d_dev,
-        n,
-        int(src_cols.size),
-        UNIT_TYPE=_TRITON_UNIT[unit],
-        ALIGN=min(src.align, dst.align),
-        ROW=row,
-        PIECE=piece,
-        NPIECE=npiece,
-        BLOCK=block,
-        EVEN=even,
-        num_warps=cfg.num_warps,
-    )
+    grid = (programs,)
+    kernel[grid](src.on_device(), dst.on_device(), off_dev, s_dev, d_dev, n, int(src_cols.size), **meta)  # type: ignore[index]
+
+
+def _launch_meta(
+    src: EntryTable, dst: EntryTable, cfg: LaunchConfig, unit: int, n: int
+) -> tuple[int, dict[str, Any]]:
+    """The programs of a launch over ``n`` pairs of ``unit``-byte units, and the compile-time arguments
+    both copy kernels take (``_move``'s, then ``num_warps``)."""
+    row, piece, even, npiece, block = _shape(src.entry_bytes, unit, cfg)
+    meta = {"UNIT_TYPE": _TRITON_UNIT[unit], "ALIGN": min(src.align, dst.align), "ROW": row, "PIECE": piece,
+            "NPIECE": npiece, "BLOCK": block, "EVEN": even, "num_warps": cfg.num_warps}  # fmt: skip
+    return triton.cdiv(n * npiece, block), meta
 
 
 def _shape(entry_bytes: int, unit: int, cfg: LaunchConfig) -> tuple[int, int, bool, int, int]:
