@@ -281,7 +281,8 @@ if [ "$phase" = goalrows ]; then  # issues 40 and 41: every goal row of theirs o
   #    descriptors), direct over a page-major pool (1 descriptor), the kernel path
   # 3. capacity: one-page rooms at 32 in flight
   # 4. the vLLM core's tail under auto (1K/4K/16K), the layer-wise tail and the engine's CPU over a forward
-  # Lines in $OUT/goalrows.txt, logs as $OUT/gr-*.log and $OUT/pt-*.log. GR_SKIP="copy trace tails" skips parts.
+  # (RERUN: CUDA tests to run first.) Lines in $OUT/goalrows.txt, logs as $OUT/gr-*.log and $OUT/pt-*.log.
+  # GR_SKIP="copy trace tails" skips parts.
   start=$SECONDS
   say() { echo "$*" | tee -a "$OUT/goalrows.txt"; }
   : >"$OUT/goalrows.txt"
@@ -289,6 +290,12 @@ if [ "$phase" = goalrows ]; then  # issues 40 and 41: every goal row of theirs o
   # (GR_ARGS replaces the sizes and device, passed on as PT_ARGS: a dry run on CPU with GR_SKIP=tails)
   QWEN=${GR_ARGS:-"--layers 64 --heads 8 --head-dim 128 --page-size 16 --tokens 4096 --chunks 1 --device cuda"}
   export TE_RING_BYTES=${TE_RING_BYTES:-4294967296}
+  if [ -n "${RERUN:-}" ]; then  # 0. the CUDA tests named in RERUN first (node ids or files; pytest arguments)
+    # shellcheck disable=SC2086
+    TE_TEST_DEVICE=cuda timeout ${RERUN_LIMIT:-90} python3 -m pytest -q -p no:cacheprovider -rfE $RERUN >"$OUT/gr-rerun.log" 2>&1
+    say "rerun: rc $?, $(grep -v "NIXL INFO" "$OUT/gr-rerun.log" | grep -E '[0-9]+ (passed|failed)' | tail -1), $((SECONDS - start)) s"
+    grep -E "^(FAILED|ERROR) " "$OUT/gr-rerun.log" | cut -c1-200 | head -12 | tee -a "$OUT/goalrows.txt"
+  fi
   OUT=$OUT PT_ARGS=$QWEN BUDGET=${PT_BUDGET:-230} PT_LAYERWISE=none PT_ROWS=${PT_ROWS:-"direct-contiguous-c1 staged-realistic-c1
     p1d2-staged-realistic-c1 auto-realistic-c8 auto-realistic-c1 auto-scattered-c8 auto-realistic-c8-page1
     auto-scattered-c8-page1 direct-contiguous-c8"} bash "$0" pagetables 2>&1 \
