@@ -546,6 +546,10 @@ if [ "$phase" = cuda ]; then  # every CUDA-only test CI cannot run, in one call 
   step() {  # step NAME LIMIT_S CMD...: run one pytest command under a limit, print counts and failures
     local name=$1 limit=$2
     shift 2
+    # CUDA_STEPS="kernels integration bench": only these steps; LIMIT_<step>=S: that step's limit
+    [ -n "${CUDA_STEPS:-}" ] && [[ " $CUDA_STEPS " != *" $name "* ]] && return
+    local over="LIMIT_${name//-/_}"
+    [ -n "${!over:-}" ] && limit=${!over}
     local left=$((budget - (SECONDS - start)))
     if [ "$left" -lt 30 ]; then
       echo "$name: skipped, the phase's $budget s were spent" | tee -a "$OUT/cuda.txt"
@@ -575,7 +579,9 @@ if [ "$phase" = cuda ]; then  # every CUDA-only test CI cannot run, in one call 
     tests/integration/test_staged.py tests/integration/test_failures.py tests/integration/test_matrix_strided.py \
     tests/integration/test_scattered_pages.py tests/integration/test_smoke.py
   left=$((budget - (SECONDS - start)))
-  if [ "$left" -gt 40 ]; then  # the vLLM core with integrity on, 1K/4K/16K tokens (the race)
+  if [ -n "${CUDA_STEPS:-}" ] && [[ " $CUDA_STEPS " != *" bench "* ]]; then
+    echo "bench_vllm_core --integrity on: not in CUDA_STEPS" | tee -a "$OUT/cuda.txt"
+  elif [ "$left" -gt 40 ]; then  # the vLLM core with integrity on, 1K/4K/16K tokens (the race)
     timeout $((left < 120 ? left : 120)) python3 tools/bench_vllm_core.py --integrity on --tokens 1024,4096,16384 \
       --reps ${REPS:-3} >"$OUT/cuda-bench-vllm.log" 2>&1
     echo "bench_vllm_core --integrity on: rc $?" | tee -a "$OUT/cuda.txt"
