@@ -11,6 +11,9 @@ is timed against the monotonic clock both processes share. Channels:
 - ``ipc-asyncio``: the same over ``ipc://``;
 - ``tcp-reader`` / ``ipc-reader``: a plain ROUTER read from ``loop.add_reader`` on its ZMQ_FD,
   drained with NOBLOCK receives (no asyncio Future per message);
+- ``unix-dgram``: a Unix datagram socket (abstract name) read from ``loop.add_reader``, sent with one
+  non-blocking ``sendto``: no I/O thread on either side, so one thread wake per message (the
+  receiver's loop) against ZMQ's hand-offs through each side's I/O thread;
 - ``nixl-notif``: NIXL ``send_notif`` on the agents' established UCX endpoint, read by
   ``get_new_notifs`` every ``--poll-us`` (the decode poller's quick cadence; a prefill poller with
   nothing in flight looks every ``poll_interval * 50``, 10 ms by default).
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -90,6 +94,49 @@ def _zmq_receiver(endpoint: str, mode: str, n: int, pipe: Connection) -> None:
 
     asyncio.run(main())
     pipe.send(arrivals)
+
+
+def _dgram_receiver(name: bytes, n: int, pipe: Connection) -> None:
+    arrivals: list[float] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(name)
+        sock.setblocking(False)
+        pipe.send("ready")
+
+        def readable() -> None:
+            while True:
+                try:
+                    data = sock.recv(65536)
+                except BlockingIOError:
+                    break
+                arrivals.append((time.monotonic_ns() - int.from_bytes(data[:8], "little")) / 1e3)
+            if len(arrivals) >= n:
+                done.set()
+
+        loop.add_reader(sock.fileno(), readable)
+        await done.wait()
+        loop.remove_reader(sock.fileno())
+        sock.close()
+
+    asyncio.run(main())
+    pipe.send(arrivals)
+
+
+def _dgram_sender(name: bytes, n: int, gap: float, size: int) -> list[float]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    costs = []
+    for _ in range(n):
+        t = time.monotonic_ns()
+        sock.sendto(_payload(size, t), name)
+        costs.append((time.monotonic_ns() - t) / 1e3)
+        time.sleep(gap)
+    sock.close()
+    return costs
 
 
 def _zmq_sender(endpoint: str, n: int, gap: float, size: int) -> list[float]:
@@ -173,6 +220,16 @@ def main() -> None:
         arrivals = here.recv()
         proc.join()
         print(f"{name:12s} arrival-send us {_stats(arrivals)}   send() us {_stats(costs)}")
+    if not args.only or args.only in "unix-dgram":
+        name = f"\0bench-channels-{os.getpid()}".encode()
+        here, there = mp_ctx.Pipe()
+        proc = mp_ctx.Process(target=_dgram_receiver, args=(name, args.n, there))
+        proc.start()
+        assert here.recv() == "ready"
+        costs = _dgram_sender(name, args.n, gap, args.size)
+        arrivals = here.recv()
+        proc.join()
+        print(f"{'unix-dgram':12s} arrival-send us {_stats(arrivals)}   send() us {_stats(costs)}")
     if not args.only or "nixl" in args.only:
         here, there = mp_ctx.Pipe()
         proc = mp_ctx.Process(target=_nixl_receiver, args=(args.n + 1, args.poll_us, there))

@@ -159,6 +159,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     waiting for the poller's look on the loop (docs/DECISIONS.md, "A held WRITE is started by the
     completion waiter's thread"). Earlier groups and whole chunks are not driven: a thread looking at
     one woke late for the next group, and a chunk's copy takes milliseconds. 0: off."""
+    local_notices: bool = True
+    """Landing notices (the kernel path's ``ChunkLanded``) to a peer of this host go by Unix datagram
+    instead of ZMQ: one wake of the receiving loop instead of a hand-off through each side's ZMQ I/O
+    thread (:mod:`transfer_engine.transport.local`). Off with CURVE. False: always ZMQ."""
     # --- what tuners set: threads ---------------------------------------------------------------
     gil_switch_interval: float = 0.0005
     """The blocking facade (:class:`~transfer_engine.facade.BlockingEngine`) lowers the process's
@@ -312,7 +316,7 @@ TUNER_FIELDS: tuple[str, ...] = (
     "num_workers", "staging_chunk_pages", "ring_bytes", "staging_bytes", "grant_with_request",
     "layers_per_write", "host_pipeline_layers", "staged_pipeline_layers", "pipeline_min_bytes",
     "table_max_descriptors",
-    "poll_interval", "poll_spin", "poll_relaxed", "early_drive",
+    "poll_interval", "poll_spin", "poll_relaxed", "early_drive", "local_notices",
     "gil_switch_interval", "nixl_params", "nixl_progress_thread", "trace_steps", "stall_traceback",
 )  # fmt: skip
 """The fields a tuner sets (sizes, poll cadences, threads), in the order of :class:`EngineConfig`;

@@ -62,6 +62,8 @@ async def test_shared_certificate_transfers_and_strangers_get_no_answer(tmp_path
         prefill, decode = c.prefill[0], c.decode[0]
         assert prefill.curve is not None and decode.curve is not None
         await run_room(c, 11, shuffled_pages(rng, 64, 5), shuffled_pages(rng, 64, 5), [2, 3], aux_slot=1)
+        # a datagram carries no CURVE authentication: no rank binds one for landing notices
+        assert prefill.control.local is None and decode.control.local is None
         assert prefill.curve.stats["allowed"] >= 2  # the decode's topology query and handshake
         assert prefill.curve.stats["denied"] == 0
 

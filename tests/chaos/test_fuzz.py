@@ -11,6 +11,7 @@ synchronous test and shrinks any frame that breaks the property.
 from __future__ import annotations
 
 import random
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +25,9 @@ from hypothesis import strategies as st
 
 from tests.integration.harness import Cluster, run_room, shuffled_pages
 from transfer_engine.actors.router import BOOTSTRAP_MAX_FRAME, CONTROL_MAX_FRAME
+from transfer_engine.errors import RemoteProtocolError
 from transfer_engine.protocol import messages as m
+from transfer_engine.transport import local
 
 from .helpers import engines
 
@@ -218,6 +221,54 @@ def test_fuzz_control_and_bootstrap_sockets(portal: BlockingPortal) -> None:
         finally:
             for raw in targets:
                 raw.close()
+
+
+def test_fuzz_the_landing_notice_datagram_socket(portal: BlockingPortal) -> None:
+    """Hostile datagrams at a live decode's landing-notice socket (transport/local.py): any bytes, any
+    well-formed message that is not a landing notice, a notice over the size limit, a notice for a
+    room nobody opened. Each is dropped and counted, nothing raises, and a room transfers after."""
+    with portal.wrap_async_context_manager(engines(1, 1)) as c:
+        decode = c.decode[0]
+        assert decode.control.local is not None and decode.control.local.bound
+        name = local.name_of(decode.endpoint)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+        def counted(data: bytes, count: Callable[[], int]) -> None:
+            before = count()
+            sock.sendto(data, name)
+            deadline = time.monotonic() + 2.0
+            while count() < before + 1:
+                assert time.monotonic() < deadline, f"{data[:40]!r} was not counted"
+                time.sleep(0.001)
+
+        def malformed() -> int:
+            return decode.control.dropped["malformed"]
+
+        try:
+            _check_serving(portal, c, 1)
+
+            @FUZZ
+            @given(data=one_frame.filter(lambda b: 0 < len(b) <= local.MAX_DATAGRAM), message=well_formed)
+            def fuzz(data: bytes, message: m.Message) -> None:
+                try:
+                    notice = isinstance(m.decode_notification(data), m.ChunkLanded | m.AuxLanded)
+                except RemoteProtocolError:
+                    notice = False
+                if not notice:
+                    counted(data, malformed)
+                if not isinstance(message, m.ChunkLanded | m.AuxLanded):
+                    counted(m.encode(message), malformed)
+                assert decode.control.dropped["dispatch_error"] == 0
+
+            fuzz()
+            counted(bytes(local.MAX_DATAGRAM + 100), malformed)  # cut at MAX_DATAGRAM, over the limit
+            stray = m.ChunkLanded(
+                room=987_654, chunk_id=0, last=True, sender=0, page_start=0, num_pages=1, region=-1
+            )
+            counted(m.encode(stray), lambda: decode.counters["notifs_unrouted"])
+            _check_serving(portal, c, 2)
+        finally:
+            sock.close()
 
 
 def _encodable(message: m.Message) -> bool:

@@ -99,9 +99,27 @@ async def test_rooms_take_the_kernel_path_bit_exact(
         # NIXL moved each room's aux item only (one descriptor per room and decode rank it goes to)
         aux = sum(e.poller.counters["descriptors_posted"] for e in c.prefill) - posted
         assert aux <= 2 * D, aux
-        assert sum(e.counters["kernel_notifs"] for e in c.decode) >= 2 * 3
+        notices = sum(e.counters["kernel_notifs"] for e in c.decode)
+        assert notices >= 2 * 3
+        # every notice went by datagram (one host: docs/DECISIONS.md, "Landing notices between
+        # processes of one host go by datagram"), none fell back to ZMQ
+        assert sum(e.control.counters["local_notices"] for e in c.prefill) == notices
+        assert sum(e.control.counters["local_fallbacks"] for e in c.prefill) == 0
         c.assert_no_leaks()
     assert ipc.open_mappings() == 0
+
+
+@pytest.mark.anyio
+async def test_local_notices_off_sends_them_over_zmq() -> None:
+    """``local_notices=False``: the kernel path's notices go over the control ROUTER, and land the same."""
+    layout = small_layout()
+    rng = random.Random(7)
+    async with kernel_cluster(layout, 1, 1, local_notices=False) as c:
+        await run_room(c, 200, shuffled_pages(rng, 64, 4), shuffled_pages(rng, 64, 4), [2, 2], aux_slot=1)
+        assert c.decode[0].counters["kernel_notifs"] >= 2
+        assert c.prefill[0].control.local is None and c.decode[0].control.local is None
+        assert not c.prefill[0].control.counters
+        c.assert_no_leaks()
 
 
 @pytest.mark.anyio

@@ -11,6 +11,13 @@ Outgoing one-way messages go through one cached DEALER per peer endpoint (:meth:
 blocks: a full queue drops and counts). Request/response exchanges (topology, handshake,
 registration) use a short-lived DEALER whose answer comes back on it (:meth:`request`).
 
+Landing notices (``ChunkLanded``, ``AuxLanded``) to a peer of this host go by Unix datagram when
+``local_notices`` is on and CURVE is off (:mod:`transfer_engine.transport.local`): the rank binds a
+datagram socket named from its control endpoint, reads it beside the ROUTER with the same decoder and
+drop counts (taking only landing notices, as NIXL's notifications are decoded: anything else is
+dropped as ``malformed``), and
+:meth:`send` tries a notice's datagram before the peer's DEALER.
+
 With a :class:`~transfer_engine.transport.security.Curve` every socket is secured: the ROUTER is a CURVE
 server that accepts only allowed clients, every DEALER a CURVE client. Tests may set ``faults`` (a
 :class:`~transfer_engine.transport.faults.ControlFaults`) at any time to delay, drop, duplicate or
@@ -30,8 +37,9 @@ import zmq.asyncio
 from anyio.abc import TaskStatus
 
 from transfer_engine.actors.router import CONTROL_MAX_FRAME, Inbox, bind_router, source_of
-from transfer_engine.errors import PeerUnreachableError, TransportError
+from transfer_engine.errors import PeerUnreachableError, RemoteProtocolError, TransportError
 from transfer_engine.protocol import messages as m
+from transfer_engine.transport import local
 
 if TYPE_CHECKING:
     from transfer_engine.transport.faults import ControlFaults
@@ -43,6 +51,10 @@ Dispatch = Callable[[m.AnyMessage, bytes], Awaitable[None]]
 """Called with each decoded message and the ROUTER identity it came from (for :meth:`reply_to`)."""
 
 _SEND_HWM = 10_000
+
+LOCAL_KINDS = (m.ChunkLanded, m.AuxLanded)
+"""The messages that go by datagram to a peer of this host (``m.decode_notification``'s kinds: the
+only ones taken from it)."""
 
 _S = TypeVar("_S", bound=zmq.Socket)
 
@@ -59,6 +71,7 @@ class Control:
         name: str = "control",
         curve: Curve | None = None,
         faults: ControlFaults | None = None,
+        local_notices: bool = True,
     ) -> None:
         self.host = host
         self.port = port
@@ -81,6 +94,12 @@ class Control:
         """Messages dropped, by kind: ``bad_frames``, ``malformed``, ``dispatch_error``,
         ``send_queue_full``, ``send_failed``, and the kinds dispatchers give :meth:`count_drop`."""
         self.endpoint = ""
+        self.counters: Counter[str] = Counter()
+        """``local_notices``: landing notices sent by datagram; ``local_fallbacks``: those to a peer of
+        this host that went over ZMQ after all (its queue was full, or another error)."""
+        self._local_wanted = local_notices and curve is None and local.supported()
+        self.local: local.LocalNotices | None = None
+        """The datagram socket of landing notices (None: off, or not started)."""
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         secure = None if self.curve is None else self.curve.server
@@ -99,9 +118,13 @@ class Control:
             raise
         self._router = router
         self.endpoint = f"tcp://{self.host}:{self.port}"
+        if self._local_wanted:
+            self.local = local.LocalNotices(self.endpoint, bind=True)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._release_held)
+                if self.local is not None and self.local.bound:
+                    tg.start_soon(self._serve_local, self.local)
                 task_status.started()
                 await self._inbox.serve(router, self.endpoint, self._handle)
         finally:
@@ -116,6 +139,22 @@ class Control:
                 "dispatch_error", "%s: %s from %s could not be handled; dropped",
                 self.name, type(message).__name__, source, exc_info=True,
             )  # fmt: skip
+
+    async def _serve_local(self, notices: local.LocalNotices) -> None:
+        """Hand every landing notice that comes by datagram to the dispatch; drop the rest (counted
+        as the ROUTER's drops are)."""
+        source = f"{self.endpoint}<-local"
+        while True:
+            data = notices.receive()
+            if data is None:
+                await notices.readable()
+                continue
+            try:  # the decoder of NIXL's notifications: a landing notice, or refused
+                message = m.decode_notification(data)
+            except RemoteProtocolError as exc:
+                self._inbox.drop("malformed", source, str(exc))
+                continue
+            await self._handle(message, b"", source)
 
     def count_drop(self, kind: str, ident: bytes, detail: str) -> None:
         """For dispatchers: record a decoded message that is not acceptable now."""
@@ -136,6 +175,12 @@ class Control:
         """Queue ``message`` to the peer's ROUTER without blocking; False (counted) if it was dropped."""
         payload = m.encode(message)
         if self.faults is None:
+            if self.local is not None and isinstance(message, LOCAL_KINDS):
+                sent = self.local.send(endpoint, payload)
+                if sent is not None:
+                    self.counters["local_notices" if sent else "local_fallbacks"] += 1
+                if sent:
+                    return True
             return self._send(endpoint, payload, type(message).__name__)
         for target, data in self.faults.submit(endpoint, payload):
             self._send(target, data, type(message).__name__)
@@ -185,6 +230,8 @@ class Control:
         sock = self._dealers.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
+        if self.local is not None:
+            self.local.forget(endpoint)
 
     async def request(self, endpoint: str, message: m.Message, wait_s: float) -> m.AnyMessage:
         """Send ``message`` and wait for one answer; PeerUnreachableError after ``wait_s`` seconds."""
@@ -204,6 +251,9 @@ class Control:
         await self._router.send_multipart([ident, m.encode(message)])
 
     def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
+            self.local = None
         for sock in self._dealers.values():
             sock.close(linger=0)
         self._dealers.clear()

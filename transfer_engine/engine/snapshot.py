@@ -57,6 +57,11 @@ class DropCounts(Protocol):
     def dropped(self) -> Mapping[str, int]: ...
 
 
+class ControlCounts(DropCounts, Protocol):
+    @property
+    def counters(self) -> Mapping[str, int]: ...
+
+
 class EngineState(Protocol):
     """What building a snapshot reads of an engine (TransferEngine satisfies it); read-only."""
 
@@ -87,7 +92,7 @@ class EngineState(Protocol):
     @property
     def links(self) -> Mapping[str, LinkProbe]: ...
     @property
-    def control(self) -> DropCounts: ...
+    def control(self) -> ControlCounts: ...
     @property
     def introspect(self) -> Introspect | None: ...
     @property
@@ -415,7 +420,11 @@ def _counters(engine: EngineState) -> Counters:
     ):
         if source.get(key):
             dropped[kind] += source[key]
-    raw = {**counters, **{f"poller.{name}": n for name, n in poller.items()}}
+    raw = {
+        **counters,
+        **{f"poller.{name}": n for name, n in poller.items()},
+        **{f"control.{name}": n for name, n in engine.control.counters.items()},
+    }
     return Counters(
         bytes_written=poller.get("bytes_written", 0),
         writes_posted=poller.get("writes_posted", 0),

@@ -238,8 +238,9 @@ class Supervisor:
             if launches:
                 log.info("copy kernel warmed: %d launches in %.2f s", launches, time.monotonic() - started)
         self.control = Control(
-            cfg.host, cfg.control_port, route, name=f"{cfg.role}{cfg.tp_rank}", curve=self.curve
-        )
+            cfg.host, cfg.control_port, route, name=f"{cfg.role}{cfg.tp_rank}", curve=self.curve,
+            local_notices=cfg.local_notices,
+        )  # fmt: skip
         await tg.start(self.control.run)
         self.introspect = Introspect(
             cfg.host,
