@@ -282,7 +282,7 @@ if [ "$phase" = goalrows ]; then  # issues 40 and 41: every goal row of theirs o
   # 3. capacity: one-page rooms at 32 in flight
   # 4. the vLLM core's tail under auto (1K/4K/16K), the layer-wise tail and the engine's CPU over a forward
   # (RERUN: CUDA tests to run first.) Lines in $OUT/goalrows.txt, logs as $OUT/gr-*.log and $OUT/pt-*.log.
-  # GR_SKIP="copy trace tails" skips parts.
+  # GR_SKIP="copy trace channels tails" skips parts; GR_BUDGET (540 s) bounds the tails.
   start=$SECONDS
   say() { echo "$*" | tee -a "$OUT/goalrows.txt"; }
   : >"$OUT/goalrows.txt"
@@ -301,21 +301,28 @@ if [ "$phase" = goalrows ]; then  # issues 40 and 41: every goal row of theirs o
     auto-scattered-c8-page1 direct-contiguous-c8"} bash "$0" pagetables 2>&1 \
     | grep -v "NIXL INFO" | grep -E "^\||^pagetables" | tee -a "$OUT/goalrows.txt"
   if ! skip copy; then  # the copy alone against a device copy, and where its host call goes (cProfile)
-    timeout 45 python3 tools/bench_copy.py --page-size 16 --reps 9 --configs default --host-profile 400 \
+    timeout 40 python3 tools/bench_copy.py --page-size 16 --reps 5 --configs default --host-profile 300 \
       >"$OUT/gr-copy.log" 2>&1
     say "bench_copy, page 16, host call profiled: rc $?, $((SECONDS - start)) s"
     grep -v "NIXL INFO" "$OUT/gr-copy.log" | grep -v '^{' | tee -a "$OUT/goalrows.txt"
   fi
   if ! skip trace; then
-    for run in direct:tensors direct:page-major kernel:tensors; do
-      IFS=: read -r path layout <<<"$run"
-      timeout 40 python3 tools/bench_transfer.py $QWEN --tokens 16 --path "$path" --pool-layout "$layout" \
-        --concurrency 1 --rooms 8 --rounds 1 --lat-rooms 60 --trace >"$OUT/gr-trace-$path-$layout.log" 2>&1
-      say "small room trace, $path, $layout pool: rc $?, $((SECONDS - start)) s"
-      grep -v "NIXL INFO" "$OUT/gr-trace-$path-$layout.log" | grep -E "^path=" | cut -c1-700 | tee -a "$OUT/goalrows.txt"
-      grep -v "NIXL INFO" "$OUT/gr-trace-$path-$layout.log" | grep -E "CPU per room" | tee -a "$OUT/goalrows.txt"
-      grep -v "NIXL INFO" "$OUT/gr-trace-$path-$layout.log" | grep -A24 "steps of the small rooms" | tee -a "$OUT/goalrows.txt"
+    # (path:pool layout:local_notices) the kernel path twice: its notice by datagram, then over ZMQ
+    for run in direct:tensors:1 direct:page-major:1 kernel:tensors:1 kernel:tensors:0; do
+      IFS=: read -r path layout notices <<<"$run"
+      log="$OUT/gr-trace-$path-$layout-$notices.log"
+      TE_LOCAL_NOTICES=$notices timeout 40 python3 tools/bench_transfer.py $QWEN --tokens 16 --path "$path" \
+        --pool-layout "$layout" --concurrency 1 --rooms 8 --rounds 1 --lat-rooms 60 --trace >"$log" 2>&1
+      say "small room trace, $path, $layout pool, local_notices=$notices: rc $?, $((SECONDS - start)) s"
+      grep -v "NIXL INFO" "$log" | grep -E "^path=" | cut -c1-700 | tee -a "$OUT/goalrows.txt"
+      grep -v "NIXL INFO" "$log" | grep -E "CPU per room" | tee -a "$OUT/goalrows.txt"
+      grep -v "NIXL INFO" "$log" | grep -A24 "steps of the small rooms" | tee -a "$OUT/goalrows.txt"
     done
+  fi
+  if ! skip channels; then  # one-way latency of a small message between two processes, by channel
+    timeout 40 python3 tools/bench_channels.py --n 200 >"$OUT/gr-channels.log" 2>&1
+    say "bench_channels: rc $?, $((SECONDS - start)) s"
+    grep -v "NIXL INFO" "$OUT/gr-channels.log" | tee -a "$OUT/goalrows.txt"
   fi
   timeout 45 python3 tools/bench_transfer.py $QWEN --tokens 16 --concurrency 32 --rooms 1000 --rounds 1 --lat-rooms 50 \
     >"$OUT/gr-capacity.log" 2>&1
