@@ -32,7 +32,9 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -188,6 +190,20 @@ def _nixl_sender(meta: bytes, n: int, gap: float, size: int) -> list[float]:
     return costs
 
 
+def _pair(
+    name: str, mp_ctx: Any, receiver: Callable[..., None], rargs: tuple, send: Callable[[], list[float]]
+) -> None:
+    """One channel: its receiver in a process (it says "ready", then sends its arrivals), ``send`` here."""
+    here, there = mp_ctx.Pipe()
+    proc = mp_ctx.Process(target=receiver, args=(*rargs, there))
+    proc.start()
+    assert here.recv() == "ready"
+    costs = send()
+    arrivals = here.recv()
+    proc.join()
+    print(f"{name:12s} arrival-send us {_stats(arrivals)}   send() us {_stats(costs)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=300)
@@ -212,24 +228,22 @@ def main() -> None:
             continue
         endpoint = endpoint.format(port=port)
         port += 1
-        here, there = mp_ctx.Pipe()
-        proc = mp_ctx.Process(target=_zmq_receiver, args=(endpoint, mode, args.n, there))
-        proc.start()
-        assert here.recv() == "ready"
-        costs = _zmq_sender(endpoint, args.n, gap, args.size)
-        arrivals = here.recv()
-        proc.join()
-        print(f"{name:12s} arrival-send us {_stats(arrivals)}   send() us {_stats(costs)}")
+        _pair(
+            name,
+            mp_ctx,
+            _zmq_receiver,
+            (endpoint, mode, args.n),
+            lambda e=endpoint: _zmq_sender(e, args.n, gap, args.size),
+        )
     if not args.only or args.only in "unix-dgram":
-        name = f"\0bench-channels-{os.getpid()}".encode()
-        here, there = mp_ctx.Pipe()
-        proc = mp_ctx.Process(target=_dgram_receiver, args=(name, args.n, there))
-        proc.start()
-        assert here.recv() == "ready"
-        costs = _dgram_sender(name, args.n, gap, args.size)
-        arrivals = here.recv()
-        proc.join()
-        print(f"{'unix-dgram':12s} arrival-send us {_stats(arrivals)}   send() us {_stats(costs)}")
+        address = f"\0bench-channels-{os.getpid()}".encode()
+        _pair(
+            "unix-dgram",
+            mp_ctx,
+            _dgram_receiver,
+            (address, args.n),
+            lambda: _dgram_sender(address, args.n, gap, args.size),
+        )
     if not args.only or "nixl" in args.only:
         here, there = mp_ctx.Pipe()
         proc = mp_ctx.Process(target=_nixl_receiver, args=(args.n + 1, args.poll_us, there))
