@@ -171,6 +171,37 @@ async def test_a_room_asks_for_a_drain_at_its_deadline_and_fails_on_the_reply() 
     assert room.core.failure is not None and room.core.failure.reason is FailureReason.BOOTSTRAP_TIMEOUT
 
 
+async def test_a_leased_room_judged_right_after_its_loop_stalled_renews_itself_first() -> None:
+    """The drain reply can come before the liveness task wakes from a stall of the loop (the stall
+    inside the poller's own call): the room renews its lease as the liveness task will
+    (``stall_renewal``) instead of failing for heartbeats queued unread; once the loop runs on time
+    again, the same deadline fails it."""
+    ports, _, _, _ = _ports()
+    drains = Drains()
+    stalled: list[float | None] = [None]
+    ports = dataclasses.replace(ports, drain=drains, stall_renewal=lambda now: stalled[0])
+    room = SenderRoomActor(ports, 8, Deadlines(5.0, None, 5.0, lease=0.05))
+    ports.rooms.open(8, room.inbox)
+    room.core.hold(time.monotonic())  # a decode announced it: the room is leased
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(room.run)
+        with anyio.fail_after(5):
+            await drains.event.wait()
+        stalled[0] = time.monotonic()  # the loop was held until now: renewed from now
+        await room.inbox.send(Drained())
+        await anyio.wait_all_tasks_blocked()
+        assert room.status is RoomStatus.BOOTSTRAPPING
+        assert room.core.held_at == stalled[0]
+        drains.event = anyio.Event()
+        stalled[0] = None  # on time again: the renewed lease runs out, and fails the room
+        with anyio.fail_after(5):
+            await drains.event.wait()
+        await room.inbox.send(Drained())
+        with anyio.fail_after(5):
+            await room.done.wait()
+    assert room.core.failure is not None and room.core.failure.reason is FailureReason.BOOTSTRAP_TIMEOUT
+
+
 async def test_mailbox_next_gives_queued_mail_before_a_nudge_and_the_nudge_once() -> None:
     box: Mailbox[int] = Mailbox(4)
     box.post(1)

@@ -149,6 +149,7 @@ class TransferEngine:
             route=self._route,
             snapshot=lambda room: build_snapshot(self, room),
             heartbeats=self._background,
+            stall_renewal=self._liveness.stall_renewal,
         )
         return self
 

@@ -65,6 +65,8 @@ class Liveness:
         self._forget = forget
         self.counters = counters
         self._heartbeat_seq = 0
+        self._last_tick: float | None = None
+        """When the loop below last ran (None: not started)."""
 
     async def run(self) -> None:
         """Send a heartbeat every half interval; check leases every quarter interval.
@@ -75,7 +77,7 @@ class Liveness:
         started = self._started
         interval = self.config.heartbeat_interval
         tick = interval / 4
-        last_tick = last_beat = time.monotonic()
+        last_tick = last_beat = self._last_tick = time.monotonic()
         while True:
             await anyio.sleep(tick)
             now = time.monotonic()
@@ -86,7 +88,7 @@ class Liveness:
                 for peer in self.peers.values():
                     peer.last_seen = leases.extended(peer.last_seen, now, interval)
                 self._extend_room_leases(now - interval)
-            last_tick = now
+            last_tick = self._last_tick = now
             if now - last_beat >= interval / 2 - tick / 2:  # twice per interval: see leases.LEASE_SILENCE
                 last_beat = now
                 self._heartbeat_seq += 1
@@ -142,6 +144,17 @@ class Liveness:
             if instance is not None and room not in self.rooms:
                 held.append((room, frozenset(peer.agent_name for peer in instance.ranks)))
         return held
+
+    def stall_renewal(self, now: float) -> float | None:
+        """For rooms judging a deadline at ``now`` (``RoomPorts.stall_renewal``): when the loop below
+        has not run for longer than a stall (``leases.stalled``), our loop was held and the renewal it
+        will make on waking (:meth:`_extend_room_leases`, ``now - interval``); else None. A room whose
+        deadline check runs right after the stall (its drain reply can come before this loop wakes)
+        so renews itself first instead of failing for heartbeats that are queued unread."""
+        interval = self.config.heartbeat_interval
+        if self._last_tick is None or leases.stalled(self._last_tick, now, interval / 4, interval) is None:
+            return None
+        return now - interval  # as leases.extended renews a peer after our stall
 
     def _extend_room_leases(self, at: float) -> None:
         """After our own stall, the renewals of leased rooms are queued unread as the peers'

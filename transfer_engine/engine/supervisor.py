@@ -170,13 +170,14 @@ class Supervisor:
         route: Callable[[m.AnyMessage, bytes], Awaitable[None]],
         snapshot: SnapshotSource,
         heartbeats: Callable[[], Coroutine[Any, Any, None]],
+        stall_renewal: Callable[[float], float | None],
     ) -> None:
         """Start every actor in order; on an error, stop what started and release the transport."""
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
         try:
-            await self._start(tg, route, snapshot, heartbeats)
+            await self._start(tg, route, snapshot, heartbeats, stall_renewal)
         except BaseException as exc:
             tg.cancel_scope.cancel()
             for worker in self.workers:
@@ -195,6 +196,7 @@ class Supervisor:
         route: Callable[[m.AnyMessage, bytes], Awaitable[None]],
         snapshot: SnapshotSource,
         heartbeats: Callable[[], Coroutine[Any, Any, None]],
+        stall_renewal: Callable[[float], float | None],
     ) -> None:
         cfg = self.config
         transport = self.transport or NixlTransport(
@@ -285,6 +287,7 @@ class Supervisor:
             ),
             checksums=self.checksums,
             costs=self.costs,
+            stall_renewal=stall_renewal,
         )  # fmt: skip
         tg.start_soon(heartbeats)
         if cfg.stall_traceback > 0:

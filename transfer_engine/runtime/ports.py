@@ -280,6 +280,10 @@ class WorkerShards:
         return zlib.crc32(agent_name.encode()) % len(self.boxes)
 
 
+def _never_stalled(now: float) -> float | None:
+    return None
+
+
 @dataclass
 class RoomPorts:
     """Everything a room actor is handed: the same object for every room of an engine.
@@ -306,3 +310,8 @@ class RoomPorts:
     ``EngineConfig.integrity`` is off (docs/INTEGRITY.md)."""
     costs: CostBook | None = None
     """Decode: the engine's cost book; a room marks itself started there when its first chunk lands."""
+    stall_renewal: Callable[[float], float | None] = _never_stalled
+    """At ``now``: None while the engine's loop runs on time; after a stall of the loop that the
+    liveness task has not seen yet, the time a leased room's lease may run from
+    (``Liveness.stall_renewal``): the peer's heartbeats may be queued unread, so a room judging its
+    deadline renews itself as the liveness task will."""

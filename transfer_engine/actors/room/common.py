@@ -191,7 +191,11 @@ class RoomActor:
         try:
             if isinstance(mail, Drained):
                 self._drain_asked = False
-                failure = self.core.expired(time.monotonic())
+                now = time.monotonic()
+                renewed = self.ports.stall_renewal(now)
+                if renewed is not None:  # our loop was held: the peer's heartbeats may be unread yet
+                    self.core.hold(renewed)
+                failure = self.core.expired(now)
                 if failure is not None:
                     self._fail(failure.reason, failure.detail)
             elif isinstance(mail, LeaseRenewed):
