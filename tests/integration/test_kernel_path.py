@@ -105,6 +105,9 @@ async def test_rooms_take_the_kernel_path_bit_exact(
         # processes of one host go by datagram"), none fell back to ZMQ
         assert sum(e.control.counters["local_notices"] for e in c.prefill) == notices
         assert sum(e.control.counters["local_fallbacks"] for e in c.prefill) == 0
+        # only a decode rank binds a name (it receives notices); a prefill rank sends from an unbound socket
+        assert all(e.control.local is not None and not e.control.local.bound for e in c.prefill)
+        assert all(e.control.local is not None and e.control.local.bound for e in c.decode)
         c.assert_no_leaks()
     assert ipc.open_mappings() == 0
 

@@ -12,8 +12,9 @@ blocks: a full queue drops and counts). Request/response exchanges (topology, ha
 registration) use a short-lived DEALER whose answer comes back on it (:meth:`request`).
 
 Landing notices (``ChunkLanded``, ``AuxLanded``) to a peer of this host go by Unix datagram when
-``local_notices`` is on and CURVE is off (:mod:`transfer_engine.transport.local`): the rank binds a
-datagram socket named from its control endpoint, reads it beside the ROUTER with the same decoder and
+``local_notices`` is on and CURVE is off (:mod:`transfer_engine.transport.local`): a rank that
+receives them (``receives_notices``: a decode rank) binds a datagram socket named from its control
+endpoint, reads it beside the ROUTER with the same decoder and
 drop counts (taking only landing notices, as NIXL's notifications are decoded: anything else is
 dropped as ``malformed``), and
 :meth:`send` tries a notice's datagram before the peer's DEALER.
@@ -72,6 +73,7 @@ class Control:
         curve: Curve | None = None,
         faults: ControlFaults | None = None,
         local_notices: bool = True,
+        receives_notices: bool = True,
     ) -> None:
         self.host = host
         self.port = port
@@ -98,6 +100,8 @@ class Control:
         """``local_notices``: landing notices sent by datagram; ``local_fallbacks``: those to a peer of
         this host that went over ZMQ after all (its queue was full, or another error)."""
         self._local_wanted = local_notices and curve is None and local.supported()
+        self._receives_notices = receives_notices
+        """Bind the datagram socket (a decode rank); else only send from one (a prefill rank)."""
         self.local: local.LocalNotices | None = None
         """The datagram socket of landing notices (None: off, or not started)."""
 
@@ -119,7 +123,7 @@ class Control:
         self._router = router
         self.endpoint = f"tcp://{self.host}:{self.port}"
         if self._local_wanted:
-            self.local = local.LocalNotices(self.endpoint, bind=True)
+            self.local = local.LocalNotices(self.endpoint, bind=self._receives_notices)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._release_held)

@@ -65,6 +65,8 @@ class Liveness:
         self._forget = forget
         self.counters = counters
         self._heartbeat_seq = 0
+        self._tick = config.heartbeat_interval / 4
+        """How often the loop below runs: leases are checked every quarter interval."""
         self._last_tick: float | None = None
         """When the loop below last ran (None: not started)."""
 
@@ -76,7 +78,7 @@ class Liveness:
         """
         started = self._started
         interval = self.config.heartbeat_interval
-        tick = interval / 4
+        tick = self._tick
         last_tick = last_beat = self._last_tick = time.monotonic()
         while True:
             await anyio.sleep(tick)
@@ -152,7 +154,7 @@ class Liveness:
         deadline check runs right after the stall (its drain reply can come before this loop wakes)
         so renews itself first instead of failing for heartbeats that are queued unread."""
         interval = self.config.heartbeat_interval
-        if self._last_tick is None or leases.stalled(self._last_tick, now, interval / 4, interval) is None:
+        if self._last_tick is None or leases.stalled(self._last_tick, now, self._tick, interval) is None:
             return None
         return now - interval  # as leases.extended renews a peer after our stall
 

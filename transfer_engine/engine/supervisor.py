@@ -241,7 +241,7 @@ class Supervisor:
                 log.info("copy kernel warmed: %d launches in %.2f s", launches, time.monotonic() - started)
         self.control = Control(
             cfg.host, cfg.control_port, route, name=f"{cfg.role}{cfg.tp_rank}", curve=self.curve,
-            local_notices=cfg.local_notices,
+            local_notices=cfg.local_notices, receives_notices=cfg.role == "decode",
         )  # fmt: skip
         await tg.start(self.control.run)
         self.introspect = Introspect(

@@ -8,7 +8,7 @@ receiving loop. Only landing notices (``ChunkLanded``, ``AuxLanded``: what the k
 its copy completed) take this way: they need no order with the other control messages, as the NIXL
 paths' own notifications have none (they ride on NIXL, beside ZMQ).
 
-Names: a rank that receives binds ``name_of(endpoint)``, a name in Linux's abstract namespace made
+Names: a rank that receives binds ``name_of(endpoint)`` (made once per endpoint), a name in Linux's abstract namespace made
 from its control endpoint, so a peer that knows the endpoint knows the name, and a peer on another
 host (or in another network namespace) finds no such name and sends over ZMQ as before. The name goes
 with the socket when its process ends.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import hashlib
 import logging
 import socket
@@ -45,6 +46,7 @@ _GONE = (errno.ENOENT, errno.ECONNREFUSED)
 """What ``sendto`` says when no socket has the name: the peer is not on this host (or has ended)."""
 
 
+@functools.lru_cache(maxsize=4096)
 def name_of(endpoint: str) -> bytes:
     """The abstract socket name of the rank whose control endpoint is ``endpoint``."""
     return b"\0transfer-engine/" + hashlib.sha256(endpoint.encode()).hexdigest()[:32].encode()
